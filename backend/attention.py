@@ -1,0 +1,111 @@
+"""The public entry point: `sparse_attention(q, k, v, layout, config)`."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels import run_block_sparse, triton_unavailable_reason
+from .config import SparseConfig
+from .layout import SequenceLayout
+from .planner import Plan, build_plan
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+HEAD_DIMS = (32, 64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_warned: set[str] = set()
+
+
+@dataclass
+class SparseInfo:
+    """What a call computed: exact-pair density, per-region budgets, the plan, optional timings."""
+
+    density: float
+    budgets: dict[str, int]
+    backend: str
+    plan: Plan
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> None:
+    """Raise ValueError naming the offending input when q, k, v cannot run sparse."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"sparse_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"sparse_attention: {name}.dtype={t.dtype} is not supported: expected one of "
+                             f"{', '.join(str(d) for d in DTYPES)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"sparse_attention: q, k, v must have the same shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("sparse_attention: q, k, v must share one dtype and one device")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"sparse_attention: head_dim={q.shape[-1]} is not supported: expected one of {HEAD_DIMS}")
+    if q.shape[2] != layout.total:
+        raise ValueError(f"sparse_attention: sequence length {q.shape[2]} does not match the layout's "
+                         f"{layout.total} rows ({layout!r})")
+
+
+def resolve_backend(config: SparseConfig, device: torch.device) -> str:
+    """The kernel backend to use; `triton` asked for but unavailable raises (strict) or warns."""
+    reason = triton_unavailable_reason(device)
+    if config.backend == "torch" or (config.backend == "auto" and reason is not None):
+        return "torch"
+    if reason is None:
+        return "triton"
+    message = f"backend='triton' cannot run: {reason}"
+    if config.strict:
+        raise RuntimeError(message + " (strict mode)")
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s; using the torch reference kernel instead (still sparse)", message)
+    return "torch"
+
+
+def exact_density(plan: Plan, seq_len: int) -> float:
+    """Fraction of all (query, key) token pairs computed exactly, averaged over batch and heads."""
+    kp = plan.kernel
+    n = kp.block_len.to(torch.float64)
+    pairs = (kp.allowed_mask().to(torch.float64) * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2))
+    return float(pairs.mean() / float(seq_len) ** 2)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                     config: SparseConfig | None = None, *, return_info: bool = False,
+                     coarse_gate: torch.Tensor | None = None, timings: bool = False):
+    """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
+
+    Returns the output [B, H, S, D] (same order and dtype as q) and, with `return_info`, a
+    `SparseInfo`. `coarse_gate` (broadcastable to the output, e.g. [H, 1, 1]) scales the coarse
+    branch of ``tail="coarse"``; without it the coarse term is zero, as for a model without gates.
+    `timings` synchronises the device to report plan and kernel milliseconds.
+    """
+    config = SparseConfig() if config is None else config
+    check_inputs(q, k, v, layout)
+    backend = resolve_backend(config, q.device)
+    marks = [_now(q, timings)]
+    plan = build_plan(q, k, v, layout, config)
+    marks.append(_now(q, timings))
+    out, _ = run_block_sparse(q, k, v, plan.kernel, backend)
+    if plan.coarse is not None and coarse_gate is not None:
+        out = out + (coarse_gate.to(out.dtype) * plan.coarse)
+    marks.append(_now(q, timings))
+    if not return_info:
+        return out
+    budgets = {f"{seg.kind}[{seg.start}:{seg.stop}]": budget
+               for seg, span in zip(plan.tiling.regions, plan.tiling.region_blocks)
+               for lo, hi, budget in plan.groups if (lo, hi) == span}
+    info = SparseInfo(exact_density(plan, layout.total), budgets, backend, plan)
+    if timings:
+        info.timings_ms = {"plan": (marks[1] - marks[0]) * 1e3, "kernel": (marks[2] - marks[1]) * 1e3}
+    return out, info
+
+
+def _now(x: torch.Tensor, sync: bool) -> float:
+    if sync and x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()

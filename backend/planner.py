@@ -1,0 +1,78 @@
+"""Planner: tiling -> pooled scores -> per-region TopK -> index tables + tail summaries.
+
+Everything runs on the device of Q/K/V with no host synchronisation; only the shape-only cube
+tiling is built on the host, once per layout, and cached.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.plan import BlockSparsePlan
+from .config import SparseConfig
+from .layout import SequenceLayout
+from .pooling import block_means
+from .routing import pooled_scores, route_plan, select_blocks
+from .tail import block_reduce, coarse_output, mean_summaries, reweight_summaries, target_anchor
+from .tiling import Tiling, cube_tiling
+
+_CUBE_CACHE: "OrderedDict[tuple, Tiling]" = OrderedDict()
+_CUBE_CACHE_SIZE = 8  # a few shapes per session; bounded so nothing grows across runs
+
+
+@dataclass
+class Plan:
+    """A complete plan: the kernel's tensors, the tiling they came from and routing metadata."""
+
+    kernel: BlockSparsePlan
+    tiling: Tiling
+    groups: list[tuple[int, int, int]]  # candidate key block ranges and their budgets
+    coarse: torch.Tensor | None  # additive coarse term in model order (tail="coarse")
+
+
+def cached_cube_tiling(layout: SequenceLayout, block_size: int, device: torch.device) -> Tiling:
+    key = (layout.signature(), block_size, str(device))
+    if key not in _CUBE_CACHE:
+        _CUBE_CACHE[key] = cube_tiling(layout, block_size, device)
+        while len(_CUBE_CACHE) > _CUBE_CACHE_SIZE:
+            _CUBE_CACHE.popitem(last=False)
+    _CUBE_CACHE.move_to_end(key)
+    return _CUBE_CACHE[key]
+
+
+def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config: SparseConfig) -> Tiling:
+    if config.tiling == "cube":
+        return cached_cube_tiling(layout, config.block_size, q.device)
+    from .reblock import reblock_tiling
+
+    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout)
+
+
+def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+               config: SparseConfig, tiling: Tiling | None = None) -> Plan:
+    """Plan sparse attention of q, k, v [B, H, S, D] (model order) under `config`."""
+    tiling = make_tiling(q, k, layout, config) if tiling is None else tiling
+    q_mean = block_means(q, tiling.q_perm, tiling)
+    k_mean = block_means(k, tiling.k_perm, tiling)
+    scores = pooled_scores(q_mean, k_mean)
+    dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
+    q2k_idx, q2k_num = select_blocks(scores, dense_hi, groups)
+    kernel = BlockSparsePlan(tiling.block_size, tiling.q_perm, tiling.k_perm, tiling.block_len,
+                             dense_hi, q2k_idx, q2k_num)
+    coarse = None
+    if config.tail in ("mean", "reweight"):
+        if config.tail == "mean":
+            key, value, bias = mean_summaries(k, v, tiling, k_mean)
+        else:
+            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q, layout))
+        if config.tail_granularity == "query":
+            kernel.tail_k, kernel.tail_v, kernel.tail_bias = key, value, bias
+        else:
+            kernel.block_logit, kernel.block_value = block_reduce(q_mean, key, value, bias, kernel.summary_mask())
+    elif config.tail == "coarse":
+        v_mean = block_means(v, tiling.k_perm, tiling)
+        coarse = coarse_output(q, tiling, scores, k_mean, v_mean, dense_hi < tiling.num_blocks,
+                               config.tail_granularity)
+    return Plan(kernel, tiling, groups, coarse)

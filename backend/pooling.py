@@ -1,0 +1,39 @@
+"""Block pooling: rows gathered per block by a tiling's permutation, and their means.
+
+Heads are processed a few at a time so the gathered copy stays a small fraction of Q/K/V.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.plan import pack
+from .tiling import Tiling
+
+POOL_HEADS = 8
+
+
+def accum_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def head_slice(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    return perm if perm.shape[1] == 1 else perm[:, h0:h1]
+
+
+def block_rows(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, h0: int, h1: int) -> torch.Tensor:
+    """Heads h0:h1 of x gathered into blocks: [B, h, J, block_size, D] in the accumulation dtype."""
+    rows = pack(x[:, h0:h1], head_slice(perm, h0, h1)).to(accum_dtype(x))
+    return rows.view(x.shape[0], h1 - h0, tiling.num_blocks, tiling.block_size, x.shape[-1])
+
+
+def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+    """Per-block means over valid rows [B, H, J, D]; pooling divides by each block's true length."""
+    B, H, _, D = x.shape
+    out = x.new_empty(B, H, tiling.num_blocks, D, dtype=accum_dtype(x))
+    n = tiling.block_len.to(out.dtype).view(1, 1, -1, 1)
+    for h0 in range(0, H, POOL_HEADS):
+        h1 = min(H, h0 + POOL_HEADS)
+        out[:, h0:h1] = block_rows(x, perm, tiling, h0, h1).sum(3) / n
+    return out
+
+

@@ -1,0 +1,94 @@
+"""Tail summaries: what stands in for the candidate key blocks TopK did not select.
+
+- `mean`: mean key and value of the block with a +log(n) mass bias (a block of n equal keys).
+- `reweight` (seed 001): weights p_j = softmax(a.k_j / sqrt(d)) at an anchor query a (the mean
+  of the head's target-video queries); summary key sum p_j k_j, value sum p_j v_j, bias
+  log Z(a) - a.k~/sqrt(d) computed against the key as stored (after rounding to its dtype), so
+  at q = a the summary reproduces the block's exact mass and numerator.
+- `coarse` (seed 000, 6.7): softmax(E) V-bar over all blocks, broadcast per query block and added
+  after normalisation, scaled by a gate (zero when the model has none).
+Summaries are built in fp32 (fp64 for fp64 inputs). With `block` granularity, the summaries
+of a query block are reduced once, at its mean query, to one log-mass and one value.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.plan import unpack
+from .layout import SequenceLayout
+from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows
+from .tiling import Tiling
+
+def target_anchor(q: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Mean target-video query per (batch, head): [B, H, D] in the accumulation dtype."""
+    t = layout.target
+    return q[:, :, t.start:t.stop].to(accum_dtype(q)).mean(2)
+
+
+def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key [B,H,J,D] stored dtype, value [B,H,J,D] stored dtype, bias log(n) [B,H,J])."""
+    v_mean = block_means(v, tiling.k_perm, tiling)
+    bias = torch.log(tiling.block_len.to(k_mean.dtype)).expand(k_mean.shape[:3]).contiguous()
+    return k_mean.to(k.dtype), v_mean.to(v.dtype), bias
+
+
+def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Anchor-weighted key and value of every block and the log-mass bias (seed 001, section 08)."""
+    B, H, _, D = k.shape
+    scale = D ** -0.5
+    acc = accum_dtype(k)
+    J, bs = tiling.num_blocks, tiling.block_size
+    valid = torch.arange(bs, device=k.device).view(1, bs) < tiling.block_len.view(J, 1)
+    key = k.new_empty(B, H, J, D)
+    value = v.new_empty(B, H, J, D)
+    bias = torch.empty(B, H, J, dtype=acc, device=k.device)
+    for h0 in range(0, H, POOL_HEADS):
+        h1 = min(H, h0 + POOL_HEADS)
+        a = anchor[:, h0:h1].to(acc)
+        kk = block_rows(k, tiling.k_perm, tiling, h0, h1)
+        logits = torch.einsum("bhjsd,bhd->bhjs", kk, a) * scale
+        logits = logits.masked_fill(~valid, float("-inf"))
+        lse = torch.logsumexp(logits, -1)
+        w = torch.exp(logits - lse.unsqueeze(-1))
+        stored = torch.einsum("bhjs,bhjsd->bhjd", w, kk).to(k.dtype)
+        key[:, h0:h1] = stored
+        value[:, h0:h1] = torch.einsum("bhjs,bhjsd->bhjd", w, block_rows(v, tiling.k_perm, tiling, h0, h1)).to(v.dtype)
+        bias[:, h0:h1] = lse - torch.einsum("bhjd,bhd->bhj", stored.to(acc), a) * scale
+    return key, value, bias
+
+
+def block_reduce(q_mean: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                 summary_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block` granularity: the summaries of each query block scored once at its mean query.
+
+    Returns (log-mass [B,H,J], normalised value [B,H,J,D]); a block without summaries gets -inf.
+    """
+    acc = q_mean.dtype
+    logits = torch.matmul(q_mean, key.to(acc).transpose(-1, -2)) * (q_mean.shape[-1] ** -0.5) + bias.unsqueeze(2)
+    logits = logits.masked_fill(~summary_mask, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    w = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    return lse, torch.matmul(w, value.to(acc))
+
+
+def coarse_output(q: torch.Tensor, tiling: Tiling, scores: torch.Tensor, k_mean: torch.Tensor,
+                  v_mean: torch.Tensor, sparse_blocks: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Coarse branch C in model order [B, H, S, D], zero on rows of dense query blocks.
+
+    `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i (seed 000).
+    `query`: every row uses its own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)).
+    """
+    B, H, S, D = q.shape
+    J, bs = tiling.num_blocks, tiling.block_size
+    if granularity == "block":
+        per_block = torch.matmul(torch.softmax(scores, -1), v_mean)
+        per_block = per_block * sparse_blocks.view(1, 1, J, 1)
+        rows = per_block.repeat_interleave(bs, 2)
+        return unpack(rows.to(q.dtype), tiling.q_perm, S)
+    logits = torch.matmul(q.to(k_mean.dtype), k_mean.transpose(-1, -2)) * (D ** -0.5)
+    c = torch.matmul(torch.softmax(logits, -1), v_mean)
+    flag = unpack(sparse_blocks.to(c.dtype).view(1, 1, J, 1).repeat_interleave(bs, 2).expand(B, H, -1, 1).contiguous(),
+                  tiling.q_perm, S)
+    return (c * flag).to(q.dtype)

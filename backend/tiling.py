@@ -1,0 +1,104 @@
+"""Token -> block layouts ("tilings") and the pack/unpack mapping they define.
+
+A `Tiling` places every token of a region into fixed-capacity blocks (`block_size` slots).
+`q_perm`/`k_perm` map a tiled slot to the model-order row it holds (destination -> source, int32,
+`-1` for padding slots, which are never dereferenced). Valid members of a block come first, so a
+block's true length `block_len[j]` is enough to mask its padding. Blocks never cross a region
+boundary; regions are laid out context first, then reference videos, then the target video.
+
+Cube tiling (seed 000) uses (bT, bH, bW) space-time tiles, ordered t-tile, h-tile, w-tile with
+members in t, h, w order; context segments are cut into 1D chunks. The reblock tiling
+(`backend/reblock.py`) produces the same structure with data-dependent, per-head permutations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import REFERENCE_VIDEO, TARGET_VIDEO, Segment, SequenceLayout
+
+CUBE_TILES = {64: (4, 4, 4), 128: (4, 4, 8)}
+
+
+@dataclass
+class Tiling:
+    """A block layout: which model-order rows every block slot holds, for queries and keys.
+
+    q_perm, k_perm: int32 [Bp, Hp, J * block_size], Bp in {1, B}, Hp in {1, H}.
+    block_len: int32 [J], valid rows per block (shared by queries and keys).
+    regions: the layout's segments in block order; region_blocks: their [lo, hi) block ranges.
+    """
+
+    block_size: int
+    q_perm: torch.Tensor
+    k_perm: torch.Tensor
+    block_len: torch.Tensor
+    regions: tuple[Segment, ...]
+    region_blocks: tuple[tuple[int, int], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_len.numel())
+
+    def blocks_of(self, region: str) -> tuple[int, int]:
+        """[lo, hi) block range covering every region of one kind (they are adjacent)."""
+        spans = [rb for seg, rb in zip(self.regions, self.region_blocks) if seg.region == region]
+        if not spans:
+            return (0, 0)
+        return (spans[0][0], spans[-1][1])
+
+
+def cube_tiles(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members of every (bT, bH, bW) tile of a t-major grid: ([J, bT*bH*bW] int64 with -1, [J] lengths).
+
+    Edge tiles hold fewer rows; their members are listed first, padding (-1) last.
+    """
+    (T, H, W), (a, b, c) = grid, tile
+    nt, nh, nw = -(-T // a), -(-H // b), -(-W // c)
+    t = torch.arange(nt * a).view(nt, a, 1, 1, 1, 1)
+    h = torch.arange(nh * b).view(1, 1, nh, b, 1, 1)
+    w = torch.arange(nw * c).view(1, 1, 1, 1, nw, c)
+    index = t * (H * W) + h * W + w
+    valid = (t < T) & (h < H) & (w < W)
+    index = torch.where(valid, index, torch.full_like(index, -1))
+    members = index.permute(0, 2, 4, 1, 3, 5).reshape(nt * nh * nw, a * b * c)
+    # move padding to the end of each block, keeping member order (stable)
+    order = torch.sort((members < 0).to(torch.int8), dim=1, stable=True).indices
+    members = torch.gather(members, 1, order)
+    return members, (members >= 0).sum(1)
+
+
+def chunk_tiles(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1D chunks of `block_size` rows; the last one carries the remainder."""
+    n = -(-length // block_size)
+    idx = torch.arange(n * block_size).view(n, block_size)
+    members = torch.where(idx < length, idx, torch.full_like(idx, -1))
+    return members, (members >= 0).sum(1)
+
+
+def assemble(layout: SequenceLayout, per_region: list[tuple[torch.Tensor, torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]]:
+    """Concatenate per-region (members relative to the region start, lengths) in block order."""
+    perms, lens, spans, lo = [], [], [], 0
+    for seg, (members, lengths) in zip(layout.regions(), per_region):
+        perms.append(torch.where(members >= 0, members + seg.start, members))
+        lens.append(lengths)
+        spans.append((lo, lo + lengths.numel()))
+        lo += lengths.numel()
+    perm = torch.cat(perms).reshape(-1).to(torch.int32)
+    return perm, torch.cat(lens).to(torch.int32), tuple(spans)
+
+
+def cube_tiling(layout: SequenceLayout, block_size: int = 64, device: torch.device | str = "cpu") -> Tiling:
+    """Seed-000 tiling: 3D cubes for video regions, 1D chunks for context; shared by all heads."""
+    if block_size not in CUBE_TILES:
+        raise ValueError(f"cube tiling: block_size={block_size} is not allowed: expected one of {sorted(CUBE_TILES)}")
+    tile = CUBE_TILES[block_size]
+    per_region = [
+        cube_tiles(seg.grid, tile) if seg.region in (REFERENCE_VIDEO, TARGET_VIDEO) else chunk_tiles(seg.length, block_size)
+        for seg in layout.regions()
+    ]
+    perm, block_len, spans = assemble(layout, per_region)
+    perm = perm.view(1, 1, -1).to(device)
+    return Tiling(block_size, perm, perm, block_len.to(device), tuple(layout.regions()), spans)
