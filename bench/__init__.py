@@ -1,0 +1,1 @@
+"""Benchmark and quality harness (`python -m adaptive_sparse_attention bench|evaluate|demo`)."""
