@@ -22,7 +22,7 @@ from .tiling import Tiling
 def target_anchor(q: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """Mean target-video query per (batch, head): [B, H, D] in the accumulation dtype."""
     t = layout.target
-    return q[:, :, t.start:t.stop].to(accum_dtype(q)).mean(2)
+    return q[:, :, t.start:t.stop].mean(2, dtype=accum_dtype(q))
 
 
 def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor

@@ -31,7 +31,7 @@ def run_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Bl
                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of block-sparse attention with the named backend ("torch" or "triton")."""
     if backend == "triton":
-        from .triton_attention import block_sparse_triton
+        from .custom_op import block_sparse_op
 
-        return block_sparse_triton(q, k, v, plan)
+        return block_sparse_op(q, k, v, plan)
     return block_sparse_reference(q, k, v, plan)

@@ -1,0 +1,88 @@
+"""Launch configurations of the block-sparse Triton kernel, per GPU architecture family.
+
+Families are told apart by how much shared memory one program may use:
+- ``sm80``: sm80/86/89/120 (Ampere, Ada, consumer Blackwell), planned for about 99 KB;
+- ``sm90``: sm90/100 (Hopper, datacenter Blackwell), about 227 KB.
+A config is picked from the device capability; ``ADAPTIVE_SPARSE_KERNEL_FAMILY=sm80|sm90`` (or the
+`family` argument) forces one family, so the small-memory configs can be proven on a Hopper GPU.
+Configs are chosen explicitly rather than autotuned: autotuning with several configs cannot run
+under the CPU interpreter, and a fixed choice keeps runs reproducible.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+FAMILY_ENV = "ADAPTIVE_SPARSE_KERNEL_FAMILY"
+FAMILIES = ("sm80", "sm90")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch parameters of one kernel launch.
+
+    block_m: query rows per program; block_n: key rows per step of the exact loop (both are
+    capped at the plan's block size: a tile never spans two blocks); block_t: summary columns
+    per step of the tail loop.
+    """
+
+    block_m: int
+    block_n: int
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+
+# (family, head_dim, plan block size) -> config. Shared memory is about block_m * head_dim * 2
+# bytes for Q plus, per stage, block_n * head_dim * 2 bytes each for K and V: two stages of 64
+# keys with 64 queries at head_dim 128 need ~82 KB, under sm80's ~99 KB. Measured on the H200
+# (docs/performance-notes.md, "Kernel"): three stages beat two there; 8 warps on a 64-row query
+# tile and key tiles spanning two blocks were slower. With 128-row blocks, sm90 takes the whole
+# query block in one 8-warp program, so each gathered K/V tile serves twice the queries.
+CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
+    ("sm80", 32, 64): KernelConfig(64, 64, 64, 4, 3),
+    ("sm80", 64, 64): KernelConfig(64, 64, 64, 4, 3),
+    ("sm80", 128, 64): KernelConfig(64, 64, 64, 4, 2),
+    ("sm80", 32, 128): KernelConfig(64, 64, 64, 4, 3),
+    ("sm80", 64, 128): KernelConfig(64, 64, 64, 4, 3),
+    ("sm80", 128, 128): KernelConfig(64, 64, 64, 4, 2),
+    ("sm90", 32, 64): KernelConfig(64, 64, 64, 4, 3),
+    ("sm90", 64, 64): KernelConfig(64, 64, 64, 4, 3),
+    ("sm90", 128, 64): KernelConfig(64, 64, 64, 4, 3),
+    ("sm90", 32, 128): KernelConfig(128, 64, 64, 8, 2),
+    ("sm90", 64, 128): KernelConfig(128, 64, 64, 8, 2),
+    ("sm90", 128, 128): KernelConfig(128, 128, 64, 8, 2),
+}
+
+
+def family_of(capability: tuple[int, int]) -> str:
+    """Architecture family of a CUDA compute capability (major, minor)."""
+    return "sm90" if capability[0] in (9, 10) else "sm80"
+
+
+def resolve_family(device: torch.device, family: str | None = None) -> str:
+    """The family to use: the argument, else the environment override, else the device's own."""
+    family = family or os.environ.get(FAMILY_ENV) or None
+    if family is not None:
+        if family not in FAMILIES:
+            raise ValueError(f"kernel family {family!r} (argument or {FAMILY_ENV}) is not allowed: "
+                             f"expected one of {', '.join(FAMILIES)}")
+        return family
+    if device.type == "cuda":
+        return family_of(torch.cuda.get_device_capability(device))
+    return "sm80"  # CPU interpreter: tile sizes only matter for speed there
+
+
+def kernel_config(head_dim: int, block_size: int, device: torch.device, family: str | None = None) -> KernelConfig:
+    """Config for head_dim and plan block size on `device` (optionally forcing a family).
+
+    Block sizes other than 64 and 128 (hand-built plans) use the 64 entry; the launcher caps
+    block_m and block_n at the block size."""
+    fam = resolve_family(device, family)
+    key = (fam, head_dim, 128 if block_size >= 128 else 64)
+    if key not in CONFIGS:
+        raise ValueError(f"block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
+                         f"{sorted({d for _, d, _ in CONFIGS})}")
+    return CONFIGS[key]

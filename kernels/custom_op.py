@@ -1,0 +1,44 @@
+"""The Triton kernel as a `torch.library` custom op, so `torch.compile` can trace through it.
+
+The op takes the plan's tensors one by one (custom ops accept tensors, not dataclasses) and has
+a fake implementation that only describes the outputs. Importing this module registers the op;
+it imports Triton only when the op actually runs.
+"""
+from typing import Optional
+
+import torch
+
+from .plan import BlockSparsePlan
+
+
+@torch.library.custom_op("adaptive_sparse_attention::block_sparse_attention", mutates_args=())
+def block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_perm: torch.Tensor, k_perm: torch.Tensor, block_len: torch.Tensor, dense_hi: torch.Tensor,
+    q2k_idx: torch.Tensor, q2k_num: torch.Tensor,
+    tail_k: Optional[torch.Tensor], tail_v: Optional[torch.Tensor], tail_bias: Optional[torch.Tensor],
+    block_logit: Optional[torch.Tensor], block_value: Optional[torch.Tensor],
+    block_size: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the fused kernel; see `triton_attention.block_sparse_triton`."""
+    from .triton_attention import block_sparse_triton
+
+    plan = BlockSparsePlan(block_size, q_perm, k_perm, block_len, dense_hi, q2k_idx, q2k_num,
+                           tail_k, tail_v, tail_bias, block_logit, block_value)
+    return block_sparse_triton(q, k, v, plan, scale)
+
+
+@block_sparse_attention.register_fake
+def _fake(q, k, v, q_perm, k_perm, block_len, dense_hi, q2k_idx, q2k_num,
+          tail_k, tail_v, tail_bias, block_logit, block_value, block_size, scale):
+    B, H, S, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, S, dtype=torch.float32)
+
+
+def block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                    scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call the custom op with the tensors of `plan` (scale defaults to head_dim ** -0.5)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return block_sparse_attention(q, k, v, plan.q_perm, plan.k_perm, plan.block_len, plan.dense_hi,
+                                  plan.q2k_idx, plan.q2k_num, plan.tail_k, plan.tail_v, plan.tail_bias,
+                                  plan.block_logit, plan.block_value, plan.block_size, scale)

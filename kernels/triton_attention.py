@@ -1,0 +1,242 @@
+"""Fused Triton forward kernel of block-sparse attention with tail summaries.
+
+One program per (batch * head, query tile of a query block). It gathers its query rows through
+`q_perm` (no permuted copy of Q), walks the key list of its query block (the dense prefix
+[0, dense_hi) followed by the selected blocks q2k_idx[:q2k_num]) in tiles of `block_n` rows of
+one key block (index loads run one tile ahead), gathers K/V rows through `k_perm`, masks keys
+beyond each block's true length, and keeps an online softmax in base 2 with the scale folded
+in. The summaries of unselected candidate blocks join the same softmax: per query (`tail_k`/`tail_v`/`tail_bias`,
+selected columns masked through a bitmask built on the device) or once per query block
+(`block_logit`/`block_value`). Rows are normalised once and stored straight to their model-order
+rows (scatter on store). Same semantics as `reference.block_sparse_reference`.
+
+Importing this module imports Triton: `kernels/__init__` imports it only on demand.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import KernelConfig, kernel_config
+from .plan import EMPTY_ROW_LSE, BlockSparsePlan
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, vals, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of base-2 logits s [M, N] and their values [N, D] into (acc, m, l)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _list_block(slot, dh, n_slots, SelRow):
+    """Key block at position `slot` of a query block's list: the dense prefix, then its picks
+    (0, a harmless index, past the end of the list)."""
+    picked = tl.load(SelRow + (slot - dh), mask=(slot >= dh) & (slot < n_slots), other=0)
+    return tl.where(slot < dh, slot, picked)
+
+
+@triton.jit
+def _block_sparse_fwd(
+    Q, K, V, Out, Lse,
+    QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
+    TailK, TailV, TailBias, SelBits, BlockLogit, BlockValue,
+    sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+    so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s,
+    sqp_b, sqp_h, skp_b, skp_h,
+    H, J, R, NW, qk_scale,
+    BS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EMPTY_LSE: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
+    SPLIT: tl.constexpr = BS // BLOCK_M  # programs per query block
+    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    i = pid_m // SPLIT
+    row = bh.to(tl.int64) * J + i  # (b, h, i) row of the per-block tables
+    offs_m = (pid_m % SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # gather-on-load of this tile's query rows
+    qrow = tl.load(QPerm + b * sqp_b + h * sqp_h + i * BS + offs_m)
+    qmask = qrow >= 0
+    q = tl.load(Q + b * sq_b + h * sq_h + qrow.to(tl.int64)[:, None] * sq_s + offs_d[None, :] * sq_d,
+                mask=qmask[:, None], other=0.0).to(DOT_DTYPE)
+
+    k_base = K + b * sk_b + h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+    kp_base = KPerm + b * skp_b + h * skp_h
+    sel_row = Q2kIdx + row * R
+    dh = tl.load(DenseHi + i)
+    n_slots = dh + tl.load(Q2kNum + row)  # list: dense prefix [0, dh), then the picks
+    n_tiles = n_slots * SUB
+
+    # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # index loads run one tile ahead (block of tile t+1 and its rows), so that the K/V gathers of
+    # a tile depend only on values already in registers
+    blk = _list_block(0, dh, n_slots, sel_row)
+    krow = tl.load(kp_base + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
+    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+    blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
+    for t in range(0, n_tiles):
+        r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
+        live = t + 1 < n_tiles
+        krow_next = tl.load(kp_base + blk_next * BS + r_next, mask=live, other=-1)
+        blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
+        blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
+
+        kmask = krow >= 0
+        koff = krow.to(tl.int64)
+        kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
+        vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
+        valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
+        s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION) * qk_scale \
+            + tl.where(valid, 0.0, float("-inf"))[None, :]
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+        krow, blen, blk_next = krow_next, blen_next, blk_after
+
+    if QUERY_TAIL:
+        # candidate blocks [dh, J) not selected: one summary column each
+        offs_t = tl.arange(0, BLOCK_T)
+        t_row = bh.to(tl.int64) * J
+        for c0 in range(dh, J, BLOCK_T):
+            c = c0 + offs_t
+            cin = c < J
+            word = tl.load(SelBits + row * NW + c // 32, mask=cin, other=0)
+            keep = cin & (((word >> (c % 32)) & 1) == 0)
+            tk = tl.load(TailK + (t_row + c[None, :]) * HEAD_DIM + offs_d[:, None],
+                         mask=cin[None, :], other=0.0).to(DOT_DTYPE)
+            bias = tl.load(TailBias + t_row + c, mask=cin, other=0.0)
+            tv = tl.load(TailV + (t_row + c[:, None]) * HEAD_DIM + offs_d[None, :],
+                         mask=cin[:, None], other=0.0).to(DOT_DTYPE)
+            s = tl.dot(q, tk, input_precision=PRECISION) * qk_scale \
+                + tl.where(keep, bias * LOG2E, float("-inf"))[None, :]
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, tv, DOT_DTYPE, PRECISION)
+
+    if BLOCK_TAIL:
+        # one virtual key per query block, shared by its rows: log-mass and normalised value
+        logit = tl.load(BlockLogit + row) * LOG2E
+        value = tl.load(BlockValue + row * HEAD_DIM + offs_d)
+        m_new = tl.maximum(m_i, logit)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(logit - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * value[None, :]
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, EMPTY_LSE, (m_i + tl.log2(l_safe)) * LN2)
+    # scatter-on-store straight to the model-order rows
+    orow = qrow.to(tl.int64)
+    tl.store(Out + b * so_b + h * so_h + orow[:, None] * so_s + offs_d[None, :] * so_d,
+             out.to(Out.dtype.element_ty), mask=qmask[:, None])
+    tl.store(Lse + b * sl_b + h * sl_h + orow * sl_s, lse, mask=qmask)
+
+
+def selection_bits(plan: BlockSparsePlan) -> torch.Tensor:
+    """int32 [B, H, J, ceil(J / 32)]: bit j of row (b, h, i) set when key block j is selected.
+
+    Built with one scatter-add: the valid entries of a row are distinct, so adding their bits
+    is the same as or-ing them (bit 31 wraps to the sign bit, which the kernel reads back).
+    """
+    B, H, J, R = plan.q2k_idx.shape
+    idx = plan.q2k_idx.long()
+    valid = (torch.arange(R, device=idx.device) < plan.q2k_num.unsqueeze(-1)) & (idx >= 0)
+    word = torch.where(valid, idx // 32, torch.zeros_like(idx))
+    one = torch.ones((), dtype=torch.int32, device=idx.device)
+    bit = torch.where(valid, torch.bitwise_left_shift(one, (idx % 32).to(torch.int32)), torch.zeros_like(one))
+    bits = torch.zeros(B, H, J, (J + 31) // 32, dtype=torch.int32, device=idx.device)
+    return bits.scatter_add_(3, word, bit)
+
+
+def _perm_strides(perm: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) strides of a [Bp, Hp, L] permutation; 0 where it is shared."""
+    return (perm.stride(0) if perm.shape[0] > 1 else 0, perm.stride(1) if perm.shape[1] > 1 else 0)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.shape != q.shape:
+            raise ValueError(f"block_sparse_triton: {name} must be [B, H, S, D] like q, got {tuple(t.shape)}")
+        if t.dtype not in DTYPES or t.dtype != q.dtype:
+            raise ValueError(f"block_sparse_triton: {name}.dtype={t.dtype} is not supported: expected q's dtype, "
+                             f"one of {', '.join(str(d) for d in DTYPES)}")
+    D = q.shape[-1]
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"block_sparse_triton: head_dim={D} is not supported: expected a power of two >= 16")
+    bs = plan.block_size
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"block_sparse_triton: plan.block_size={bs} is not supported: expected a power of two >= 16")
+    if plan.q_perm.shape[-1] != plan.num_blocks * bs or plan.k_perm.shape[-1] != plan.num_blocks * bs:
+        raise ValueError("block_sparse_triton: q_perm and k_perm must have num_blocks * block_size slots")
+
+
+def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                        scale: float | None = None, config: KernelConfig | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
+
+    Returns (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log;
+    rows with nothing allowed get zeros and EMPTY_ROW_LSE). Every model row must appear once in
+    q_perm (true of every tiling). `config` overrides the per-architecture choice.
+    """
+    _check(q, k, v, plan)
+    B, H, S, D = q.shape
+    J, bs = plan.num_blocks, plan.block_size
+    scale = D ** -0.5 if scale is None else float(scale)
+    cfg = kernel_config(D, bs, q.device) if config is None else config
+    block_m, block_n = min(cfg.block_m, bs), min(cfg.block_n, bs)  # tiles never span two blocks
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    # bf16 tl.dot is wrong in the CPU interpreter, and fp32 dots are faster there anyway
+    dot_dtype = tl.float32 if interpret or q.dtype == torch.float32 else (
+        tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    q_perm, k_perm = plan.q_perm.contiguous(), plan.k_perm.contiguous()
+    q2k_idx, q2k_num = plan.q2k_idx.contiguous(), plan.q2k_num.contiguous()
+    query_tail = plan.tail_k is not None
+    block_tail = plan.block_logit is not None
+    tail_k = plan.tail_k.contiguous() if query_tail else q
+    tail_v = plan.tail_v.contiguous() if query_tail else q
+    tail_bias = plan.tail_bias.float().contiguous() if query_tail else lse
+    sel_bits = selection_bits(plan) if query_tail else q2k_num
+    block_logit = plan.block_logit.float().contiguous() if block_tail else lse
+    block_value = plan.block_value.float().contiguous() if block_tail else lse
+    grid = (J * (bs // block_m), B * H)
+    _block_sparse_fwd[grid](
+        q, k, v, out, lse,
+        q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
+        tail_k, tail_v, tail_bias, sel_bits, block_logit, block_value,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        *_perm_strides(q_perm), *_perm_strides(k_perm),
+        H, J, q2k_idx.shape[-1], (J + 31) // 32, scale * 1.4426950408889634,
+        BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
+        QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,216 @@
+"""The fused Triton kernel (CPU interpreter) against the pure-torch reference.
+
+The reference runs in float64 on the same (rounded) inputs, so the gap is the kernel's own
+arithmetic. Tolerances: fp32 inputs, fp32 dots and accumulation: 2e-5 absolute on outputs of
+size <= ~3 (a few hundred fp32 terms per row, ~1e-7 each, with margin). fp16 inputs: the output
+is rounded to fp16 (half an ulp is 2^-11 relative, <= 1e-3 for |out| < 2), so 2e-3. LSE is fp32
+in both cases: 1e-4. Shapes stay small (a few hundred tokens) because the interpreter takes
+milliseconds per program step.
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+# Triton decorates its own language functions when first imported, so the interpreter flag must
+# be set before that; it is put back afterwards because other modules test the no-GPU paths,
+# and the `interpreter` fixture sets it again around each test here.
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton, selection_bits
+finally:
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
+from adaptive_sparse_attention.backend.planner import build_plan
+from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, BlockSparsePlan, block_sparse_reference, run_block_sparse
+from adaptive_sparse_attention.kernels.configs import FAMILY_ENV, KernelConfig, kernel_config
+from adaptive_sparse_attention.kernels.custom_op import block_sparse_op
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+LSE_TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 while these tests run (the launcher and the dispatcher read it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def layout_awkward() -> SequenceLayout:
+    """Edge blocks in every region; a reference video between text and audio."""
+    return SequenceLayout.from_segments([
+        (0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)), (127, 180, "audio"),
+        (180, 390, "video", (5, 6, 7))])
+
+
+def inputs(layout, heads, dim, dtype, seed, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, layout.total, dim, generator=g).to(dtype) for _ in range(3)]
+
+
+def check(q, k, v, plan, scale=None, **kwargs):
+    out, lse = block_sparse_triton(q, k, v, plan, scale, **kwargs)
+    ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=TOL[q.dtype])
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-7, atol=LSE_TOL)  # rtol: EMPTY_ROW_LSE in fp32
+    return out, lse
+
+
+@pytest.mark.parametrize("dim,dtype,scope,tail,gran,ratio", [
+    (32, torch.float32, "joint-video", "reweight", "query", 0.3),
+    (64, torch.float16, "target-video", "reweight", "query", 0.2),
+    (128, torch.float32, "target-video", "mean", "block", 0.1),
+    (128, torch.float16, "joint-video", "reweight", "block", 0.3),
+    (64, torch.float32, "joint-video", "none", "query", 0.5),
+])
+def test_planned_cube_plans(dim, dtype, scope, tail, gran, ratio):
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 2, dim, dtype, seed=dim)
+    cfg = SparseConfig(tiling="cube", topk_ratio=ratio, sparse_scope=scope, tail=tail, tail_granularity=gran)
+    check(q, k, v, build_plan(q, k, v, layout, cfg).kernel)
+
+
+def test_block_size_128_whole_or_split_query_blocks_and_batch_shares_plan():
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 1, 32, torch.float32, seed=3, batch=2)
+    cfg = SparseConfig(tiling="cube", topk_ratio=0.25, block_size=128, tail="reweight")
+    plan = build_plan(q, k, v, layout, cfg).kernel
+    assert plan.block_size == 128
+    for family in ("sm80", "sm90"):  # 64-row tiles (two programs per block) and 128-row tiles
+        check(q, k, v, plan, scale=0.3, config=kernel_config(32, 128, q.device, family=family))
+
+
+def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed):
+    """A hand-built plan: blocks of random true length (1..block_size), per-(batch, head)
+    permutations, random dense prefixes and sorted selections of varying length (including
+    none), random tail summaries."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < seq_len:
+        lengths.append(min(int(torch.randint(1, block_size + 1, (1,), generator=g)), seq_len - sum(lengths)))
+    J = len(lengths)
+    block_len = torch.tensor(lengths, dtype=torch.int32)
+    slot_valid = (torch.arange(block_size).view(1, -1) < block_len.view(-1, 1)).view(-1)
+
+    def perms():
+        p = torch.full((batch * heads, J * block_size), -1, dtype=torch.int32)
+        for row in p:
+            row[slot_valid] = torch.randperm(seq_len, generator=g).to(torch.int32)
+        return p.view(batch, heads, -1)
+
+    dense_hi = torch.randint(0, J + 1, (J,), generator=g, dtype=torch.int32)
+    dense_hi[: J // 4] = 0
+    cols = torch.arange(J)
+    mask = (torch.rand(batch, heads, J, J, generator=g) < 0.4) & (cols.view(1, J) >= dense_hi.view(J, 1).long())
+    num = mask.sum(-1, dtype=torch.int32)
+    idx = torch.sort(torch.where(mask, cols, torch.full_like(cols, J)), -1).values[..., : max(1, int(num.max()))]
+    idx = torch.where(idx == J, torch.full_like(idx, -1), idx).to(torch.int32)
+    plan = BlockSparsePlan(block_size, perms(), perms(), block_len, dense_hi, idx, num)
+    shape = (batch, heads, J)
+    if gran == "query":
+        plan.tail_k = torch.randn(*shape, dim, generator=g).to(dtype)
+        plan.tail_v = torch.randn(*shape, dim, generator=g).to(dtype)
+        plan.tail_bias = torch.rand(shape, generator=g) * 4
+    elif gran == "block":
+        plan.block_logit = torch.where(torch.rand(shape, generator=g) < 0.2, float("-inf"),
+                                       torch.randn(shape, generator=g) * 3)
+        plan.block_value = torch.randn(*shape, dim, generator=g)
+    return plan
+
+
+@pytest.mark.parametrize("gran,dtype,dim", [("query", torch.float32, 64), ("block", torch.float16, 32),
+                                            ("none", torch.float16, 128)])
+def test_per_head_permutations_and_random_tables(gran, dtype, dim):
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 2, dim, dtype, seed=11, batch=2)
+    plan = random_plan(layout.total, 2, 2, dim, 64, dtype, gran, seed=5)
+    assert plan.q_perm.shape[:2] == (2, 2) and (plan.q2k_num == 0).any()
+    check(q, k, v, plan)
+
+
+def test_selected_summaries_are_not_counted_twice():
+    plan = random_plan(layout_awkward().total, 1, 2, 32, 64, torch.float32, "query", seed=9)
+    bits = selection_bits(plan)
+    J = plan.num_blocks
+    unpacked = (bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    assert torch.equal(unpacked.flatten(-2)[..., :J].bool(), plan.selected_mask())
+
+
+def test_empty_rows_give_zeros_and_finite_lse():
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 2, 32, torch.float32, seed=4)
+    plan = random_plan(layout.total, 1, 2, 32, 64, torch.float32, "none", seed=6)
+    plan.dense_hi[:3] = 0
+    plan.q2k_num[:, :, :3] = 0
+    out, lse = check(q, k, v, plan)
+    for h in range(2):
+        rows = plan.q_perm[0, h, : 3 * 64]
+        rows = rows[rows >= 0].long()
+        assert (out[0, h, rows] == 0).all() and (lse[0, h, rows] == EMPTY_ROW_LSE).all()
+
+
+def test_strided_inputs_and_sub_block_tiles():
+    """q, k, v as views of a [B, S, H, D] buffer (how H3 produces them); query and key tiles of
+    half a block (two programs per query block, two key tiles per block) and summary tiles of 16
+    columns exercise the list walk inside and across blocks and the tail loop over several tiles."""
+    layout = layout_awkward()
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(1, layout.total, 3, 1, 32, generator=g)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    plan = random_plan(layout.total, 1, 1, 32, 32, torch.float32, "query", seed=8)
+    assert plan.num_blocks > 16
+    out, _ = check(q, k, v, plan, config=KernelConfig(16, 16, 16, 4, 2))
+    assert out.transpose(1, 2).is_contiguous()  # same [B, S, H, D] memory order as the inputs
+
+
+def test_families_are_forced_and_validated(monkeypatch):
+    cpu = torch.device("cpu")
+    assert kernel_config(128, 64, cpu, family="sm90") != kernel_config(128, 64, cpu, family="sm80")
+    monkeypatch.setenv(FAMILY_ENV, "sm90")
+    assert kernel_config(128, 64, cpu) == kernel_config(128, 64, cpu, family="sm90")
+    monkeypatch.setenv(FAMILY_ENV, "sm70")
+    with pytest.raises(ValueError, match="sm70"):
+        kernel_config(128, 64, cpu)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        kernel_config(96, 64, cpu, family="sm80")
+
+
+def test_bad_inputs_raise():
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 1, 32, torch.float64, seed=1)
+    plan = random_plan(layout.total, 1, 1, 32, 64, torch.float64, "none", seed=1)
+    with pytest.raises(ValueError, match="dtype"):
+        block_sparse_triton(q, k, v, plan)
+    with pytest.raises(ValueError, match="block_size=48"):
+        block_sparse_triton(q.float(), k.float(), v.float(), dataclasses.replace(plan, block_size=48))
+
+
+def test_custom_op_dispatch_and_compile():
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 1, 32, torch.float32, seed=12)
+    plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3)).kernel
+    eager, eager_lse = block_sparse_triton(q, k, v, plan)
+    via_op, _ = run_block_sparse(q, k, v, plan, "triton")
+    assert torch.equal(via_op, eager)
+    compiled = torch.compile(lambda a, b, c: block_sparse_op(a, b, c, plan), fullgraph=True, backend="aot_eager")
+    out, lse = compiled(q, k, v)
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+
+
+def test_public_entry_point_with_triton_backend():
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 2, 64, torch.float32, seed=13)
+    cfg = SparseConfig(tiling="cube", topk_ratio=0.2, backend="triton", strict=True)
+    out, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
+    ref = sparse_attention(q, k, v, layout, cfg.replace(backend="torch"))
+    assert info.backend == "triton"
+    torch.testing.assert_close(out, ref, rtol=0, atol=TOL[torch.float32])
