@@ -23,8 +23,11 @@ def _fail(field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"SparseConfig.{field}={value!r} is not allowed: expected {allowed}")
 
 
-def parse_layer_list(text: str) -> tuple[int, ...]:
-    """Parse a widget string such as ``"0, 1, 48-49"`` into sorted unique layer indices."""
+def parse_layer_list(text: str, field: str = "SparseConfig.dense_layers") -> tuple[int, ...]:
+    """Parse a widget string such as ``"0, 1, 48-49"`` into sorted unique indices.
+
+    `field` names the widget in error messages (the capture node parses layers and steps too).
+    """
     layers: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -34,9 +37,11 @@ def parse_layer_list(text: str) -> tuple[int, ...]:
             a = int(lo)
             b = int(hi) if sep else a
         except ValueError:
-            raise _fail("dense_layers", text, "comma-separated layer indices or ranges like '0,1,48-49'") from None
+            raise ValueError(f"{field}={text!r} is not allowed: expected comma-separated indices or ranges "
+                             "like '0,1,48-49'") from None
         if a < 0 or b < a:
-            raise _fail("dense_layers", text, "non-negative indices and ranges lo-hi with lo <= hi")
+            raise ValueError(f"{field}={text!r} is not allowed: expected non-negative indices and ranges lo-hi "
+                             "with lo <= hi")
         layers.update(range(a, b + 1))
     return tuple(sorted(layers))
 

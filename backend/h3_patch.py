@@ -1,0 +1,408 @@
+"""Hooks into ComfyUI's MiniMax-H3 DiT blocks, and the sparse-attention hook built on them.
+
+Every block i gets a ``("dit", "double_block", i)`` replacement (the patch point H3's forward
+offers; H3 sets no block index, so i is bound here). The replacement decides, per call, whether
+a hook takes over the block's attention; the rest of the block (adaLN modulation, norms, gated
+residuals, MLP) always runs as the model's own code, through ``extra["original_block"]`` (or the
+replacement that was registered before ours, which is chained, not dropped). How the hook's
+attention gets into the block depends on the upstream signature:
+
+- current upstream (``DiTBlock.forward(..., attention=None)``; block args carry ``"layout"`` and
+  ``"attention"``): the replacement passes a copy of args whose ``"attention"`` is the hook's
+  attention module; the block calls it instead of ``self.attn``.
+- older upstream (no ``attention`` argument): each block's ``attn.forward`` is object-patched
+  (through the ModelPatcher, so it is undone on unpatch) with a dispatcher that runs the hook
+  only when the block replacement marked this call in its copy of ``transformer_options`` and
+  otherwise calls whatever forward was there before (the class's, or another node's patch such
+  as KJNodes' low-VRAM attention).
+
+Either way the hook receives the block's attention input and produces Q/K/V itself from the
+layer's weights (`backend/producer.py`); it is not an ``optimized_attention_override``, so other
+nodes' overrides still run in dense blocks and nothing can recurse.
+
+The packed-sequence layout comes from the block args (``args["layout"]``, current upstream),
+``transformer_options["minimax_h3_layout"]``, or a DIFFUSION_MODEL wrapper that reads
+``minimax_payload["layout"]`` (older upstream); conversions are cached per signature (bounded).
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+from abc import ABC, abstractmethod
+import logging
+import sys
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .attention import DTYPES, HEAD_DIMS, resolve_backend, sparse_attention
+from .config import SparseConfig
+from .layout import SequenceLayout
+from .producer import produce_qkv
+from .schedule import RunTracker, schedule_reason
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+LAYOUT_CACHE_SIZE = 8
+DEVICES = ("cuda", "cpu")
+_ids = itertools.count()
+
+
+def check_h3(diffusion_model: Any) -> None:
+    """Raise ValueError unless `diffusion_model` is ComfyUI's MiniMax-H3 DiT."""
+    cls = type(diffusion_model)
+    blocks = getattr(diffusion_model, "blocks", None)
+    shaped = bool(blocks) and all(
+        all(hasattr(getattr(b, "attn", None), a) for a in ("qkv_proj", "q_norm", "k_norm", "out_proj", "heads", "head_dim"))
+        for b in blocks)
+    if cls.__name__ != "MiniMaxH3Model" or not shaped:
+        raise ValueError(
+            f"Adaptive Sparse Attention (MiniMax-H3) only patches ComfyUI's MiniMax-H3 model "
+            f"(comfy.ldm.minimax.model.MiniMaxH3Model), but this MODEL's diffusion model is "
+            f"{cls.__module__}.{cls.__name__}. Load a MiniMax-H3 checkpoint (UNETLoader) and connect it here.")
+
+
+class LayoutCache:
+    """ComfyUI ``PackedLayout`` -> `SequenceLayout`, cached per (signature, segments), bounded."""
+
+    def __init__(self, size: int = LAYOUT_CACHE_SIZE):
+        self.size = size
+        self.entries: "OrderedDict[tuple, SequenceLayout]" = OrderedDict()
+
+    def get(self, packed: Any) -> SequenceLayout:
+        key = (getattr(packed, "signature", None), tuple(tuple(s) for s in packed.segments))
+        if key not in self.entries:
+            self.entries[key] = SequenceLayout.from_packed(packed)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+
+@dataclass
+class CallContext:
+    """What one model call shares with all its blocks."""
+
+    step: int | None
+    total: int | None
+    packed: Any = None  # the PackedLayout found by the DIFFUSION_MODEL wrapper, if any
+
+
+def payload_layout(model: Any, x: Any, context: torch.Tensor, payload: dict) -> Any:
+    """The PackedLayout this call runs with: the payload's when its signature matches, else a new one.
+
+    Mirrors H3's own choice (older upstream passes no layout to the blocks).
+    """
+    video, audio = x[0], x[1]
+    pt, ph, pw = getattr(model, "patch_size", (1, 2, 2))
+    signature = (context.shape[1], -(-video.shape[2] // pt) * pt, -(-video.shape[3] // ph) * ph,
+                 -(-video.shape[4] // pw) * pw, audio.shape[-1])
+    layout = payload.get("layout")
+    if layout is not None and getattr(layout, "signature", None) == signature:
+        return layout
+    packed_cls = getattr(sys.modules.get(type(model).__module__), "PackedLayout", None)
+    if packed_cls is None:
+        return None
+    return packed_cls(*signature, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
+
+
+class BlockHook(ABC):
+    """Base of a hook that takes over the attention of chosen H3 block calls.
+
+    Subclasses implement `decide` (which calls, returning a token or None) and `attend` (the
+    attention output [S, hidden] of a taken call, out_proj included). The base keeps the per-run
+    state: step counting, layout discovery and the run tracker.
+    """
+
+    name = "hook"
+
+    def __init__(self) -> None:
+        self.key = f"adaptive_sparse_attention.{self.name}.{next(_ids)}"
+        self.tracker = RunTracker(self.title)
+        self.layouts = LayoutCache()
+
+    @property
+    def title(self) -> str:
+        return type(self).__name__
+
+    # --- per-call plumbing -------------------------------------------------------------------
+    def diffusion_model_wrapper(self, executor: Any, x: Any, timestep: Any, context: torch.Tensor,
+                                transformer_options: dict, *args: Any, **kwargs: Any) -> Any:
+        """DIFFUSION_MODEL wrapper: finds the step and the layout once per model call."""
+        step, total = self.tracker.step_of(transformer_options)
+        packed = None
+        try:
+            packed = payload_layout(executor.class_obj, x, context, kwargs.get("minimax_payload") or {})
+        except Exception as err:  # layout discovery must never break sampling; blocks report it
+            self.tracker.log_once(f"could not rebuild the packed layout from minimax_payload ({err})")
+        transformer_options[self.key] = CallContext(step, total, packed)
+        try:
+            return executor(x, timestep, context, transformer_options, *args, **kwargs)
+        finally:
+            transformer_options.pop(self.key, None)
+
+    def call_context(self, transformer_options: dict) -> CallContext:
+        ctx = transformer_options.get(self.key)
+        if not isinstance(ctx, CallContext):  # wrapper bypassed: count the step here, once per call
+            ctx = CallContext(*self.tracker.step_of(transformer_options))
+            transformer_options[self.key] = ctx
+        return ctx
+
+    def layout(self, args: dict, ctx: CallContext) -> SequenceLayout | None:
+        to = args.get("transformer_options", {})
+        for packed in (args.get("layout"), to.get("minimax_h3_layout"), ctx.packed):
+            if packed is not None:
+                return self.layouts.get(packed)
+        return None
+
+    def on_pre_run(self, patcher: Any = None) -> None:
+        self.tracker.finish()
+
+    def on_cleanup(self, patcher: Any = None) -> None:
+        self.tracker.finish()
+
+    # --- subclass contract -------------------------------------------------------------------
+    @abstractmethod
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+        """A token when this hook takes the call's attention (passed on to `attend`), else None."""
+
+    @abstractmethod
+    def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
+               transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        """The attention output [S, hidden] (out_proj applied) of block input x; `fallback` is the
+        attention that would have run (same call signature as ``attn``)."""
+
+
+class HookedAttention:
+    """Stands in for a block's ``attn`` for one call (current upstream's ``args["attention"]``)."""
+
+    def __init__(self, hook: BlockHook, layer: int, token: Any, attn: torch.nn.Module, fallback: Callable):
+        self.hook, self.layer, self.token, self.attn, self.fallback = hook, layer, token, attn, fallback
+
+    def __call__(self, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+        return self.hook.attend(self.layer, self.token, self.attn, x, rope_freqs, transformer_options, self.fallback)
+
+
+class AttentionDispatch:
+    """Object patch for ``blocks.{i}.attn.forward`` (older upstream): runs the hook on marked calls."""
+
+    def __init__(self, hook: BlockHook, layer: int, attn: torch.nn.Module, previous: Callable | None):
+        self.hook, self.layer, self.attn = hook, layer, attn
+        self.fallback = previous if previous is not None else self.model_forward
+
+    def model_forward(self, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+        """The class's own forward; it takes a tensor, so a low-VRAM block forward's list is unwrapped."""
+        if isinstance(x, list):
+            self.hook.tracker.log_once(
+                "KJNodes' low-VRAM attention was applied after this node and kept its attention patch: dense blocks "
+                "use ComfyUI's attention without head chunks (sparse blocks still use them); place the low-VRAM "
+                "node before this one to keep its attention in dense blocks")
+        return type(self.attn).forward(self.attn, unwrap_input(x), rope_freqs=rope_freqs,
+                                       transformer_options=transformer_options)
+
+    def __call__(self, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+        mark = transformer_options.get(self.hook.key)
+        if isinstance(mark, tuple) and mark[0] == self.layer:
+            return self.hook.attend(self.layer, mark[1], self.attn, x, rope_freqs, transformer_options, self.fallback)
+        return self.fallback(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+
+
+def takes_attention_arg(forward: Callable) -> bool:
+    """Whether a block forward accepts current upstream's ``attention`` argument."""
+    try:
+        return "attention" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class BlockReplacement:
+    """The ``("dit", "double_block", layer)`` replacement of one block."""
+
+    def __init__(self, hook: BlockHook, layer: int, attn: torch.nn.Module, via_args: bool,
+                 previous: Callable | None):
+        self.hook, self.layer, self.attn, self.via_args, self.previous = hook, layer, attn, via_args, previous
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        def inner(a: dict) -> dict:
+            return self.previous(a, extra) if self.previous is not None else extra["original_block"](a)
+
+        current = args.get("attention")
+        if isinstance(current, HookedAttention):  # a hook nearer the sampler already took this call
+            return inner(args)
+        token = self.hook.decide(self.layer, self.attn, args)
+        if token is None:
+            return inner(args)
+        args = dict(args)
+        if self.via_args:
+            if current is not None:
+                self.hook.tracker.log_once("the block attention set by another patch is replaced in the calls "
+                                           f"{self.hook.title} takes over")
+            args["attention"] = HookedAttention(self.hook, self.layer, token, self.attn,
+                                                current if current is not None else self.attn)
+        else:
+            to = dict(args["transformer_options"])
+            to[self.hook.key] = (self.layer, token)
+            args["transformer_options"] = to
+        return inner(args)
+
+
+def block_hooks(diffusion_model: Any, hook: BlockHook, previous_replacements: dict,
+                object_patches: dict) -> tuple[dict[int, BlockReplacement], dict[str, AttentionDispatch]]:
+    """Replacements per block index and the attn.forward object patches (older upstream only).
+
+    `previous_replacements` maps block index -> an earlier ("dit", "double_block", i) patch to
+    chain; `object_patches` are the ModelPatcher's current object patches.
+    """
+    replacements, patches = {}, {}
+    for i, block in enumerate(diffusion_model.blocks):
+        forward = object_patches.get(f"diffusion_model.blocks.{i}.forward", type(block).forward)
+        via_args = takes_attention_arg(forward)
+        replacements[i] = BlockReplacement(hook, i, block.attn, via_args, previous_replacements.get(i))
+        if not via_args:
+            key = f"diffusion_model.blocks.{i}.attn.forward"
+            patches[key] = AttentionDispatch(hook, i, block.attn, object_patches.get(key))
+    return replacements, patches
+
+
+def install(model_patcher: Any, hook: BlockHook) -> Any:
+    """A clone of `model_patcher` whose H3 blocks run `hook` (plus its wrapper and callbacks)."""
+    import comfy.patcher_extension as pe
+
+    diffusion_model = model_patcher.get_model_object("diffusion_model")
+    check_h3(diffusion_model)
+    m = model_patcher.clone()
+    dit = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    previous = {key[1]: fn for key, fn in dit.items() if len(key) == 2 and key[0] == "double_block"}
+    replacements, patches = block_hooks(diffusion_model, hook, previous, m.object_patches)
+    for i, fn in replacements.items():
+        m.set_model_patch_replace(fn, "dit", "double_block", i)
+    for key, fn in patches.items():
+        m.add_object_patch(key, fn)
+    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, hook.key, hook.diffusion_model_wrapper)
+    m.add_callback_with_key(pe.CallbacksMP.ON_PRE_RUN, hook.key, hook.on_pre_run)
+    m.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, hook.key, hook.on_cleanup)
+    return m
+
+
+# --- weights through ComfyUI's casting (LoRA, offload, quantised weights) ----------------------
+@contextmanager
+def linear_weights(module: torch.nn.Module, like: torch.Tensor) -> Iterator[tuple[torch.Tensor, Any]]:
+    """(weight, bias) of a Linear in `like`'s dtype and device.
+
+    ComfyUI layers go through `comfy.ops.cast_bias_weight`, which dequantises, applies LoRA
+    weight functions and handles offloaded weights; plain torch layers are cast directly.
+    """
+    if not hasattr(module, "comfy_cast_weights"):
+        bias = None if module.bias is None else module.bias.to(like)
+        yield module.weight.to(like), bias
+        return
+    import comfy.ops
+
+    if not hasattr(comfy.ops, "CastBiasWeightContext"):  # older ComfyUI: no offload-aware context yet
+        yield comfy.ops.cast_bias_weight(module, like)
+        return
+    with comfy.ops.CastBiasWeightContext(module, like, offloadable=True) as (weight, bias):
+        yield weight, bias
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small parameter (norm weight) on `device`, through ComfyUI's cast when it is loaded."""
+    mm = sys.modules.get("comfy.model_management")
+    return mm.cast_to(t, device=device) if mm is not None else t.to(device)
+
+
+def head_groups(heads: int, chunks: Any) -> list[tuple[int, int]]:
+    """Split heads into `chunks` near-equal groups (KJNodes' ``minimax_head_chunks``)."""
+    n = max(1, min(int(chunks) if isinstance(chunks, int) else 1, heads))
+    sizes = [heads // n + (1 if i < heads % n else 0) for i in range(n)]
+    bounds = list(itertools.accumulate([0] + sizes))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def unwrap_input(x: Any) -> torch.Tensor:
+    """KJNodes' low-VRAM block forward hands the attention input in a one-item list to free it early."""
+    return x.pop() if isinstance(x, list) else x
+
+
+class SparseAttentionHook(BlockHook):
+    """Adaptive sparse attention in the blocks and steps the schedule allows."""
+
+    name = "sparse"
+
+    def __init__(self, config: SparseConfig):
+        self.config = config
+        super().__init__()
+
+    @property
+    def title(self) -> str:
+        return "adaptive sparse attention"
+
+    def unsupported(self, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout | None) -> str | None:
+        """Why this block call cannot run sparse, or None."""
+        if layout is None:
+            return ("the packed-sequence layout was not found (no args['layout'], "
+                    "transformer_options['minimax_h3_layout'] or minimax_payload layout)")
+        if x.dim() != 2 or x.shape[0] != layout.total:
+            return f"block input of shape {tuple(x.shape)} does not match the layout's {layout.total} rows"
+        if attn.head_dim not in HEAD_DIMS:
+            return f"head_dim={attn.head_dim} is not supported (expected one of {HEAD_DIMS})"
+        if x.dtype not in DTYPES:
+            return f"dtype {x.dtype} is not supported (expected one of {', '.join(str(d) for d in DTYPES)})"
+        if x.device.type not in DEVICES:
+            return f"device {x.device} is not supported (expected one of {', '.join(DEVICES)})"
+        return None
+
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+        to = args.get("transformer_options", {})
+        ctx = self.call_context(to)
+        x = args["img"]
+        reason = schedule_reason(self.config, layer, ctx.step, ctx.total, x.shape[0])
+        if reason is None:
+            layout = self.layout(args, ctx)
+            problem = self.unsupported(attn, x, layout)
+            if problem is not None:
+                message = f"layer {layer} runs dense: {problem}"
+                if self.config.strict:
+                    raise RuntimeError(f"{self.title} (strict): {message}")
+                self.tracker.log_once(message)
+            else:
+                resolve_backend(self.config, x.device)  # strict raises here when Triton is asked for and missing
+                if to.get("optimized_attention_override") is not None:
+                    self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
+                                          "only; sparse blocks run adaptive sparse attention")
+                return (ctx.step, layout)
+        self.tracker.note_block(ctx.step, sparse=False)
+        return None
+
+    def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
+               transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        step, layout = token
+        x = unwrap_input(x)
+        heads, dim = attn.heads, attn.head_dim
+        out = x.new_empty(x.shape[0], heads, dim)
+        timer = self.tracker.start_timer(x)
+        density_key = layout.signature()
+        density = self.tracker.densities.get(density_key)
+        with linear_weights(attn.qkv_proj, x) as (weight, bias):
+            qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
+            for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
+                q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                if density is None:  # measured once per shape and run: it needs a host sync
+                    o, info = sparse_attention(q, k, v, layout, self.config, return_info=True)
+                    density = self.tracker.densities[density_key] = info.density
+                else:
+                    o = sparse_attention(q, k, v, layout, self.config)
+                out[:, h0:h1] = o[0].transpose(0, 1)
+                del q, k, v, o
+        del x
+        self.tracker.stop_timer(timer)
+        self.tracker.note_block(step, sparse=True, density=density)
+        return attn.out_proj(out.view(out.shape[0], heads * dim))
+
+
+def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
+    """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
+    return install(model_patcher, SparseAttentionHook(config))

@@ -1,0 +1,101 @@
+"""Chunked Q/K/V production from an H3 attention layer's own weights.
+
+H3's attention projects the block input with one fused ``qkv_proj`` ([S, 3*H*D], no bias),
+applies a per-head RMSNorm to q and k and then split-half RoPE on the first ``rot_dim`` dims of
+each head (pair i is dims i and i + rot_dim/2; the rotation table is [1, S, 1, rot_dim/2, 2, 2]
+of [[cos, -sin], [sin, cos]]). Here the same maths runs over chunks of rows and writes straight
+into head-major q, k, v [1, g, S, D], the layout the sparse kernel reads, so the full fused
+[S, 3*H*D] buffer and the model's v copy never exist. A head subset [h0, h1) can be produced on
+its own (low-VRAM head groups): its weight rows are sliced out of the fused projection.
+
+Norm + RoPE use comfy-kitchen's `rms_rope_split_half_` when it is importable (the kernel H3
+itself calls, so the results match the model bit for bit on the same backend) and an equivalent
+torch implementation otherwise. Rows are produced in model order: the tiling's permutation is
+applied by the kernel's indexed loads, not by gathering rows before the projection.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ROWS = 4096  # rows per projection chunk: 4096 x 3 x 7168 bf16 = 176 MB at H3's width
+KITCHEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what comfy-kitchen's rope kernels take
+
+
+@functools.lru_cache(maxsize=1)
+def kitchen():
+    """comfy-kitchen's module when importable (it imports `packaging` without declaring it)."""
+    try:
+        import comfy_kitchen
+    except Exception:  # not installed or broken install: the torch path is equivalent
+        return None
+    return comfy_kitchen if hasattr(comfy_kitchen, "rms_rope_split_half_") else None
+
+
+def rms_rope_split_half(x: torch.Tensor, table: torch.Tensor | None, scale: torch.Tensor, eps: float,
+                        rot_dim: int) -> torch.Tensor:
+    """Per-head RMSNorm of x [..., S, heads, D] then split-half RoPE on its first `rot_dim` dims.
+
+    Mirrors comfy-kitchen's eager kernel: the norm in x's dtype, the rotation in the table's
+    dtype, the result in x's dtype.
+    """
+    y = F.rms_norm(x, (x.shape[-1],), weight=scale.to(x.dtype), eps=eps)
+    if table is None:
+        return y
+    half = rot_dim // 2
+    a = y[..., :half].to(table.dtype)
+    b = y[..., half:rot_dim].to(table.dtype)
+    first = table[..., 0, 0] * a + table[..., 0, 1] * b
+    second = table[..., 1, 0] * a + table[..., 1, 1] * b
+    return torch.cat((first.to(x.dtype), second.to(x.dtype), y[..., rot_dim:]), dim=-1)
+
+
+def head_rows(t: torch.Tensor, num_heads: int, head_dim: int, heads: tuple[int, int]) -> torch.Tensor:
+    """Rows of a fused [3*H*D, ...] projection weight (or bias) that produce heads [h0, h1) of q, k, v."""
+    h0, h1 = heads
+    if (h0, h1) == (0, num_heads):
+        return t
+    return t.reshape(3, num_heads, head_dim, *t.shape[1:])[:, h0:h1].reshape(3 * (h1 - h0) * head_dim, *t.shape[1:])
+
+
+def produce_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, head_dim: int,
+                q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float, rope: torch.Tensor | None,
+                heads: tuple[int, int] | None = None, chunk_rows: int = CHUNK_ROWS
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [1, g, S, D] of heads [h0, h1) (all heads by default) from x [S, hidden].
+
+    weight [3*H*D, hidden] and bias are the fused projection's, already in x's dtype and device;
+    q_scale/k_scale [D] are the q/k RMSNorm weights; rope is H3's rotation table or None.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"produce_qkv: x must be [S, hidden], got shape {tuple(x.shape)}")
+    if weight.shape[0] != 3 * num_heads * head_dim:
+        raise ValueError(f"produce_qkv: weight has {weight.shape[0]} rows, expected 3*{num_heads}*{head_dim}")
+    h0, h1 = (0, num_heads) if heads is None else heads
+    if not 0 <= h0 < h1 <= num_heads:
+        raise ValueError(f"produce_qkv: heads={heads} must satisfy 0 <= h0 < h1 <= {num_heads}")
+    if chunk_rows < 1:
+        raise ValueError(f"produce_qkv: chunk_rows={chunk_rows} must be >= 1")
+    g, S = h1 - h0, x.shape[0]
+    w = head_rows(weight, num_heads, head_dim, (h0, h1))
+    b = None if bias is None else head_rows(bias, num_heads, head_dim, (h0, h1))
+    q, k, v = (x.new_empty(1, g, S, head_dim) for _ in range(3))
+    rot_dim = 0 if rope is None else rope.shape[-3] * 2
+    # the kitchen op is in place (inference only); with autograd the torch path keeps the graph
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, q_scale, k_scale))
+    ck = kitchen() if rope is not None and x.dtype in KITCHEN_DTYPES and not grad else None
+    for a in range(0, S, chunk_rows):
+        e = min(S, a + chunk_rows)
+        qc, kc, vc = (t.view(1, e - a, g, head_dim) for t in F.linear(x[a:e], w, b).split(g * head_dim, dim=-1))
+        table = None if rope is None else rope[:, a:e]
+        if ck is not None:
+            ck.rms_rope_split_half_(qc, kc, table, q_scale, k_scale, epsilon=eps, rot_dim=rot_dim)
+        else:
+            qc = rms_rope_split_half(qc, table, q_scale, eps, rot_dim)
+            kc = rms_rope_split_half(kc, table, k_scale, eps, rot_dim)
+        q[0, :, a:e] = qc[0].transpose(0, 1)
+        k[0, :, a:e] = kc[0].transpose(0, 1)
+        v[0, :, a:e] = vc[0].transpose(0, 1)
+    return q, k, v

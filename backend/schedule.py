@@ -1,0 +1,158 @@
+"""Which (layer, denoising step) runs sparse, and what one sampling run did.
+
+ComfyUI calls the H3 model once per cond/uncond batch (H3 runs batch size 1, so a CFG step is
+two calls). Warmup must count denoising steps, not calls: the step of a call is the entry of the
+run's schedule nearest to the call's sigma, ``argmin |sample_sigmas - sigma|``, so both calls of
+a CFG pair land on the same step. A changed schedule means a new sampling run.
+
+`RunTracker` holds everything that belongs to one run (the schedule, reasons already logged,
+counters, timings) and is reset when the run ends, so nothing grows across runs.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SparseConfig
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+
+def denoising_step(sigma: torch.Tensor, schedule: torch.Tensor) -> tuple[int, int]:
+    """(step, total steps) of a call at `sigma` in `schedule` (steps + 1 sigmas, the last one 0)."""
+    sched = schedule.detach().flatten().to("cpu", torch.float64)
+    if sched.numel() < 2:
+        raise ValueError(f"sample_sigmas must hold at least 2 values (steps + 1), got {sched.numel()}")
+    total = sched.numel() - 1
+    s = float(sigma.detach().flatten()[0])
+    return min(int((sched - s).abs().argmin()), total - 1), total
+
+
+def warmup_steps(config: SparseConfig, total: int) -> int:
+    """Number of leading dense steps: ceil(warmup_ratio * total) for `fidelity`, 0 for `speed`."""
+    if config.warmup_mode == "dense":
+        return total
+    if config.warmup_mode == "speed":
+        return 0
+    return min(total, math.ceil(round(config.warmup_ratio * total, 9)))
+
+
+def schedule_reason(config: SparseConfig, layer: int, step: int | None, total: int | None,
+                    seq_len: int) -> str | None:
+    """Why the schedule keeps (layer, step) dense, or None when it may run sparse."""
+    if config.warmup_mode == "dense":
+        return "warmup_mode='dense'"
+    if step is not None and total is not None and step < warmup_steps(config, total):
+        return f"warmup (step {step + 1} of {total})"
+    if layer in config.dense_layers:
+        return f"layer {layer} is in dense_layers"
+    if seq_len < config.min_tokens:
+        return f"{seq_len} tokens < min_tokens={config.min_tokens}"
+    return None
+
+
+@dataclass
+class RunStats:
+    """Counters of one sampling run."""
+
+    dense_steps: set[int] = field(default_factory=set)
+    sparse_steps: set[int] = field(default_factory=set)
+    dense_blocks: int = 0
+    sparse_blocks: int = 0
+    density_sum: float = 0.0  # over sparse block calls
+    attention_ms: float = 0.0  # our attention in sparse blocks
+
+
+class RunTracker:
+    """State of the current sampling run: its schedule, logged reasons, statistics and timers."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.schedule: torch.Tensor | None = None
+        self.logged: set[str] = set()
+        self.stats = RunStats()
+        self.densities: dict[tuple, float] = {}  # per layout signature, measured once per run
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def step_of(self, transformer_options: dict) -> tuple[int | None, int | None]:
+        """Denoising step and total of a model call; a changed schedule starts a new run."""
+        schedule = transformer_options.get("sample_sigmas")
+        sigma = transformer_options.get("sigmas")
+        if schedule is None or sigma is None:
+            self.log_once("ComfyUI passed no sample_sigmas/sigmas: warmup cannot be applied, every call "
+                          "counts as a sparse-eligible step")
+            return None, None
+        cpu = schedule.detach().flatten().to("cpu", torch.float64)
+        if self.schedule is not None and not (cpu.shape == self.schedule.shape and torch.equal(cpu, self.schedule)):
+            self.finish()
+        self.schedule = cpu
+        self.flush_timers()
+        return denoising_step(sigma, cpu)
+
+    def log_once(self, message: str) -> None:
+        if message not in self.logged:
+            self.logged.add(message)
+            log.warning("%s: %s", self.name, message)
+
+    def note_block(self, step: int | None, sparse: bool, density: float = 1.0) -> None:
+        s = self.stats
+        key = -1 if step is None else step
+        if sparse:
+            s.sparse_blocks += 1
+            s.sparse_steps.add(key)
+            s.density_sum += density
+        else:
+            s.dense_blocks += 1
+            s.dense_steps.add(key)
+
+    def start_timer(self, x: torch.Tensor) -> object:
+        """Start timing our attention; CUDA events avoid a host synchronisation per block."""
+        if x.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def stop_timer(self, token: object) -> None:
+        if isinstance(token, float):
+            self.stats.attention_ms += (time.perf_counter() - token) * 1e3
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((token, end))
+
+    def flush_timers(self) -> None:
+        """Add up recorded CUDA event pairs (called once per model call and at the end of a run)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self.stats.attention_ms += sum(a.elapsed_time(b) for a, b in self._pending)
+            self._pending.clear()
+
+    def summary(self) -> str | None:
+        s = self.stats
+        if not (s.dense_blocks or s.sparse_blocks):
+            return None
+        # a step is sparse when any block of it ran sparse
+        sparse_steps = len(s.sparse_steps)
+        dense_steps = len(s.dense_steps - s.sparse_steps)
+        mean = s.density_sum / s.sparse_blocks if s.sparse_blocks else 1.0
+        overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
+        return (f"{self.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
+                f"{s.sparse_blocks} sparse; mean density {mean:.3f} in sparse blocks ({overall:.3f} over all "
+                f"blocks); sparse attention time {s.attention_ms / 1e3:.2f} s")
+
+    def finish(self) -> str | None:
+        """End the run: log its summary once and reset everything it held."""
+        self.flush_timers()
+        line = self.summary()
+        if line:
+            log.info("%s", line)
+        self.schedule = None
+        self.logged.clear()
+        self.densities.clear()
+        self.stats = RunStats()
+        return line

@@ -1,0 +1,119 @@
+"""The "Capture H3 Attention" node: saves real Q/K/V of chosen blocks and steps for offline evaluation.
+
+The hook produces q, k, v (after RMS-norm and RoPE) with the same producer the sparse path uses,
+keeps CPU copies, and lets the block's attention run unchanged. Entries of one denoising step are
+written together (one safetensors file per step, via `backend.capture.save_capture`) into
+ComfyUI's output folder, so host memory holds at most one step's captures. Only the conditional
+call of a CFG pair is captured.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+from comfy_api.latest import io
+
+from ..backend.h3_patch import BlockHook, install, linear_weights, on_device, unwrap_input
+from ..backend.layout import SequenceLayout
+from ..backend.producer import produce_qkv
+from .schema import io_input
+from .widgets import CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_WIDGETS, CATEGORY, capture_selection
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+
+class CaptureHook(BlockHook):
+    """Copies q, k, v of the chosen (layer, step) calls and writes them per step."""
+
+    name = "capture"
+
+    def __init__(self, layers: tuple[int, ...], steps: tuple[int, ...], filename_prefix: str, output_dir: str):
+        self.layers, self.steps = set(layers), set(steps)
+        self.folder = os.path.abspath(os.path.join(output_dir, os.path.dirname(os.path.normpath(filename_prefix))))
+        self.base = os.path.basename(os.path.normpath(filename_prefix))
+        if os.path.commonpath([self.folder, os.path.abspath(output_dir)]) != os.path.abspath(output_dir) or not self.base:
+            raise ValueError(f"{CAPTURE_NODE_NAME}.filename_prefix={filename_prefix!r} must name a file inside the "
+                             "output folder, e.g. 'h3_attention/capture'")
+        self.pending: list[dict[str, Any]] = []
+        self.pending_layout: SequenceLayout | None = None
+        self.meta: dict[str, Any] = {}
+        super().__init__()
+
+    @property
+    def title(self) -> str:
+        return CAPTURE_NODE_NAME
+
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+        to = args.get("transformer_options", {})
+        ctx = self.call_context(to)
+        if layer not in self.layers or ctx.step not in self.steps or 1 in to.get("cond_or_uncond", [0]):
+            return None
+        if any(e["layer"] == layer and e["step"] == ctx.step for e in self.pending):
+            return None
+        layout = self.layout(args, ctx)
+        if layout is None or layout.total != args["img"].shape[0]:
+            self.tracker.log_once(f"layer {layer} step {ctx.step}: no matching sequence layout, not captured")
+            return None
+        sigma = to.get("sigmas")
+        return ctx.step, ctx.total, layout, None if sigma is None else float(sigma.flatten()[0])
+
+    def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
+               transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        step, total, layout, sigma = token
+        x = unwrap_input(x)
+        if self.pending and (self.pending[0]["step"] != step or self.pending_layout != layout):
+            self.flush()
+        with linear_weights(attn.qkv_proj, x) as (weight, bias):
+            q, k, v = produce_qkv(x, weight, bias, attn.heads, attn.head_dim, on_device(attn.q_norm.weight, x.device),
+                                  on_device(attn.k_norm.weight, x.device), attn.q_norm.eps, rope_freqs)
+        self.pending.append({"layer": layer, "step": step, "q": q.cpu(), "k": k.cpu(), "v": v.cpu()})
+        self.pending_layout = layout
+        self.meta = {"model": "MiniMax-H3", "total_steps": total, "call": "cond", "heads": attn.heads,
+                     "head_dim": attn.head_dim, "dtype": str(x.dtype),
+                     "sigmas": {**self.meta.get("sigmas", {}), str(step): sigma}}
+        return fallback(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+
+    def flush(self) -> None:
+        """Write the pending entries (one step) to a new file in the output folder."""
+        if not self.pending:
+            return
+        from ..backend.capture import save_capture
+
+        os.makedirs(self.folder, exist_ok=True)
+        step, counter = self.pending[0]["step"], 1
+        while os.path.exists(path := os.path.join(self.folder, f"{self.base}_{counter:05d}_step{step:03d}.safetensors")):
+            counter += 1
+        save_capture(path, self.pending, self.pending_layout, self.meta)
+        log.info("%s: wrote %d entries to %s", self.title, len(self.pending), path)
+        self.pending, self.pending_layout, self.meta = [], None, {}
+
+    def on_cleanup(self, patcher: Any = None) -> None:
+        self.flush()
+        super().on_cleanup(patcher)
+
+
+class CaptureH3Attention(io.ComfyNode):
+    """Saves Q/K/V and the sequence layout of chosen MiniMax-H3 blocks and steps."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=CAPTURE_NODE_ID,
+            display_name=CAPTURE_NODE_NAME,
+            category=CATEGORY,
+            description=("Saves the real attention inputs (q, k, v after norm and RoPE) and the packed-sequence "
+                         "layout of the chosen blocks and denoising steps to safetensors files in the output "
+                         "folder, for `python -m adaptive_sparse_attention evaluate FILE`. Sampling is unchanged."),
+            inputs=[io.Model.Input("model", tooltip="A MiniMax-H3 model.")] + [io_input(w) for w in CAPTURE_WIDGETS],
+            outputs=[io.Model.Output(tooltip="The same model, capturing while it samples.")],
+        )
+
+    @classmethod
+    def execute(cls, model, layers: str, steps: str, filename_prefix: str) -> io.NodeOutput:
+        import folder_paths
+
+        chosen_layers, chosen_steps = capture_selection(layers, steps)
+        hook = CaptureHook(chosen_layers, chosen_steps, filename_prefix, folder_paths.get_output_directory())
+        return io.NodeOutput(install(model, hook))

@@ -1,0 +1,30 @@
+"""The "Adaptive Sparse Attention (MiniMax-H3)" node: widgets -> SparseConfig -> patched MODEL."""
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..backend.h3_patch import apply_sparse_attention
+from .schema import io_input
+from .widgets import CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_WIDGETS, config_from_widgets
+
+
+class AdaptiveSparseAttentionH3(io.ComfyNode):
+    """Runs every MiniMax-H3 DiT block with adaptive block-sparse attention."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=SPARSE_NODE_ID,
+            display_name=SPARSE_NODE_NAME,
+            category=CATEGORY,
+            description=("Replaces dense attention in MiniMax-H3's DiT blocks with adaptive block-sparse attention: "
+                         "exact attention on the key blocks that matter for each query block, summaries for the "
+                         "rest, text and audio kept exact. Place it between the model loader (and any LoRA or "
+                         "low-VRAM nodes) and the sampler."),
+            inputs=[io.Model.Input("model", tooltip="A MiniMax-H3 model.")] + [io_input(w) for w in SPARSE_WIDGETS],
+            outputs=[io.Model.Output(tooltip="The model with sparse attention in its DiT blocks.")],
+        )
+
+    @classmethod
+    def execute(cls, model, **widgets) -> io.NodeOutput:
+        return io.NodeOutput(apply_sparse_attention(model, config_from_widgets(widgets)))

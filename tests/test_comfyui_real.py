@@ -1,0 +1,350 @@
+"""Against a real ComfyUI checkout (COMFYUI_PATH), on the CPU, with a tiny random-weight MiniMax-H3.
+
+Skipped unless COMFYUI_PATH points at a ComfyUI checkout whose Python environment is the one
+running pytest. KJNODES_PATH may point at a ComfyUI-KJNodes checkout to also run the low-VRAM
+composition and to check its node types in /object_info.
+
+In process: the checkpoint goes UNETLoader -> our node -> KSampler (cfg > 1); the sparse path
+runs after the warmup, ratio 1.0 reproduces the unpatched model, weight patches (what LoRA
+loaders add) and KJNodes' low-VRAM patches compose, and the capture node writes a file that
+round-trips. Through the headless server: the same graph posted to /prompt, and every node type
+of our bundled workflows present in /object_info.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+COMFYUI = os.environ.get("COMFYUI_PATH", "")
+KJNODES = os.environ.get("KJNODES_PATH", "")
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
+                                reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
+
+TINY = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2, attention_head_dim=32,
+            ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
+            time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
+CKPT = "tiny_h3_random.safetensors"
+LATENT = dict(width=256, height=256, length=22)  # 7 latent frames of 8x8 patches: 448 video rows, S = 529
+SUMMARY = re.compile(r"adaptive sparse attention: steps (\d+) dense / (\d+) sparse; blocks (\d+) dense / (\d+) sparse")
+SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-video", tail_granularity="query",
+              warmup_ratio=0.25, tiling="reblock", reblock_layout="q_reuse_k", tail="reweight", dense_layers="",
+              min_tokens=0, block_size=64, strict=True)
+
+
+def save_tiny_h3(path: Path) -> None:
+    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it."""
+    import comfy.ops
+    import safetensors.torch
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+
+    model = MiniMaxH3Model(**TINY, operations=comfy.ops.disable_weight_init)
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for key, p in model.state_dict().items():
+        scale = 0.1 if p.dim() > 1 else 0.02
+        sd[key] = torch.randn(p.shape, generator=g) * scale + (1.0 if key.endswith("norm.weight") else 0.0)
+    sd["rope.inv_freq"] = 1.0 / (100.0 ** (torch.arange(TINY["rope_inv_freq_len"]) / TINY["rope_inv_freq_len"]))
+    safetensors.torch.save_file(sd, str(path))
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    """ComfyUI imported in this process on the CPU, with the tiny checkpoint in its model folder."""
+    base = tmp_path_factory.mktemp("comfy_base")
+    sys.path.insert(0, COMFYUI)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    import folder_paths
+
+    (base / "models" / "diffusion_models").mkdir(parents=True)
+    save_tiny_h3(base / "models" / "diffusion_models" / CKPT)
+    folder_paths.add_model_folder_path("diffusion_models", str(base / "models" / "diffusion_models"), is_default=True)
+    folder_paths.set_output_directory(str(base / "output"))
+    import nodes
+
+    return base, nodes
+
+
+def sample(nodes, model, cfg: float = 3.0, steps: int = 4):
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    latent = EmptyMiniMaxH3LatentAV.execute(**LATENT).result[0]
+    g = torch.Generator().manual_seed(1)
+    pos, neg = [[torch.randn(1, 7, 48, generator=g), {}]], [[torch.randn(1, 7, 48, generator=g), {}]]
+    out = nodes.common_ksampler(model, 7, steps, cfg, "euler", "simple", pos, neg, latent)[0]["samples"]
+    return torch.cat([t.flatten() for t in out.unbind()])
+
+
+def sparse(model, **changes):
+    from adaptive_sparse_attention.nodes.sparse_node import AdaptiveSparseAttentionH3
+
+    return AdaptiveSparseAttentionH3.execute(model=model, **{**SPARSE, **changes}).result[0]
+
+
+def summaries(caplog) -> list[tuple[int, ...]]:
+    return [tuple(map(int, m.groups())) for r in caplog.records if (m := SUMMARY.search(r.getMessage()))]
+
+
+def test_loader_node_ksampler_runs_sparse_after_warmup(comfy, caplog):
+    _, nodes = comfy
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    dense = sample(nodes, model)
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        approx = sample(nodes, sparse(model))
+        cubes = sample(nodes, sparse(model, tiling="cube", tail="mean", tail_granularity="block"))
+        exact = sample(nodes, sparse(model, topk_ratio=1.0))
+    # 4 steps, warmup ceil(0.25 * 4) = 1 step; cfg > 1: two calls per step, 2 blocks per call
+    assert summaries(caplog) == [(1, 3, 4, 12)] * 3
+    torch.testing.assert_close(exact, dense, rtol=1e-4, atol=1e-4)  # ratio 1.0 is dense attention
+    for out in (approx, cubes):
+        assert torch.isfinite(out).all() and (out - dense).abs().max() > 1e-6
+    other = model.clone()
+    other.add_object_patch("diffusion_model", torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Linear"):
+        sparse(other)
+
+
+def test_weight_patches_compose(comfy):
+    """LoRA loaders add weight patches; our producer must see the patched weights."""
+    _, nodes = comfy
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    lora = model.clone()
+    g = torch.Generator().manual_seed(3)
+    for i in range(TINY["num_layers"]):
+        key = f"diffusion_model.blocks.{i}.attn.qkv_proj.weight"
+        shape = model.get_model_object(key).shape
+        lora.add_patches({key: (0.05 * torch.randn(shape, generator=g),)}, 1.0)
+    dense = sample(nodes, lora)
+    assert (dense - sample(nodes, model)).abs().max() > 1e-4  # the patch matters
+    torch.testing.assert_close(sample(nodes, sparse(lora, topk_ratio=1.0)), dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(KJNODES, "nodes", "minimax_nodes.py")),
+                    reason="set KJNODES_PATH to a ComfyUI-KJNodes checkout to test the low-VRAM composition")
+def test_kjnodes_low_vram_chain_composes(comfy, caplog):
+    _, nodes = comfy
+    spec = importlib.util.spec_from_file_location("kj_minimax_nodes", os.path.join(KJNODES, "nodes", "minimax_nodes.py"))
+    kj = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kj)
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    dense = sample(nodes, model)
+    low = kj.MiniMaxLowVRAMAttention.execute(model, head_chunks=2).result[0]
+    low = kj.MiniMaxChunkFeedForward.execute(low, chunks=2, seq_threshold=256).result[0]
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        exact = sample(nodes, sparse(low, topk_ratio=1.0))  # our node after KJNodes' patches
+        before = sample(nodes, kj.MiniMaxLowVRAMAttention.execute(sparse(model, topk_ratio=1.0), head_chunks=2).result[0])
+    torch.testing.assert_close(exact, dense, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(before, dense, rtol=1e-4, atol=1e-4)
+    assert summaries(caplog) == [(1, 3, 4, 12), (1, 3, 4, 12)]
+
+
+def test_capture_node_writes_a_loadable_file(comfy):
+    base, nodes = comfy
+    from adaptive_sparse_attention.backend.capture import load_capture
+    from adaptive_sparse_attention.nodes.capture_node import CaptureH3Attention
+
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    captured = CaptureH3Attention.execute(model, layers="0,1", steps="1,2", filename_prefix="caps/tiny").result[0]
+    sample(nodes, captured)
+    files = sorted((base / "output" / "caps").glob("tiny_*.safetensors"))
+    assert [f.name for f in files] == ["tiny_00001_step001.safetensors", "tiny_00001_step002.safetensors"]
+    entries, layout, meta = load_capture(str(files[0]))
+    assert [(e["layer"], e["step"]) for e in entries] == [(0, 1), (1, 1)]
+    assert entries[0]["q"].shape == (1, 2, layout.total, 32) and layout.total == 7 + 2 * 37 + 448
+    assert meta["total_steps"] == 4 and meta["heads"] == 2 and torch.isfinite(entries[1]["v"]).all()
+
+
+# --- the headless server ----------------------------------------------------------------------
+TEST_NODES = '''
+import torch
+
+
+class ASATestConditioning:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 7}),
+                             "dim": ("INT", {"default": 48})}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, tokens, dim):
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, tokens, dim, generator=g), {}]],)
+
+
+class ASATestSink:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "sink"
+    CATEGORY = "testing"
+
+    def sink(self, samples):
+        t = samples["samples"]
+        parts = t.unbind() if getattr(t, "is_nested", False) else [t]
+        return {"ui": {"finite": [bool(torch.isfinite(p).all()) for p in parts]}}
+
+
+NODE_CLASS_MAPPINGS = {"ASATestConditioning": ASATestConditioning, "ASATestSink": ASATestSink}
+'''
+
+
+def get_json(url: str, data: dict | None = None, timeout: float = 10.0) -> dict:
+    body = None if data is None else json.dumps(data).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def server(comfy, tmp_path_factory):
+    """`python main.py --cpu` on a free loopback port with our pack (and KJNodes when given) installed."""
+    base, _ = comfy
+    custom = base / "custom_nodes"
+    custom.mkdir(exist_ok=True)
+    os.symlink(REPO, custom / "adaptive_sparse_attention")
+    if os.path.isfile(os.path.join(KJNODES, "__init__.py")):
+        os.symlink(KJNODES, custom / "ComfyUI-KJNodes")
+    (custom / "asa_test_nodes.py").write_text(TEST_NODES)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+                             "--disable-auto-launch", "--disable-api-nodes", "--base-directory", str(base)],
+                            cwd=COMFYUI, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                get_json(url + "/system_stats", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("ComfyUI did not start:\n" + log_path.read_text()[-3000:])
+                time.sleep(1)
+        yield url, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(custom, ignore_errors=True)
+
+
+def test_server_prompt_runs_the_sparse_path(server):
+    url, log_path = server
+    prompt = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": CKPT, "weight_dtype": "default"}},
+        "2": {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": ["1", 0], **SPARSE}},
+        "3": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": LATENT},
+        "4": {"class_type": "ASATestConditioning", "inputs": {"seed": 1, "tokens": 7, "dim": 48}},
+        "5": {"class_type": "ASATestConditioning", "inputs": {"seed": 2, "tokens": 7, "dim": 48}},
+        "6": {"class_type": "KSampler", "inputs": {"model": ["2", 0], "seed": 3, "steps": 4, "cfg": 3.0,
+                                                   "sampler_name": "euler", "scheduler": "simple", "positive": ["4", 0],
+                                                   "negative": ["5", 0], "latent_image": ["3", 0], "denoise": 1.0}},
+        "7": {"class_type": "ASATestSink", "inputs": {"samples": ["6", 0]}},
+    }
+    prompt_id = get_json(url + "/prompt", {"prompt": prompt})["prompt_id"]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        history = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
+        if history and history.get("status", {}).get("completed") is not None:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the prompt did not finish in 240 s:\n" + log_path.read_text()[-3000:])
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"])[:3000]
+    assert history["outputs"]["7"]["finite"] == [True, True]
+    found = [tuple(map(int, m.groups())) for m in SUMMARY.finditer(log_path.read_text())]
+    assert found == [(1, 3, 4, 12)], log_path.read_text()[-3000:]
+
+
+def test_workflow_node_types_exist_in_object_info(server):
+    url, _ = server
+    info = get_json(url + "/object_info", timeout=60)
+    assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention"} <= set(info)
+    ours = info["AdaptiveSparseAttentionH3"]["input"]["required"]
+    from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
+
+    assert list(ours) == ["model"] + [w.name for w in SPARSE_WIDGETS]
+    third_party = {"MiniMaxLowVRAMAttention", "MiniMaxChunkFeedForward"}  # ComfyUI-KJNodes
+    kj_installed = os.path.isfile(os.path.join(KJNODES, "__init__.py"))
+    missing = {}
+    for path in sorted((REPO / "workflows").glob("*.json")):
+        for node in json.loads(path.read_text())["nodes"]:
+            if node["type"] not in info and (kj_installed or node["type"] not in third_party):
+                missing.setdefault(path.name, []).append(node["type"])
+    assert not missing, f"node types missing from /object_info: {missing}"
+
+
+def ui_to_api(workflow: dict, info: dict) -> dict:
+    """API-format prompt of a UI-format workflow: links become [node, slot], widget values named in order."""
+    links = {lk[0]: lk for lk in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        spec = info[node["type"]]
+        specs = {**spec["input"].get("required", {}), **spec["input"].get("optional", {})}
+        order = spec["input_order"].get("required", []) + spec["input_order"].get("optional", [])
+        linked = {i["name"]: i["link"] for i in node.get("inputs", []) if i.get("link") is not None}
+        inputs = {name: [str(links[lid][1]), links[lid][2]] for name, lid in linked.items()}
+        values = list(node.get("widgets_values") or [])
+        for name in order:
+            kind, options = specs[name][0], (specs[name][1] if len(specs[name]) > 1 else {}) or {}
+            widget = isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO") \
+                or str(kind).startswith("COMFY_DYNAMICCOMBO")
+            if not widget or name in linked or not values:
+                continue
+            inputs[name] = values.pop(0)
+            if options.get("control_after_generate"):
+                values.pop(0)  # the frontend stores "fixed"/"randomize" right after a seed
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+def test_workflows_pass_server_validation_except_missing_files(server):
+    """ComfyUI validates every widget value of every node; only the model and media files may be missing here."""
+    url, _ = server
+    info = get_json(url + "/object_info", timeout=60)
+    missing_files = {("value_not_in_list", k) for k in ("unet_name", "clip_name", "vae_name")} | {
+        ("custom_validation_failed", "image"), ("custom_validation_failed", "file")}
+    checked = 0
+    for path in sorted((REPO / "workflows").glob("*.json")):
+        workflow = json.loads(path.read_text())
+        if any(n["type"] not in info for n in workflow["nodes"]):
+            continue  # third-party nodes not installed (test_workflow_node_types_exist_in_object_info covers it)
+        try:
+            get_json(url + "/prompt", {"prompt": ui_to_api(workflow, info)})
+            pytest.fail(f"{path.name} was queued although its model files do not exist")
+        except urllib.error.HTTPError as err:
+            body = json.loads(err.read())
+        problems = [(nid, e["type"], e.get("extra_info", {}).get("input_name"), e.get("details"))
+                    for nid, ne in body.get("node_errors", {}).items() for e in ne["errors"]]
+        assert problems and all((kind, name) in missing_files for _, kind, name, _ in problems), (path.name, problems)
+        checked += 1
+    assert checked >= 3

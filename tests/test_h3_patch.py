@@ -1,0 +1,306 @@
+"""The H3 block patch on a tiny H3-shaped model built from the documented block contract.
+
+Everything runs in float64 on the CPU with the torch reference kernel, so the patched blocks
+must match their oracles to ~1e-12 (only summation order differs).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from adaptive_sparse_attention import SparseConfig, sparse_attention
+from adaptive_sparse_attention.backend import h3_patch, producer
+from adaptive_sparse_attention.backend.h3_patch import (AttentionDispatch, LayoutCache, SparseAttentionHook,
+                                                        block_hooks, check_h3, head_groups)
+from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, block_wrap, layout_of
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+PACKED = PackedLayout(5, 4, 16, 16, 3)  # text 5, audio 6, video 4x8x8: S = 267, 4 video cubes of 64
+
+
+def config(**kw) -> SparseConfig:
+    base = dict(tiling="cube", warmup_mode="speed", min_tokens=0, backend="torch", topk_ratio=0.25)
+    base.update(kw)
+    return SparseConfig(**base)
+
+
+def options(step: int = 3, total: int = 10, **extra) -> dict:
+    sched = torch.linspace(1.0, 0.0, total + 1, dtype=torch.float64)
+    return {"sigmas": sched[step:step + 1].float(), "sample_sigmas": sched.float(), **extra}
+
+
+def model_of(new: bool, seed: int = 0, **kw) -> MiniMaxH3Model:
+    torch.manual_seed(seed)
+    model = MiniMaxH3Model(Block if new else OldBlock, **kw).double()
+    for block in model.blocks:  # non-trivial norm weights and gates
+        for norm in (block.norm1, block.norm2, block.attn.q_norm, block.attn.k_norm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return model.requires_grad_(False)  # as ComfyUI loads it
+
+
+def set_path(model, key: str, value) -> None:
+    *path, last = key.split(".")[1:]  # drop "diffusion_model"
+    obj = model
+    for p in path:
+        obj = obj[int(p)] if p.isdigit() else getattr(obj, p)
+    setattr(obj, last, value)
+
+
+class Executor:
+    """Stands in for ComfyUI's WrapperExecutor around H3's _forward."""
+
+    def __init__(self, model, fn):
+        self.class_obj, self.fn = model, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def run_model(model, hook, args: dict, new: bool, previous=None, object_patches=None):
+    """H3's block loop with every block replaced, entered through the hook's DIFFUSION_MODEL wrapper."""
+    replacements, patches = block_hooks(model, hook, previous or {}, object_patches or {})
+    for key, fn in {**(object_patches or {}), **patches}.items():
+        set_path(model, key, fn)
+
+    def forward(x, timestep, context, transformer_options, minimax_payload=None):
+        h = args["img"].clone()
+        for i, block in enumerate(model.blocks):
+            call = {**args, "img": h, "transformer_options": transformer_options}
+            h = replacements[i](call, {"original_block": block_wrap(block, new)})["img"]
+        return h
+
+    text, t, h, w, audio = PACKED.signature
+    x = [torch.zeros(1, 24, t, h, w), torch.zeros(1, 32, 2, audio)]
+    context = torch.zeros(1, text, 48)
+    try:
+        return hook.diffusion_model_wrapper(Executor(model, forward), x, None, context, args["transformer_options"],
+                                            minimax_payload={"layout": PACKED})
+    finally:
+        for block in model.blocks:
+            block.attn.__dict__.pop("forward", None)
+
+
+def reference(model, args: dict, attention_of) -> torch.Tensor:
+    h = args["img"].clone()
+    for block in model.blocks:
+        h = block.run(h, args["t_emb"], args["mod_segments"], args["rope_freqs"], {}, attention_of(block))
+    return h
+
+
+def sparse_oracle(cfg: SparseConfig):
+    layout = layout_of(PACKED)
+
+    def attention_of(block):
+        def attention(x, rope_freqs=None, transformer_options=None):
+            q, k, v = block.attn.qkv(x, rope_freqs)
+            out = sparse_attention(q, k, v, layout, cfg)
+            return block.attn.out_proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
+        return attention
+    return attention_of
+
+
+@pytest.mark.parametrize("new", [True, False], ids=["args-attention", "attn-object-patch"])
+def test_ratio_one_matches_the_dense_block(new):
+    model = model_of(new)
+    args = block_args(model.blocks[0], PACKED, seed=1, new=new)
+    args["transformer_options"] = options()
+    hook = SparseAttentionHook(config(topk_ratio=1.0))
+    out = run_model(model, hook, args, new)
+    dense = reference(model, args, lambda block: block.attn)
+    torch.testing.assert_close(out, dense, **TOL)
+    assert hook.tracker.stats.sparse_blocks == 2 and hook.tracker.stats.dense_blocks == 0
+
+
+@pytest.mark.parametrize("new", [True, False], ids=["args-attention", "attn-object-patch"])
+@pytest.mark.parametrize("kw", [dict(topk_ratio=0.25), dict(topk_ratio=0.5, tail="mean", tail_granularity="block"),
+                                dict(topk_ratio=0.3, tail="none", block_size=128), dict(tiling="reblock")])
+def test_sparse_block_matches_the_reference(new, kw):
+    model = model_of(new, seed=2, layers=1)
+    args = block_args(model.blocks[0], PACKED, seed=3, new=new)
+    args["transformer_options"] = options()
+    cfg = config(**kw)
+    out = run_model(model, SparseAttentionHook(cfg), args, new)
+    torch.testing.assert_close(out, reference(model, args, sparse_oracle(cfg)), **TOL)
+    dense = reference(model, args, lambda block: block.attn)
+    assert (out - dense).abs().max() > 1e-6  # the sparse path really ran
+
+
+@pytest.mark.parametrize("new,tiling", [(True, "cube"), (False, "cube"), (True, "reblock")])
+def test_head_subset_calls_and_list_input(new, tiling):
+    """KJNodes' low-VRAM nodes split heads into groups and hand the input in a list."""
+    model = model_of(new, seed=4, layers=1)
+    args = block_args(model.blocks[0], PACKED, seed=5, new=new)
+    cfg = config(topk_ratio=0.3, tiling=tiling)
+    args["transformer_options"] = options(minimax_head_chunks=2)  # 3 heads -> groups of 2 and 1
+    grouped = run_model(model, SparseAttentionHook(cfg), args, new)
+    args["transformer_options"] = options()
+    whole = run_model(model, SparseAttentionHook(cfg), args, new)
+    torch.testing.assert_close(grouped, whole, **TOL)
+    assert head_groups(3, 2) == [(0, 2), (2, 3)] and head_groups(56, 4)[-1] == (42, 56) and head_groups(4, "x") == [(0, 4)]
+
+    block = model.blocks[0]
+    hook = SparseAttentionHook(cfg)
+    token = (0, layout_of(PACKED))
+    x = args["img"].clone()
+    listed = hook.attend(0, token, block.attn, [x.clone()], args["rope_freqs"], {}, None)
+    torch.testing.assert_close(listed, hook.attend(0, token, block.attn, x, args["rope_freqs"], {}, None), **TOL)
+
+
+def test_warmup_steps_under_cfg_then_sparse():
+    model = model_of(True, seed=6, layers=1)
+    args = block_args(model.blocks[0], PACKED, seed=7, new=True)
+    hook = SparseAttentionHook(config(warmup_mode="fidelity", warmup_ratio=0.3))  # ceil(0.3 * 5) = 2 steps
+    for step in range(5):
+        for cond in (0, 1):  # a CFG pair is two model calls of one step
+            args["transformer_options"] = options(step, 5, cond_or_uncond=[cond])
+            run_model(model, hook, args, True)
+    s = hook.tracker.stats
+    assert (s.dense_steps - s.sparse_steps, s.sparse_steps) == ({0, 1}, {2, 3, 4})
+    assert (s.dense_blocks, s.sparse_blocks) == (2 * 2, 3 * 2)
+    line = hook.tracker.finish()
+    assert "steps 2 dense / 3 sparse" in line and "blocks 4 dense / 6 sparse" in line
+    assert hook.tracker.stats.sparse_blocks == 0 and not hook.tracker.densities  # reset after the run
+
+
+def test_dense_layers_min_tokens_and_dense_mode(caplog):
+    model = model_of(True, seed=8)
+    args = block_args(model.blocks[0], PACKED, seed=9, new=True)
+    overridden = []
+    args["transformer_options"] = options(optimized_attention_override=lambda *a, **k: overridden.append(1))
+    for cfg, sparse in ((config(dense_layers="1"), 1), (config(min_tokens=PACKED.seq_len + 1), 0),
+                        (config(warmup_mode="dense"), 0)):
+        hook = SparseAttentionHook(cfg)
+        out = run_model(model, hook, args, True)
+        assert hook.tracker.stats.sparse_blocks == sparse
+        if sparse == 0:
+            torch.testing.assert_close(out, reference(model, args, lambda block: block.attn), **TOL)
+    # another node's attention override is not called by sparse blocks (so it cannot recurse) and it is said so
+    assert not overridden and any("optimized_attention_override applies to dense blocks only" in r.getMessage()
+                                  for r in caplog.records)
+
+
+def test_strict_errors_and_logged_fallbacks(caplog, monkeypatch):
+    model = model_of(True, seed=10, head_dim=48)  # head_dim 48 is not a kernel head size
+    args = block_args(model.blocks[0], PACKED, seed=11, new=True)
+    args["transformer_options"] = options()
+    with pytest.raises(RuntimeError, match=r"\(strict\).*head_dim=48"):
+        run_model(model, SparseAttentionHook(config(strict=True)), args, True)
+    hook = SparseAttentionHook(config())
+    with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
+        for step in range(3):
+            args["transformer_options"] = options(step)
+            out = run_model(model, hook, args, True)
+    assert sum("head_dim=48" in r.getMessage() for r in caplog.records) == 2  # once per layer per run
+    torch.testing.assert_close(out, reference(model, args, lambda block: block.attn), **TOL)
+
+    model = model_of(True, seed=12)
+    args = block_args(model.blocks[0], PACKED, seed=13, new=True)
+    args["layout"] = PackedLayout(5, 4, 16, 12, 3)  # does not match the input rows
+    args["transformer_options"] = options()
+    with pytest.raises(RuntimeError, match="does not match the layout"):
+        run_model(model, SparseAttentionHook(config(strict=True)), args, True)
+    hook = SparseAttentionHook(config())
+    layout = layout_of(PACKED)
+    x = torch.zeros(layout.total, 32, device="meta")
+    assert "device meta" in hook.unsupported(model.blocks[0].attn, x, layout)
+    assert "int" in hook.unsupported(model.blocks[0].attn, torch.zeros(layout.total, 32, dtype=torch.int32), layout)
+    assert "layout was not found" in hook.unsupported(model.blocks[0].attn, x, None)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: Triton cannot run, strict says so
+    args["layout"] = PACKED
+    with pytest.raises(RuntimeError, match="triton.*strict"):
+        run_model(model, SparseAttentionHook(config(strict=True, backend="triton")), args, True)
+
+
+def test_chains_earlier_patches_and_object_patches():
+    """A replacement registered before ours and another node's attn.forward patch keep working."""
+    model = model_of(False, seed=14)
+    args = block_args(model.blocks[0], PACKED, seed=15, new=False)
+    calls = {"replace": 0, "forward": 0}
+
+    def earlier(args, extra):
+        calls["replace"] += 1
+        return extra["original_block"](args)
+
+    def other_forward_of(attn):
+        plain = attn.forward
+
+        def forward(x, rope_freqs=None, transformer_options={}):  # noqa: B006
+            calls["forward"] += 1
+            return plain(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+        return forward
+
+    others = {f"diffusion_model.blocks.{i}.attn.forward": other_forward_of(b.attn) for i, b in enumerate(model.blocks)}
+    args["transformer_options"] = options(0)
+    hook = SparseAttentionHook(config(warmup_mode="fidelity", dense_layers="1"))
+    dense = run_model(model, hook, args, False, previous={0: earlier, 1: earlier}, object_patches=others)
+    assert calls == {"replace": 2, "forward": 2}  # warmup step: both blocks dense through the other patch
+    torch.testing.assert_close(dense, reference(model, args, lambda block: block.attn), **TOL)
+    args["transformer_options"] = options(5)
+    run_model(model, hook, args, False, previous={0: earlier, 1: earlier}, object_patches=others)
+    assert calls == {"replace": 4, "forward": 3}  # block 0 sparse (ours), block 1 dense_layers (theirs)
+    _, patches = block_hooks(model, hook, {}, others)
+    assert all(isinstance(p, AttentionDispatch) and p.fallback is others[k] for k, p in patches.items())
+
+
+def test_the_nearest_hook_to_the_sampler_wins():
+    model = model_of(True, seed=16)
+    args = block_args(model.blocks[0], PACKED, seed=17, new=True)
+    args["transformer_options"] = options()
+    inner, outer = SparseAttentionHook(config(topk_ratio=0.25)), SparseAttentionHook(config(topk_ratio=1.0))
+    first, _ = block_hooks(model, inner, {}, {})
+    out = run_model(model, outer, args, True, previous=first)
+    torch.testing.assert_close(out, reference(model, args, lambda block: block.attn), **TOL)
+    assert inner.tracker.stats.sparse_blocks == 0 and outer.tracker.stats.sparse_blocks == 2
+
+
+def test_layout_discovery_and_bounded_cache():
+    model = model_of(True, seed=18)
+    hook = SparseAttentionHook(config())
+    ctx = h3_patch.CallContext(0, 10, None)
+    assert hook.layout({"layout": PACKED}, ctx) == layout_of(PACKED)
+    assert hook.layout({"transformer_options": {"minimax_h3_layout": PACKED}}, ctx) == layout_of(PACKED)
+    assert hook.layout({}, h3_patch.CallContext(0, 10, PACKED)) == layout_of(PACKED)
+    assert hook.layout({}, ctx) is None
+    cache = LayoutCache(size=2)
+    for t in (4, 2, 3, 4):
+        cache.get(PackedLayout(5, t, 16, 16, 3))
+    assert len(cache.entries) == 2
+    assert hook.layout({"layout": PACKED}, ctx) is hook.layout({"layout": PackedLayout(5, 4, 16, 16, 3)}, ctx)
+    # the wrapper rebuilds a layout whose signature does not match the call (older upstream path)
+    video, audio = torch.zeros(1, 24, 4, 16, 16), torch.zeros(1, 32, 2, 3)
+    assert h3_patch.payload_layout(model, [video, audio], torch.zeros(1, 5, 8), {"layout": PACKED}) is PACKED
+    rebuilt = h3_patch.payload_layout(model, [video[:, :, :2], audio[..., :2]], torch.zeros(1, 5, 8), {"layout": PACKED})
+    assert rebuilt.signature == (5, 2, 16, 16, 2) and layout_of(rebuilt).total == 5 + 4 + 128
+
+
+def test_model_check():
+    check_h3(model_of(True))
+
+    class Flux(torch.nn.Module):
+        pass
+    with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Flux"):
+        check_h3(Flux())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
+    block = model_of(True, seed=19).blocks[0].to(dtype)
+    args = block_args(block, PACKED, seed=20, new=True, dtype=dtype)
+    attn = block.attn
+    expected = [t for t in attn.qkv(args["img"], args["rope_freqs"])]
+    tol = TOL if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    kitchens = [None] + ([producer.kitchen()] if producer.kitchen() is not None else [])
+    for ck in kitchens:
+        monkeypatch.setattr(producer, "kitchen", lambda ck=ck: ck)
+        for chunk, heads in ((7, None), (4096, (1, 3)), (100, (0, 1))):
+            got = producer.produce_qkv(args["img"], attn.qkv_proj.weight, None, 3, 32, attn.q_norm.weight,
+                                       attn.k_norm.weight, attn.q_norm.eps, args["rope_freqs"], heads, chunk)
+            h0, h1 = heads or (0, 3)
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e[:, h0:h1], **tol)
+    with pytest.raises(ValueError, match="heads"):
+        producer.produce_qkv(args["img"], attn.qkv_proj.weight, None, 3, 32, attn.q_norm.weight,
+                             attn.k_norm.weight, 1e-5, None, (2, 2))

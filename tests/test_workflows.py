@@ -1,0 +1,113 @@
+"""Bundled workflows: valid ComfyUI UI-format graphs whose node widgets match our schemas."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adaptive_sparse_attention.backend.config import SparseConfig
+from adaptive_sparse_attention.nodes.widgets import (CAPTURE_NODE_ID, CAPTURE_WIDGETS, SPARSE_NODE_ID, SPARSE_WIDGETS,
+                                                     Widget, capture_selection, config_from_widgets)
+
+WORKFLOWS = sorted((Path(__file__).resolve().parent.parent / "workflows").glob("*.json"))
+OURS = {SPARSE_NODE_ID: SPARSE_WIDGETS, CAPTURE_NODE_ID: CAPTURE_WIDGETS}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_the_four_scenarios_are_bundled():
+    names = {p.stem for p in WORKFLOWS}
+    assert {"h3_text_to_audio_video_sparse", "h3_keyframes_to_video_sparse", "h3_reference_to_video_joint_sparse",
+            "h3_low_vram_sparse"} <= names
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_graph_is_consistent(path):
+    wf = load(path)
+    assert {"nodes", "links", "last_node_id", "last_link_id", "version"} <= set(wf)
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    assert len(nodes) == len(wf["nodes"]) and max(nodes) <= wf["last_node_id"]
+    assert all(lk[0] <= wf["last_link_id"] for lk in wf["links"])
+    for link_id, src, src_slot, dst, dst_slot, kind in wf["links"]:
+        out, inp = nodes[src]["outputs"][src_slot], nodes[dst]["inputs"][dst_slot]
+        assert link_id in out["links"] and inp["link"] == link_id, f"{path.name}: link {link_id} is not wired both ways"
+        assert out["type"] == inp["type"] == kind, f"{path.name}: link {link_id} joins {out['type']} to {inp['type']}"
+    linked = {lk[0] for lk in wf["links"]}
+    for node in wf["nodes"]:
+        assert all(i["link"] is None or i["link"] in linked for i in node.get("inputs", []))
+        assert all(set(o.get("links") or []) <= linked for o in node.get("outputs", []))
+
+
+def check_widgets(values: list, widgets: tuple[Widget, ...], where: str) -> dict:
+    assert len(values) == len(widgets), f"{where}: {len(values)} widget values for {len(widgets)} widgets"
+    for w, v in zip(widgets, values):
+        assert w.accepts(v), f"{where}: {w.name}={v!r} is not valid"
+    return {w.name: v for w, v in zip(widgets, values)}
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_our_nodes_match_the_schema(path):
+    wf = load(path)
+    ours = [n for n in wf["nodes"] if n["type"] in OURS]
+    assert any(n["type"] == SPARSE_NODE_ID for n in ours), f"{path.name} does not use {SPARSE_NODE_ID}"
+    for node in ours:
+        values = check_widgets(node["widgets_values"], OURS[node["type"]], f"{path.name} node {node['id']}")
+        if node["type"] == SPARSE_NODE_ID:
+            assert isinstance(config_from_widgets(values), SparseConfig)
+            model_in = [i for i in node["inputs"] if i["name"] == "model"]
+            assert model_in and model_in[0]["type"] == "MODEL" and model_in[0]["link"] is not None
+        else:
+            capture_selection(values["layers"], values["steps"])
+
+
+def test_scenario_settings():
+    by_name = {p.stem: load(p) for p in WORKFLOWS}
+
+    def sparse_values(name):
+        node = next(n for n in by_name[name]["nodes"] if n["type"] == SPARSE_NODE_ID)
+        return dict(zip((w.name for w in SPARSE_WIDGETS), node["widgets_values"]))
+
+    assert sparse_values("h3_reference_to_video_joint_sparse")["sparse_scope"] == "joint-video"
+    chain = by_name["h3_low_vram_sparse"]
+    nodes = {n["id"]: n for n in chain["nodes"]}
+    # loader -> low-VRAM attention -> chunked feed-forward -> our node
+    into = {dst: nodes[src]["type"] for _, src, _, dst, _, kind in chain["links"] if kind == "MODEL"}
+    ours = next(n["id"] for n in chain["nodes"] if n["type"] == SPARSE_NODE_ID)
+    ffn = next(n["id"] for n in chain["nodes"] if n["type"] == "MiniMaxChunkFeedForward")
+    attn = next(n["id"] for n in chain["nodes"] if n["type"] == "MiniMaxLowVRAMAttention")
+    assert (into[ours], into[ffn], into[attn]) == ("MiniMaxChunkFeedForward", "MiniMaxLowVRAMAttention", "UNETLoader")
+
+
+def test_widget_spec_mirrors_sparse_config():
+    """Every SparseConfig field but the backend is a widget, with SparseConfig's default."""
+    defaults = SparseConfig()
+    names = [w.name for w in SPARSE_WIDGETS]
+    assert sorted(names) == sorted(f for f in SparseConfig.__dataclass_fields__ if f != "backend")
+    for w in SPARSE_WIDGETS:
+        default = getattr(defaults, w.name)
+        assert (",".join(map(str, default)) if w.name == "dense_layers" else default) == w.default
+        assert w.tooltip and w.accepts(w.default)
+    assert [w.name for w in SPARSE_WIDGETS if not w.advanced] == ["topk_ratio", "warmup_mode", "sparse_scope",
+                                                                  "tail_granularity"]
+    with pytest.raises(ValueError, match="missing widget values"):
+        config_from_widgets({"topk_ratio": 0.2})
+    values = {w.name: w.default for w in SPARSE_WIDGETS}
+    with pytest.raises(ValueError, match="topk_ratio"):
+        config_from_widgets({**values, "topk_ratio": 0.0})
+    with pytest.raises(ValueError, match="Capture H3 Attention.steps"):
+        capture_selection("1", "")
+
+
+def test_install_check_reports_and_requirements_leave_pins_alone():
+    import subprocess
+    import sys
+
+    root = WORKFLOWS[0].parent.parent
+    done = subprocess.run([sys.executable, str(root / "install.py")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "torch" in done.stdout and "left as it is" in done.stdout and "comfy-kitchen" in done.stdout
+    lines = [ln.split("#")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
+    assert not [ln for ln in lines if ln.lower().startswith(("torch", "comfy-kitchen", "comfy_kitchen"))]
