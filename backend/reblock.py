@@ -1,0 +1,378 @@
+"""Reblock tiling (seed 001): per-head token layouts that group tokens with similar attention.
+
+Metric (seed 001, section 05). Two queries want the same keys when their logit profiles K q_i
+and K q_j point the same way; <K q_i, K q_j> = q_i^T K^T K q_j, so queries are compared by the
+cosine of q^T L_K with L_K L_K^T = M_K = K^T K / N (uncentered second moment of the keys, plus a
+small ridge relative to trace/d), and keys by the cosine of k^T L_Q. Moments are estimated per
+(batch, head) from an evenly strided sample of the region's rows; the factor is a Cholesky
+factor (`cholesky_ex`, no host sync).
+
+Partition (section 06). Features are normalised in the full head dimension, then projected on
+their top `FEATURE_DIMS` principal directions (subspace iteration, per head) so that the tree
+reads a few bytes per token per level. A region of N rows is ceil(N / block_size) blocks; the
+root holds all blocks, and every node splits its blocks into halves (floor, ceil) and its tokens
+by capacity: the left child takes the tokens with the smallest projections on the node's split
+direction (found from a few landmark members of the node: their top principal direction,
+refined by balanced 2-means steps), exactly its capacity, a multiple of the block size. The
+region's last block is its edge block (N mod block_size rows). Leaves are single blocks, in tree
+order. Every level is a few batched ops over all (tree, node) pairs: nodes are padded to the
+level's widest (sizes at one depth differ by at most one block), split by selection (kthvalue,
+ties by slot) and prefix sums, no sort, and the next level's slots are gathered through a static
+index map. Work is O(N log N) per head; the shape-only schedule is built on the host once per
+(layout, block size, device) and cached; on the GPU the partition is replayed from a CUDA graph.
+
+Layout modes: `q_reuse_k` builds the key layout and queries reuse it; `independent` builds both
+(queries by X_Q, keys by X_K) in one batched run. V always follows K. Context regions keep the
+1D chunks of the cube tiling.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .config import REBLOCK_LAYOUTS
+from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
+from .pooling import accum_dtype
+from .tiling import Tiling, chunk_tiles
+
+MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
+RIDGE = 1e-3  # ridge added to the second moment, relative to trace / d
+FEATURE_DIMS = 16  # principal directions of the normalised features kept for the tree
+BASIS_ITERATIONS = 4  # subspace iterations for those directions
+LANDMARKS = 32  # members per node used to find its split direction (at least) ...
+LEVEL_LANDMARKS = 2048  # ... and per level of one tree, so the first, widest splits get more
+GOLDEN = 0.6180339887498949  # landmark positions: fractional parts of j * GOLDEN (no aliasing
+# with periodic token patterns such as video rows)
+SQUARINGS = 4  # split direction: a column of (C / tr C) ** (2 ** SQUARINGS) ...
+REFINE_STEPS = 3  # ... refined by balanced 2-means steps on the landmarks
+CUDA_GRAPHS = True  # on the GPU, replay the partition as a CUDA graph (its ~50 small ops per
+# level are bound by host launch overhead); captured once per shape
+TINY = 1e-30
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+_STATIC: "OrderedDict[tuple, StaticLayout]" = OrderedDict()
+_STATIC_CACHE_SIZE = 8  # a few shapes per session; bounded so nothing grows across runs
+_GRAPHS: "OrderedDict[tuple, CapturedPartition | None]" = OrderedDict()  # None: capture failed
+_GRAPH_CACHE_SIZE = 4  # each holds its input, output and working memory on the GPU
+
+
+@dataclass(frozen=True)
+class Level:
+    """Static slots of one tree level: `nodes` nodes of `width` slots each, tokens first.
+
+    valid: bool [nodes, width], slot holds a token. left: long [nodes, 1], the left child's
+    capacity (tokens); right: long [nodes, width], left + slot (where right-going slots start). Selection pads every node so that its left[i]-th smallest projection is
+    the kth-smallest value of its row: fill [nodes, width] puts -inf in kth - left[i] padding
+    slots and +inf in the others. landmarks: long [nodes * marks] slots spread over every
+    node's tokens (an empty node's first slot). carry: long [next level's slots], the slot of
+    this level (after the split) each one takes; padding takes `nodes * width`, a dummy slot.
+    """
+
+    nodes: int
+    width: int
+    marks: int
+    kth: int
+    valid: torch.Tensor
+    fill: torch.Tensor
+    left: torch.Tensor
+    right: torch.Tensor
+    landmarks: torch.Tensor
+    carry: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The shape-only part of one region's tree: its levels and the last level's slot that
+    every block slot takes (`leaf_slots` [blocks * block_size], the dummy for padding)."""
+
+    levels: tuple[Level, ...]
+    leaf_slots: torch.Tensor
+
+
+def build_schedule(length: int, block_size: int, device: torch.device) -> Schedule:
+    """Static tree of a region of `length` rows cut into `block_size` blocks (edge block last)."""
+    blocks = -(-length // block_size)
+    short = blocks * block_size - length  # rows the edge block lacks
+
+    def tokens(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        edge = ((hi == blocks) & (hi > lo)).long() * short
+        return (hi - lo) * block_size - edge
+
+    def width(lo: torch.Tensor, hi: torch.Tensor, tok: torch.Tensor) -> int:
+        left = (hi - lo) // 2 * block_size  # the left child never holds the edge block
+        return int((tok + left.max() - left).max())  # room for the selection's -inf padding
+
+    lo, hi = torch.zeros(1, dtype=torch.long), torch.full((1,), blocks, dtype=torch.long)
+    tok = tokens(lo, hi)
+    levels = []
+    while int((hi - lo).max()) > 1:
+        nodes, w = lo.numel(), width(lo, hi, tok)
+        mid = lo + (hi - lo) // 2
+        left = (mid - lo) * block_size
+        c_lo, c_hi = torch.stack([lo, mid], 1).reshape(-1), torch.stack([mid, hi], 1).reshape(-1)
+        c_tok = tokens(c_lo, c_hi)
+        c_w = width(c_lo, c_hi, c_tok) if int((c_hi - c_lo).max()) > 1 else int(c_tok.max())
+        offset = torch.stack([torch.zeros_like(left), left], 1).reshape(-1)
+        t = torch.arange(c_w)
+        src = (torch.arange(2 * nodes) // 2).view(-1, 1) * w + offset.view(-1, 1) + t
+        carry = torch.where(t < c_tok.view(-1, 1), src, torch.full_like(src, nodes * w))
+        m = max(LANDMARKS, min(w, LEVEL_LANDMARKS // nodes))
+        j = torch.frac(0.5 + GOLDEN * torch.arange(m, dtype=torch.float64))
+        marks = torch.arange(nodes).view(-1, 1) * w + (j * tok.view(-1, 1)).long()  # empty: slot 0
+        t = torch.arange(w)
+        kth = int(left.max())
+        fill = torch.where(t < (tok + kth - left).view(-1, 1), float("-inf"), float("inf"))
+        levels.append(Level(nodes, w, m, kth, (t < tok.view(-1, 1)).to(device), fill.to(device),
+                            left.view(-1, 1).to(device), (left.view(-1, 1) + t).to(device),
+                            marks.reshape(-1).to(device), carry.reshape(-1).to(device)))
+        lo, hi, tok = c_lo, c_hi, c_tok
+    nodes, w = lo.numel(), int(tok.max())
+    leaf = hi > lo  # every non-empty node is now one block
+    t = torch.arange(block_size)
+    slots = torch.arange(nodes).view(-1, 1) * w + t
+    slots = torch.where(t < tok.view(-1, 1), slots, torch.full_like(slots, nodes * w))[leaf]
+    return Schedule(tuple(levels), slots.reshape(-1).to(device))
+
+
+@dataclass(frozen=True)
+class StaticLayout:
+    """Shape-only part of a reblock tiling: per region in block order either the region's tree
+    `Schedule` (video) or its 1D chunks as absolute rows [n * block_size] (context), and the
+    tiling's block lengths and region block spans. Built on the host once, kept on the device."""
+
+    parts: tuple[Schedule | torch.Tensor, ...]
+    block_len: torch.Tensor
+    region_blocks: tuple[tuple[int, int], ...]
+
+
+def build_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
+    parts, lens, spans, lo = [], [], [], 0
+    for seg in layout.regions():
+        members, lengths = chunk_tiles(seg.length, block_size)  # a video region's edge block is last too
+        if seg.region in (REFERENCE_VIDEO, TARGET_VIDEO):
+            parts.append(build_schedule(seg.length, block_size, device))
+        else:
+            parts.append(torch.where(members >= 0, members + seg.start, members).reshape(-1).to(device))
+        lens.append(lengths)
+        spans.append((lo, lo + lengths.numel()))
+        lo += lengths.numel()
+    return StaticLayout(tuple(parts), torch.cat(lens).to(torch.int32).to(device), tuple(spans))
+
+
+def cached_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
+    key = (layout.signature(), block_size, str(device))
+    if key not in _STATIC:
+        _STATIC[key] = build_static(layout, block_size, device)
+        while len(_STATIC) > _STATIC_CACHE_SIZE:
+            _STATIC.popitem(last=False)
+    _STATIC.move_to_end(key)
+    return _STATIC[key]
+
+
+def ridge(m: torch.Tensor, relative: float) -> torch.Tensor:
+    """m [..., n, n] plus (relative * trace / n + TINY) * I."""
+    n = m.shape[-1]
+    tr = m.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return m + (relative * tr / n + TINY).unsqueeze(-1).unsqueeze(-1) * torch.eye(n, dtype=m.dtype, device=m.device)
+
+
+def orthonormalize(y: torch.Tensor) -> torch.Tensor:
+    """Columns of y [..., n, r] made orthonormal by a shifted Cholesky QR (no host sync)."""
+    g = ridge(y.transpose(-1, -2) @ y, 1e-4)  # the shift keeps rank-deficient y factorizable
+    r = torch.linalg.cholesky_ex(g).L
+    return torch.linalg.solve_triangular(r, y.transpose(-1, -2), upper=False).transpose(-1, -2)
+
+
+def principal_basis(c: torch.Tensor, rank: int) -> torch.Tensor:
+    """Top-`rank` eigenvector basis of symmetric PSD c [G, n, n] by subspace iteration: [G, n, rank]."""
+    n = c.shape[-1]
+    c = c / (c.diagonal(dim1=-2, dim2=-1).sum(-1) + TINY).view(-1, 1, 1)
+    # deterministic dense start (no generator state): a fixed quasi-random matrix
+    i = torch.arange(n, dtype=c.dtype, device=c.device).view(n, 1)
+    j = torch.arange(rank, dtype=c.dtype, device=c.device).view(1, rank)
+    y = torch.cos(0.7548776662 * (i + 1) * (j + 1) + 0.5698402910 * i)
+    for _ in range(BASIS_ITERATIONS):
+        y = orthonormalize(c @ y)
+    return orthonormalize(y)
+
+
+def metric_features(x: torch.Tensor, other: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in `work`.
+
+    Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
+    projected on their top r principal directions, estimated from the strided sample.
+    """
+    G, N, D = x.shape
+    acc = accum_dtype(x)
+    step = -(-N // MOMENT_SAMPLES)
+    o = other[:, ::step].to(acc)
+    factor = torch.linalg.cholesky_ex(ridge(o.transpose(-1, -2) @ o / o.shape[1], RIDGE)).L
+    s = x[:, ::step].to(acc) @ factor
+    s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
+    rank = min(FEATURE_DIMS, D)
+    basis = principal_basis(s.transpose(-1, -2) @ s / s.shape[1], rank)
+    f = x @ torch.cat([factor, factor @ basis], dim=-1).to(x.dtype)
+    norm = torch.linalg.vector_norm(f[..., :D], dim=-1, keepdim=True, dtype=acc)
+    # non-finite inputs must not reach the split: a NaN projection would break its counts
+    return torch.nan_to_num(f[..., D:].to(acc) / (norm + TINY), nan=0.0, posinf=0.0, neginf=0.0).to(work)
+
+
+def split_directions(marks: torch.Tensor) -> torch.Tensor:
+    """Split direction of every node from its landmarks [G, nodes, m, r] -> unit [G, nodes, r, 1].
+
+    Start: the top principal direction. The centred covariance is scaled to unit Frobenius norm
+    (eigenvalues <= 1, the top one >= 1 / sqrt(r), so the power neither overflows nor
+    underflows in fp32); the largest column of its 2**SQUARINGS-th power is that eigenvector up
+    to scale. Then REFINE_STEPS steps of balanced 2-means: split the landmarks at their median
+    projection and point the direction from the lower half's sum to the upper half's, which is
+    the split the capacity cut makes (measured: +1 to +2 points of recall over PCA alone).
+    """
+    centred = marks - marks.mean(2, keepdim=True)
+    c = centred.transpose(-1, -2) @ centred
+    c = c / torch.linalg.matrix_norm(c, keepdim=True).clamp_min(TINY)
+    c = torch.linalg.matrix_power(c, 2 ** SQUARINGS)
+    col = torch.linalg.vector_norm(c, dim=-2, keepdim=True).argmax(-1, keepdim=True)
+    d = torch.take_along_dim(c, col, dim=-1)
+    minus_total = -marks.sum(2).unsqueeze(-1)  # [G, nodes, r, 1]
+    median = (marks.shape[2] + 1) // 2  # kthvalue, not median: CUDA median refuses deterministic mode
+    for _ in range(REFINE_STEPS):
+        s = marks @ d  # [G, nodes, m, 1]
+        upper = (s > s.kthvalue(median, dim=2, keepdim=True).values).to(marks.dtype)
+        d = torch.add(minus_total, marks.transpose(-1, -2) @ upper, alpha=2)  # upper sum - lower sum
+    return d / torch.linalg.vector_norm(d, dim=-2, keepdim=True).clamp_min(TINY)
+
+
+def split(proj: torch.Tensor, level: Level) -> torch.Tensor:
+    """Capacity-exact split of every node [G, nodes, width] by projection: the destination slot of
+    every slot. The left[i] smallest projections (ties by slot) go first in slot order, then the
+    other tokens in slot order, then padding. Selection (kthvalue) and prefix sums, no sort."""
+    proj = torch.where(level.valid, proj, level.fill)  # fp32 at least
+    tau = proj.kthvalue(level.kth, dim=-1, keepdim=True).values  # left[i]-th smallest token
+    less = (proj < tau) & level.valid
+    ties = proj == tau  # padding only ties at tau = -inf, where no tie is taken (left = 0)
+    go_left = less | (ties & (ties.cumsum(-1) <= level.left - less.sum(-1, keepdim=True)))
+    before = go_left.cumsum(-1)
+    return torch.where(go_left, before - 1, level.right - before)
+
+
+def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    """Capacity-exact tree partition of features z [G, N, r]: block slots -> row [G, blocks * bs], -1 pads.
+
+    `rows` (int32) holds, for every slot of the current level, the flat row of z it carries
+    (G * N, a zero row, for padding slots); each level splits every node and carries the slots on.
+    """
+    G, N, r = z.shape
+    dummy = G * N
+    flat = torch.cat([z.reshape(dummy, r), z.new_zeros(1, r)])
+    rows = torch.arange(dummy, device=z.device, dtype=torch.int32).view(G, N)
+    for level in schedule.levels:
+        nodes, width = level.nodes, level.width
+        zp = torch.index_select(flat, 0, rows.view(-1)).view(G, nodes, width, r)
+        marks = torch.index_select(zp.view(G, -1, r), 1, level.landmarks).view(G, nodes, level.marks, r)
+        direction = split_directions(marks.float() if z.dtype == torch.float16 else marks)
+        dest = split((zp @ direction.to(z.dtype)).squeeze(-1), level)
+        moved = torch.empty_like(rows).view(G, nodes, width).scatter_(2, dest, rows.view(G, nodes, width))
+        rows = torch.index_select(torch.nn.functional.pad(moved.view(G, -1), (0, 1), value=dummy), 1, level.carry)
+    out = torch.index_select(torch.nn.functional.pad(rows, (0, 1), value=dummy), 1, schedule.leaf_slots)
+    local = out.long() - torch.arange(G, device=z.device).view(G, 1) * N
+    return torch.where(out < dummy, local, torch.full_like(local, -1))
+
+
+@dataclass
+class CapturedPartition:
+    """`partition` of a static input `z` captured as a CUDA graph; `schedule` keeps the static
+    tensors the graph reads alive."""
+
+    graph: "torch.cuda.CUDAGraph"
+    z: torch.Tensor
+    out: torch.Tensor
+    schedule: Schedule
+
+
+def capture_partition(z: torch.Tensor, schedule: Schedule) -> CapturedPartition:
+    static = z.clone()
+    stream = torch.cuda.Stream(z.device)
+    stream.wait_stream(torch.cuda.current_stream(z.device))
+    with torch.cuda.stream(stream):
+        partition(static, schedule)  # warm-up outside the graph (workspaces, lazy init)
+    torch.cuda.current_stream(z.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = partition(static, schedule)
+    return CapturedPartition(graph, static, out, schedule)
+
+
+def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int) -> torch.Tensor:
+    """`partition`, replayed from a cached CUDA graph on the GPU (eager elsewhere, while the
+    caller is itself capturing, or where capture failed)."""
+    if not (CUDA_GRAPHS and z.is_cuda) or torch.cuda.is_current_stream_capturing():
+        return partition(z, schedule)
+    key = (tuple(z.shape), z.dtype, str(z.device), block_size)
+    with torch.cuda.device(z.device):
+        if key not in _GRAPHS:
+            try:
+                _GRAPHS[key] = capture_partition(z, schedule)
+            except RuntimeError as e:  # keep working, eagerly, and say why once
+                log.warning("reblock: CUDA graph capture failed (%s); running the partition eagerly", e)
+                _GRAPHS[key] = None
+            while len(_GRAPHS) > _GRAPH_CACHE_SIZE:
+                _GRAPHS.popitem(last=False)
+        _GRAPHS.move_to_end(key)
+        captured = _GRAPHS[key]
+        if captured is None:
+            return partition(z, schedule)
+        captured.z.copy_(z)
+        captured.graph.replay()
+        return captured.out.clone()
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int, layout_mode: str) -> None:
+    if layout_mode not in REBLOCK_LAYOUTS:
+        raise ValueError(f"reblock_tiling: layout_mode={layout_mode!r} is not allowed: expected one of "
+                         + ", ".join(repr(m) for m in REBLOCK_LAYOUTS))
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"reblock_tiling: block_size={block_size!r} is not allowed: expected a positive integer")
+    if not isinstance(layout, SequenceLayout):
+        raise ValueError(f"reblock_tiling: layout must be a SequenceLayout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"reblock_tiling: {name} must be a [B, H, S, D] tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"reblock_tiling: {name}.dtype={t.dtype} is not allowed: expected a floating dtype")
+    if q.shape != k.shape or q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(f"reblock_tiling: q and k must share shape, dtype and device, got {tuple(q.shape)} "
+                         f"{q.dtype} {q.device} and {tuple(k.shape)} {k.dtype} {k.device}")
+    if q.shape[2] != layout.total:
+        raise ValueError(f"reblock_tiling: sequence length {q.shape[2]} does not match the layout's "
+                         f"{layout.total} rows ({layout!r})")
+
+
+def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int,
+                   layout_mode: str = "q_reuse_k") -> Tiling:
+    """Adaptive per-head tiling of q, k [B, H, S, D] (model order); perms are [B, H, J * block_size]."""
+    check_inputs(q, k, layout, block_size, layout_mode)
+    B, H, _, D = q.shape
+    static = cached_static(layout, block_size, q.device)
+    work = torch.float16 if q.is_cuda and q.element_size() == 2 else accum_dtype(q)
+    sides = 2 if layout_mode == "independent" else 1
+    pieces = []
+    for seg, part in zip(layout.regions(), static.parts):
+        if not isinstance(part, Schedule):
+            pieces.append(part.expand(sides, B, H, -1))
+            continue
+        qs = q[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
+        ks = k[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
+        z = metric_features(ks, qs, work)  # keys under the queries' metric
+        if sides == 2:
+            z = torch.cat([metric_features(qs, ks, work), z])  # queries under the keys' metric
+        members = run_partition(z, part, block_size).view(sides, B, H, -1)
+        pieces.append(torch.where(members >= 0, members + seg.start, members))
+    perm = torch.cat(pieces, dim=-1).to(torch.int32)
+    q_perm = perm[0]
+    k_perm = perm[1] if sides == 2 else q_perm
+    return Tiling(block_size, q_perm, k_perm, static.block_len, tuple(layout.regions()), static.region_blocks)
