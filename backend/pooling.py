@@ -4,6 +4,8 @@ Heads are processed a few at a time so the gathered copy stays a small fraction 
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..kernels.plan import pack
@@ -14,6 +16,13 @@ POOL_HEADS = 8
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def fused_planner(*xs: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels (`kernels/block_stats.py`) serve these tensors: on CUDA,
+    fp16/bf16/fp32, Triton installed. The torch code is the reference (CPU, float64)."""
+    return (all(x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs)
+            and importlib.util.find_spec("triton") is not None)
 
 
 def head_slice(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
@@ -43,8 +52,12 @@ def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling) -> torch.Te
     Rows are summed in the accumulation dtype without materialising an upcast copy."""
     B, H, _, D = x.shape
     acc = accum_dtype(x)
+    n = tiling.block_len.to(acc).view(1, 1, -1, 1)
+    if fused_planner(x):
+        from ..kernels.block_stats import block_sums_triton
+
+        return block_sums_triton(x, perm, tiling.block_len, tiling.block_size) / n
     out = x.new_empty(B, H, tiling.num_blocks, D, dtype=acc)
-    n = tiling.block_len.to(out.dtype).view(1, 1, -1, 1)
     for h0 in range(0, H, POOL_HEADS):
         h1 = min(H, h0 + POOL_HEADS)
         rows = gather_rows(x[:, h0:h1], head_slice(perm, h0, h1))

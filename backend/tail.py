@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.plan import unpack
 from .layout import SequenceLayout
-from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows
+from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows, fused_planner
 from .tiling import Tiling
 
 def target_anchor(q: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
@@ -27,7 +27,13 @@ def target_anchor(q: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
 
 def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(key [B,H,J,D] stored dtype, value [B,H,J,D] stored dtype, bias log(n) [B,H,J])."""
+    """(key [B,H,J,D] stored dtype, value [B,H,J,D] stored dtype, bias log(n) [B,H,J]).
+
+    On the fused path one pass over K and V replaces `k_mean` (the same fp32 block sums)."""
+    if fused_planner(k, v):
+        from ..kernels.block_stats import block_summaries_triton
+
+        return block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, None)
     v_mean = block_means(v, tiling.k_perm, tiling)
     bias = torch.log(tiling.block_len.to(k_mean.dtype)).expand(k_mean.shape[:3]).contiguous()
     return k_mean.to(k.dtype), v_mean.to(v.dtype), bias
@@ -36,6 +42,10 @@ def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: tor
 def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Anchor-weighted key and value of every block and the log-mass bias (seed 001, section 08)."""
+    if fused_planner(k, v):
+        from ..kernels.block_stats import block_summaries_triton
+
+        return block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, anchor)
     B, H, _, D = k.shape
     scale = D ** -0.5
     acc = accum_dtype(k)

@@ -1,0 +1,135 @@
+"""GPU timing of the planner with and without the fused Triton kernels (`kernels/block_stats.py`).
+
+    python -m adaptive_sparse_attention.bench.planner_timing [--out FILE] [--shape 10s] [--ratio 0.1]
+
+At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
+`build_plan` (reweight and mean tails, query granularity) on the torch path (the reference, fused
+kernels switched off) and on the fused path (CUDA events, warm-up, median). Checks the fused
+results against the torch path on the same GPU (max error relative to the largest reference
+value, selections equal), identical bits on a rerun and no host synchronisation.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from unittest import mock
+
+import torch
+
+from ..backend import pooling, tail
+from ..backend.config import SparseConfig
+from ..backend.planner import build_plan, make_tiling
+from ..backend.pooling import block_means
+from ..backend.routing import pooled_scores, route_plan, select_blocks
+from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
+from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_layout, h3_qkv
+
+
+@contextlib.contextmanager
+def fused(enabled: bool):
+    """Force the backend's fused-kernel dispatch on or off."""
+    with mock.patch.object(pooling, "fused_planner", lambda *xs: enabled), \
+            mock.patch.object(tail, "fused_planner", lambda *xs: enabled):
+        yield
+
+
+def steps(q, k, v, layout, ratio: float) -> dict:
+    """name -> callable of every planner step (later steps read earlier results from `state`)."""
+    cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity="query")
+    tiling = make_tiling(q, k, layout, cfg)
+    state: dict = {}
+    parts = {
+        "block_means q": lambda: block_means(q, tiling.q_perm, tiling),
+        "block_means k": lambda: block_means(k, tiling.k_perm, tiling),
+        "block_means v (coarse tail)": lambda: block_means(v, tiling.k_perm, tiling),
+        "pooled_scores": lambda: pooled_scores(state["block_means q"], state["block_means k"]),
+        "route_plan": lambda: route_plan(tiling, cfg.sparse_scope, ratio),
+        "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"]),
+        "target_anchor": lambda: target_anchor(q, layout),
+        "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"]),
+        "mean_summaries": lambda: mean_summaries(k, v, tiling, state["block_means k"]),
+        "build_plan reweight": lambda: build_plan(q, k, v, layout, cfg),
+        "build_plan mean": lambda: build_plan(q, k, v, layout, SparseConfig(
+            tiling="cube", topk_ratio=ratio, tail="mean", tail_granularity="query")),
+    }
+
+    def run(name):
+        state[name] = parts[name]()
+        return state[name]
+
+    return {name: (lambda name=name: run(name)) for name in parts}
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (the error against the reference's scale)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def outputs(result) -> dict[str, torch.Tensor]:
+    """The tensors of one step's result, named."""
+    if isinstance(result, torch.Tensor):
+        return {"": result}
+    if isinstance(result, tuple):
+        return {f"[{i}]": t for i, t in enumerate(result) if isinstance(t, torch.Tensor)}
+    plan = result.kernel  # a Plan
+    return {f".{n}": getattr(plan, n) for n in ("q2k_idx", "tail_k", "tail_v", "tail_bias")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--shape", default="10s", choices=sorted(H3_SHAPES))
+    parser.add_argument("--ratio", type=float, default=0.1)
+    args = parser.parse_args()
+    import triton
+
+    audio, grid = H3_SHAPES[args.shape]
+    layout = h3_layout(audio, grid)
+    q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=11)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                 "shape": {"name": args.shape, "B": 1, "H": HEADS, "S": layout.total, "D": DIM, "dtype": "bf16",
+                           "ratio": args.ratio}, "ms": {}, "max_rel_err": {}}
+    runs = {}
+    for path in ("torch", "fused"):
+        with fused(path == "fused"):
+            parts = steps(q, k, v, layout, args.ratio)
+            runs[path] = {name: fn() for name, fn in parts.items()}  # warm-up, compile, keep results
+            res["ms"][path] = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
+            if path == "fused":
+                again = {name: fn() for name, fn in parts.items()}
+                res["fused_bits_identical_on_rerun"] = all(
+                    torch.equal(a, outputs(again[n])[o]) for n in again for o, a in outputs(runs[path][n]).items())
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    for name in ("block_means q", "reweight_summaries", "mean_summaries"):
+                        parts[name]()
+                    res["fused_host_sync"] = "none"
+                except RuntimeError as e:
+                    res["fused_host_sync"] = str(e).splitlines()[0]
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+    for name, result in runs["fused"].items():
+        for out, got in outputs(result).items():
+            ref = outputs(runs["torch"][name])[out]
+            if got.dtype == torch.int32:
+                res["max_rel_err"][f"{name}{out} rows equal"] = float((got == ref).all(-1).float().mean())
+            else:
+                res["max_rel_err"][f"{name}{out}"] = max_rel(got, ref)
+    print(json.dumps(res), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(f"\n{res['device']}, {res['torch']}, triton {res['triton']}, shape {res['shape']}")
+    print(f"{'step':32s} {'torch ms':>9s} {'fused ms':>9s}")
+    for name in res["ms"]["torch"]:
+        print(f"{name:32s} {res['ms']['torch'][name]:9.3f} {res['ms']['fused'][name]:9.3f}")
+    print("fused vs torch path (max |diff| / max |ref|; selections: fraction of equal rows):")
+    for name, err in res["max_rel_err"].items():
+        print(f"  {name:40s} {err:.3g}")
+    print(f"bits identical on rerun: {res['fused_bits_identical_on_rerun']}; host sync: {res['fused_host_sync']}")
+
+
+if __name__ == "__main__":
+    main()

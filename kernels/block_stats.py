@@ -1,0 +1,150 @@
+"""Fused Triton planner kernels: per-block sums and tail summaries, gathered through a tiling.
+
+One program per (batch * head, block). It reads the block's slots of the permutation, gathers
+those rows of the input straight from model order (no permuted or upcast copy in memory), and
+reduces them in fp32. The block sums feed the block means (routing, coarse tail); the summary
+kernel builds a block's tail summary in one pass over its K and V rows:
+
+- with an anchor a: weights softmax(a.k / sqrt(D)) over the block's valid rows; key sum w k
+  stored in K's dtype, value sum w v, bias logsumexp - a.key / sqrt(D) against the stored
+  (rounded) key, the definition of `backend/tail.reweight_summaries`;
+- without: mean key and value and bias log(n), as `backend/tail.mean_summaries`.
+
+The torch code in `backend/` stays the reference (CPU, float64). Importing this module imports
+Triton: the backend imports it only on demand.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import _perm_strides
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Model-order rows of block j's slots (-1 for padding and for slots past BS) and its length."""
+    offs_s = tl.arange(0, BLOCK_S)
+    rows = tl.load(Perm + b * sp_b + h * sp_h + j * BS + offs_s, mask=offs_s < BS, other=-1)
+    return rows, tl.load(BlockLen + j)
+
+
+@triton.jit
+def _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask):
+    """Rows of x[b, h] as fp32 [BLOCK_S, BLOCK_D]; padding slots and columns past D are zero."""
+    ptr = X + b * sx_b + h * sx_h + rows.to(tl.int64)[:, None] * sx_s + offs_d[None, :] * sx_d
+    return tl.load(ptr, mask=(rows >= 0)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _block_sums(X, Perm, BlockLen, Out,
+                sx_b, sx_h, sx_s, sx_d, sp_b, sp_h, H, J, D,
+                BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    rows, _ = _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS, BLOCK_S)
+    x = _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask)
+    tl.store(Out + (bh.to(tl.int64) * J + j) * D + offs_d, tl.sum(x, 0), mask=dmask)
+
+
+@triton.jit
+def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
+                     sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, H, J, D, scale,
+                     BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                     REWEIGHT: tl.constexpr):
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    row = bh.to(tl.int64) * J + j  # (b, h, j) row of the outputs
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    rows, n = _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS, BLOCK_S)
+    valid = tl.arange(0, BLOCK_S) < n
+    kb = _gather_rows(K, rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, dmask)
+    if REWEIGHT:
+        a = tl.load(Anchor + bh.to(tl.int64) * D + offs_d, mask=dmask, other=0.0)
+        logit = tl.where(valid, tl.sum(kb * a[None, :], 1) * scale, float("-inf"))
+        m = tl.max(logit, 0)
+        p = tl.exp(logit - m)
+        norm = tl.sum(p, 0)
+        lse = m + tl.log(norm)
+    else:
+        p = tl.where(valid, 1.0, 0.0)
+        norm = n.to(tl.float32)
+    key = tl.div_rn(tl.sum(p[:, None] * kb, 0), norm).to(Key.dtype.element_ty)
+    tl.store(Key + row * D + offs_d, key, mask=dmask)
+    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask)
+    value = tl.div_rn(tl.sum(p[:, None] * vb, 0), norm)
+    tl.store(Value + row * D + offs_d, value.to(Value.dtype.element_ty), mask=dmask)
+    if REWEIGHT:
+        bias = lse - tl.sum(key.to(tl.float32) * a, 0) * scale
+    else:
+        bias = tl.log(norm)
+    tl.store(Bias + row, bias)
+
+
+def _check(name: str, x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tensor, block_size: int) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{name}: x must be [B, H, S, D], got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{name}: dtype={x.dtype} is not supported: expected one of "
+                         f"{', '.join(str(d) for d in DTYPES)}")
+    B, H = x.shape[:2]
+    J = block_len.numel()
+    if (perm.dim() != 3 or perm.shape[0] not in (1, B) or perm.shape[1] not in (1, H)
+            or perm.shape[2] != J * block_size or perm.dtype != torch.int32):
+        raise ValueError(f"{name}: perm must be int32 [1 or {B}, 1 or {H}, {J * block_size}] "
+                         f"(block_len has {J} blocks of {block_size}), got {perm.dtype} {tuple(perm.shape)}")
+
+
+def _launch_args(head_dim: int, block_size: int) -> dict:
+    block_s, block_d = triton.next_power_of_2(block_size), triton.next_power_of_2(head_dim)
+    # one fp32 [rows, D] tile per tensor in registers: 8 warps keep a 64 x 128 tile at 32 per thread
+    return dict(BS=block_size, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=8 if block_s * block_d >= 8192 else 4)
+
+
+def block_sums_triton(x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tensor, block_size: int
+                      ) -> torch.Tensor:
+    """fp32 [B, H, J, D] sums of every block's rows of x [B, H, S, D] (perm [Bp, Hp, J*block_size]
+    int32 slot -> row, -1 padding; padding slots add nothing)."""
+    _check("block_sums_triton", x, perm, block_len, block_size)
+    B, H, _, D = x.shape
+    J = block_len.numel()
+    perm = perm.contiguous()
+    out = torch.empty(B, H, J, D, dtype=torch.float32, device=x.device)
+    _block_sums[(J, B * H)](x, perm, block_len.contiguous(), out, *x.stride(), *_perm_strides(perm),
+                            H, J, D, **_launch_args(D, block_size))
+    return out
+
+
+def block_summaries_triton(k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor, block_len: torch.Tensor,
+                           block_size: int, anchor: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tail summaries of every key block: (key [B,H,J,D] k.dtype, value [B,H,J,D] v.dtype, bias
+    [B,H,J] fp32). With `anchor` [B, H, D] the anchor-reweighted summary, without it the mean one.
+    One pass over the block's K and V rows; the first block_len[j] slots of a block are its rows."""
+    _check("block_summaries_triton", k, perm, block_len, block_size)
+    _check("block_summaries_triton", v, perm, block_len, block_size)
+    if v.shape != k.shape:
+        raise ValueError(f"block_summaries_triton: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    B, H, _, D = k.shape
+    J = block_len.numel()
+    if anchor is not None and anchor.shape != (B, H, D):
+        raise ValueError(f"block_summaries_triton: anchor must be [B, H, D] = {(B, H, D)}, got {tuple(anchor.shape)}")
+    perm = perm.contiguous()
+    key = k.new_empty(B, H, J, D)
+    value = v.new_empty(B, H, J, D)
+    bias = torch.empty(B, H, J, dtype=torch.float32, device=k.device)
+    a = key if anchor is None else anchor.to(torch.float32).contiguous()  # unread without an anchor
+    _block_summaries[(J, B * H)](k, v, perm, block_len.contiguous(), a, key, value, bias,
+                                 *k.stride(), *v.stride(), *_perm_strides(perm), H, J, D, D ** -0.5,
+                                 REWEIGHT=anchor is not None, **_launch_args(D, block_size))
+    return key, value, bias

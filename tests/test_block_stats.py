@@ -1,0 +1,154 @@
+"""Fused planner kernels (CPU interpreter) against the torch planner code run in float64.
+
+The reference is `block_means` / `mean_summaries` / `reweight_summaries` on the same inputs
+upcast to float64, so the gap is the kernels' own fp32 arithmetic. Tolerances: sums and
+summaries in fp32 over at most 64 rows (values of order 1, each step ~1e-7 relative, exp/log a
+few ulp): 1e-5 relative and absolute. Outputs stored in fp16 carry one rounding (half an ulp is
+2^-11 ~ 4.9e-4 relative), so 1e-3 relative. The reweight bias is checked against the float64
+log-sum-exp and the key as the kernel stored it (the definition), so a key that rounds the other
+way at a half-ulp boundary does not fail it.
+"""
+import os
+
+import pytest
+import torch
+
+# Triton decorates its language functions when first imported, so the interpreter flag must be
+# set before that and put back afterwards (other modules test the no-GPU paths); the
+# `interpreter` fixture sets it again around each test here.
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    from adaptive_sparse_attention.kernels.block_stats import block_sums_triton, block_summaries_triton
+finally:
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from adaptive_sparse_attention import SequenceLayout, SparseConfig
+from adaptive_sparse_attention.backend import planner, pooling, tail
+from adaptive_sparse_attention.backend.pooling import block_means, fused_planner
+from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
+from adaptive_sparse_attention.backend.tiling import Tiling
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+STORED_TOL = {torch.float32: FP32_TOL, torch.float16: dict(rtol=1e-3, atol=1e-5)}
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def random_tiling(seq_len: int, batch: int, heads: int, block_size: int, seed: int) -> Tiling:
+    """Blocks of random true length (1..block_size, so most are edge blocks) holding a random
+    permutation of the rows, one per (batch, head) or one shared by all ([1, 1, L])."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < seq_len:
+        lengths.append(min(int(torch.randint(1, block_size + 1, (1,), generator=g)), seq_len - sum(lengths)))
+    J = len(lengths)
+    block_len = torch.tensor(lengths, dtype=torch.int32)
+    slot_valid = (torch.arange(block_size).view(1, -1) < block_len.view(-1, 1)).view(-1)
+    perm = torch.full((batch * heads, J * block_size), -1, dtype=torch.int32)
+    for row in perm:
+        row[slot_valid] = torch.randperm(seq_len, generator=g).to(torch.int32)
+    perm = perm.view(batch, heads, -1)
+    return Tiling(block_size, perm, perm, block_len, (), ())
+
+
+def h3_views(batch: int, heads: int, seq_len: int, dim: int, dtype: torch.dtype, seed: int):
+    """k, v [B, H, S, D] as strided views of one [B, S, 2, H, D] buffer (H3's qkv layout)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(batch, seq_len, 2, heads, dim, generator=g).to(dtype)
+    return buf[:, :, 0].transpose(1, 2), buf[:, :, 1].transpose(1, 2)
+
+
+CASES = [  # dim, dtype, per-head permutations, block size
+    (32, torch.float32, True, 64),
+    (64, torch.float16, False, 64),
+    (128, torch.float32, False, 64),
+    (128, torch.float16, True, 64),
+    (48, torch.float32, True, 128),  # head dim and block size padded to powers of two inside
+]
+
+
+@pytest.mark.parametrize("dim,dtype,per_head,block_size", CASES)
+def test_block_sums(dim, dtype, per_head, block_size):
+    B, H, S = 2, 3, 333
+    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim)
+    x, _ = h3_views(B, H, S, dim, dtype, seed=dim + 1)
+    sums = block_sums_triton(x, tiling.q_perm, tiling.block_len, block_size)
+    ref = block_means(x.double(), tiling.q_perm, tiling) * tiling.block_len.double().view(1, 1, -1, 1)
+    assert sums.dtype == torch.float32 and sums.shape == (B, H, tiling.num_blocks, dim)
+    torch.testing.assert_close(sums.double(), ref, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dim,dtype,per_head,block_size", CASES)
+def test_reweight_summaries(dim, dtype, per_head, block_size):
+    B, H, S = 2, 3, 301
+    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + 7)
+    k, v = h3_views(B, H, S, dim, dtype, seed=dim + 8)
+    g = torch.Generator().manual_seed(dim + 9)
+    anchor = 3 * torch.randn(B, H, dim, generator=g)  # logits of spread ~3: peaked, non-trivial weights
+    key, value, bias = block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, block_size, anchor)
+    ref_key, ref_value, ref_bias = reweight_summaries(k.double(), v.double(), tiling, anchor.double())
+    assert (key.dtype, value.dtype, bias.dtype) == (dtype, dtype, torch.float32)
+    assert key.shape == value.shape == (B, H, tiling.num_blocks, dim) and bias.shape == key.shape[:3]
+    torch.testing.assert_close(key.double(), ref_key, **STORED_TOL[dtype])
+    torch.testing.assert_close(value.double(), ref_value, **STORED_TOL[dtype])
+    a = anchor.double().unsqueeze(2)
+    scale = dim ** -0.5
+    ref_lse = ref_bias + (ref_key * a).sum(-1) * scale  # reference key unrounded in float64
+    torch.testing.assert_close(bias.double(), ref_lse - (key.double() * a).sum(-1) * scale, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dim,dtype,per_head,block_size", CASES[:4])
+def test_mean_summaries(dim, dtype, per_head, block_size):
+    B, H, S = 2, 2, 290
+    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + 3)
+    k, v = h3_views(B, H, S, dim, dtype, seed=dim + 4)
+    key, value, bias = block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, block_size, None)
+    k64, v64 = k.double(), v.double()
+    ref = mean_summaries(k64, v64, tiling, block_means(k64, tiling.k_perm, tiling))
+    assert (key.dtype, value.dtype, bias.dtype) == (dtype, dtype, torch.float32)
+    torch.testing.assert_close(key.double(), ref[0], **STORED_TOL[dtype])
+    torch.testing.assert_close(value.double(), ref[1], **STORED_TOL[dtype])
+    torch.testing.assert_close(bias.double(), ref[2], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("tail_kind", ["reweight", "mean", "coarse"])
+def test_build_plan_through_fused_path(monkeypatch, tail_kind):
+    """The backend's dispatch: with the fused path forced on (CPU tensors run under the
+    interpreter), build_plan selects the same blocks and gives the same summaries."""
+    assert not fused_planner(torch.zeros(1))  # CPU tensors take the torch path by default
+    layout = SequenceLayout.from_segments([(0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)),
+                                           (127, 180, "audio"), (180, 390, "video", (5, 6, 7))])
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 2, layout.total, 64, generator=g) for _ in range(3))
+    cfg = SparseConfig(tiling="cube", topk_ratio=0.3, tail=tail_kind)
+    ref = planner.build_plan(q, k, v, layout, cfg)
+    for module in (pooling, tail):
+        monkeypatch.setattr(module, "fused_planner", lambda *xs: True)
+    got = planner.build_plan(q, k, v, layout, cfg)
+    assert torch.equal(got.kernel.q2k_idx, ref.kernel.q2k_idx)
+    for name in ("tail_k", "tail_v", "tail_bias"):
+        a, b = getattr(got.kernel, name), getattr(ref.kernel, name)
+        assert (a is None) == (b is None) == (tail_kind == "coarse")
+        if a is not None:
+            torch.testing.assert_close(a, b, **FP32_TOL)
+    if tail_kind == "coarse":
+        torch.testing.assert_close(got.coarse, ref.coarse, **FP32_TOL)
+
+
+def test_bad_inputs_name_the_field():
+    tiling = random_tiling(100, 1, 1, 64, seed=0)
+    k, v = h3_views(1, 2, 100, 32, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="dtype=torch.float64"):
+        block_sums_triton(k.double(), tiling.k_perm, tiling.block_len, 64)
+    with pytest.raises(ValueError, match="perm must be int32"):
+        block_sums_triton(k, tiling.k_perm.long(), tiling.block_len, 64)
+    with pytest.raises(ValueError, match="anchor must be"):
+        block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, 64, torch.zeros(1, 2, 16))
