@@ -1,0 +1,135 @@
+"""Command line: `python -m adaptive_sparse_attention demo | bench | evaluate FILE`.
+
+- demo: the main job on a fresh machine: a small synthetic H3-like scene, dense vs sparse at a
+  few ratios and tail modes, one table (density, attention-mass recall, relative L2 error vs
+  dense, time). Uses the GPU when CUDA is available; about a minute on a 2-core CPU.
+- bench: a preset (cpu-small, h3-5s, h3-10s, h3-14s) x methods x ratios; writes a markdown
+  table, JSON and plots to --out and prints the table.
+- evaluate: the same metrics on a capture file written by the "Capture H3 Attention" node.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from ..backend.capture import load_capture
+from .methods import DEFAULT_METHOD, module_available
+from .report import acceptance, markdown_table, render_markdown, write_outputs
+from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
+
+BENCH_METHODS = ["dense", "ours:reblock:reweight:query", "ours:reblock:mean:query", "ours:reblock:none:query",
+                 "ours:reblock:reweight:block", "ours:cube:reweight:query", "ours:cube:none:query",
+                 "sol:topk", "sol:tau=1.0", "flex:reblock"]
+EVALUATE_METHODS = ["dense", DEFAULT_METHOD, "ours:reblock:mean:query", "ours:cube:none:query", "sol:topk"]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0.01 <= x <= 1.0 for x in values):
+        raise argparse.ArgumentTypeError(f"ratios must be in [0.01, 1], got {text!r}")
+    return values
+
+
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(text)
+
+
+def demo_methods() -> list[str]:
+    tiling = "reblock" if module_available("backend.reblock") else "cube"
+    return ["dense"] + [f"ours:{tiling}:{tail}:query" for tail in ("reweight", "mean", "none")] + ["ours:cube:reweight:query"]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    preset = PRESETS["demo"]
+    print(f"demo: synthetic H3-like scene (text + audio + a moving-object video grid) on {device}", file=sys.stderr)
+    from .runner import scene_cases
+
+    rows = run_cases(scene_cases(preset, preset.scenes, args.seed, device), 1, demo_methods(), args.ratios, device,
+                     resolve_backend(args.backend, device), preset.rows_per_group, preset.warmup, preset.reps, args.seed)
+    print(markdown_table(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    methods = args.methods.split(",") if args.methods else BENCH_METHODS
+    scenes = args.scenes.split(",") if args.scenes else None
+    code = 0
+    for preset in args.preset:
+        deadline = time.monotonic() + args.budget_s if args.budget_s else None
+        result = run_preset(preset, methods, args.ratios, device, args.backend, args.seed, scenes, deadline)
+        paths = write_outputs(result, args.out, lambda s: print(s, file=sys.stderr))
+        print(render_markdown(result))
+        print("wrote " + ", ".join(paths), file=sys.stderr)
+        code |= 1 if any("error" in r for r in result["rows"]) else 0
+    return code
+
+
+def evaluate_file(path: str, methods: list[str], ratios: list[float], device: torch.device, backend: str = "auto",
+                  rows_per_group: int = 128, seed: int = 0) -> list[dict]:
+    """Result rows of every method on every entry of a capture file (cases named L<layer>s<step>)."""
+    entries, layout, meta = load_capture(path)
+    print(f"{path}: {len(entries)} entries, {layout!r}, meta {meta}", file=sys.stderr)
+    dtype = None if device.type == "cuda" else torch.float32  # the CPU computes in fp32 anyway
+    cases = (Case(f"L{e['layer']}s{e['step']}", *(e[n].to(device, dtype or e[n].dtype) for n in "qkv"), layout)
+             for e in entries)
+    return run_cases(cases, len(entries), methods, ratios, device, resolve_backend(backend, device),
+                     rows_per_group, warmup=1, reps=3, seed=seed)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    methods = args.methods.split(",") if args.methods else EVALUATE_METHODS
+    rows = evaluate_file(args.file, methods, args.ratios, _device(args.device), args.backend, args.rows, args.seed)
+    print(markdown_table(rows))
+    for line in acceptance(rows, structured=("L",)):
+        print(line)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m adaptive_sparse_attention",
+                                     description="Adaptive block-sparse attention for MiniMax-H3: demo, benchmark, evaluation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, ratios: str) -> None:
+        p.add_argument("--ratios", type=_floats, default=_floats(ratios), help=f"top-k ratios (default {ratios})")
+        p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
+        p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                       help="kernel of ours: auto = Triton on CUDA when available, else the torch reference")
+        p.add_argument("--seed", type=int, default=0)
+
+    demo = sub.add_parser("demo", help="small synthetic scene: dense vs sparse at a few ratios and tail modes")
+    common(demo, "0.1,0.2,0.3")
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmark presets; writes markdown, JSON and plots")
+    bench.add_argument("--preset", nargs="+", default=["cpu-small"], choices=[p for p in PRESETS if p != "demo"])
+    bench.add_argument("--methods", help="comma-separated method specs, each optionally with its own ratios as "
+                       "spec@0.1/0.2 (default: " + ",".join(BENCH_METHODS) + ")")
+    bench.add_argument("--scenes", help="comma-separated scenes (pan, cuts, gaussian; default per preset)")
+    bench.add_argument("--out", default="bench_out", help="output folder (default bench_out)")
+    bench.add_argument("--budget-s", type=float, help="per preset: stop starting new runs after this many seconds (results so far are written)")
+    common(bench, "0.1,0.2,0.3")
+    bench.set_defaults(func=cmd_bench)
+
+    ev = sub.add_parser("evaluate", help="quality metrics on a capture file (safetensors from the capture node)")
+    ev.add_argument("file")
+    ev.add_argument("--methods", help="comma-separated method specs (default: " + ",".join(EVALUATE_METHODS) + ")")
+    ev.add_argument("--rows", type=int, default=128, help="sampled query rows per row group (default 128)")
+    common(ev, "0.1,0.2")
+    ev.set_defaults(func=cmd_evaluate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,92 @@
+"""CLI smoke tests at reduced sizes (the real presets run in BENCHMARKS.md), method specs, and the
+FlexAttention block mask (built on the CPU; only running Flex needs CUDA)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from adaptive_sparse_attention import SequenceLayout, SparseConfig
+from adaptive_sparse_attention.backend import scenes
+from adaptive_sparse_attention.backend.planner import build_plan
+from adaptive_sparse_attention.bench import methods
+from adaptive_sparse_attention.bench.cli import main
+from adaptive_sparse_attention.bench.report import acceptance
+
+TINY = dataclasses.replace(scenes.SIZES["cpu-small"], text=16, audio=24, grid=(4, 8, 12), heads=1, head_dim=128)
+
+
+@pytest.fixture
+def tiny_presets(monkeypatch):
+    monkeypatch.setitem(scenes.SIZES, "demo", dataclasses.replace(TINY, head_dim=64))
+    monkeypatch.setitem(scenes.SIZES, "cpu-small", TINY)
+
+
+def test_demo_prints_a_table(tiny_presets, capsys):
+    assert main(["demo", "--device", "cpu", "--ratios", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "| pan | dense |" in out
+    for tail in ("reweight", "mean", "none"):
+        assert f":{tail}:query | 0.200 |" in out
+
+
+def test_bench_writes_table_json_and_plots(tiny_presets, tmp_path, capsys):
+    specs = "ours:cube:reweight:query,ours:cube:none:*@0.2,sol:topk"
+    assert main(["bench", "--preset", "cpu-small", "--methods", specs, "--ratios", "0.1,0.2", "--scenes", "pan",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "cpu-small.json").read_text())
+    got = {(r["method"], r["ratio"]) for r in result["rows"]}
+    assert ("dense", None) in got and ("ours:cube:none:block", 0.2) in got and ("ours:cube:reweight:query", 0.1) in got
+    assert ("ours:cube:none:query", 0.1) not in got  # its own ratio list
+    assert all(r["speedup"] > 0 and r["ms"] > 0 for r in result["rows"])
+    ours = [r for r in result["rows"] if r["method"].startswith("ours")]
+    assert all(0 < r["recall"] <= 1 and r["ctx_rel_l2"] < 1e-5 for r in ours)
+    assert ("sol:topk", 0.1) in got or methods.unavailable_reason("sol:topk", torch.device("cpu"), 128)
+    md = (tmp_path / "cpu-small.md").read_text()
+    assert "| pan | ours:cube:reweight:query | 0.100 |" in md and "command:" in md
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "cpu-small_pareto.png").stat().st_size > 0 and (tmp_path / "cpu-small_recall.png").exists()
+
+
+def test_method_specs_expand_and_reject():
+    assert methods.expand_methods(["ours:cube:*:query"]) == [f"ours:cube:{t}:query" for t in ("reweight", "mean", "none", "coarse")]
+    assert methods.expand_methods(["ours:*:none:block@0.1/0.3"]) == ["ours:reblock:none:block@0.1/0.3", "ours:cube:none:block@0.1/0.3"]
+    assert methods.split_spec("flex:cube@0.1/0.3") == ("flex:cube", [0.1, 0.3])
+    for bad in ("ours:cube:reweight", "ours:hex:none:query", "sol:tau=x", "flash", "dense@x", "sol:topk@2"):
+        with pytest.raises(ValueError, match="method"):
+            methods.expand_methods([bad])
+
+
+def test_acceptance_lines():
+    rows = [{"case": "pan", "method": methods.DEFAULT_METHOD, "ratio": 0.1, "rel_l2": 0.05, "recall": 0.9},
+            {"case": "pan", "method": "sol:topk", "ratio": 0.2, "rel_l2": 0.1},
+            {"case": "cuts", "method": methods.DEFAULT_METHOD, "ratio": 0.1, "rel_l2": 0.2, "recall": 0.8},
+            {"case": "cuts", "method": "sol:topk", "ratio": 0.2, "rel_l2": 0.1}]
+    lines = [line for line in acceptance(rows) if methods.DEFAULT_METHOD in line]
+    assert "PASS" in lines[0] and "FAIL" in lines[1] and "L2 worse" in lines[1] and "recall < 0.85" in lines[1]
+
+
+def test_flex_block_mask_matches_the_plan():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    layout = SequenceLayout.from_segments([(0, 70, "text"), (70, 70 + 5 * 6 * 7, "video", (5, 6, 7))])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, layout.total, 32, generator=g) for _ in range(3))
+    kp = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.3, tiling="cube", tail="none")).kernel
+    mask = methods.flex_block_mask(kp)
+    full = torch.zeros_like(kp.allowed_mask())
+    partial = torch.zeros_like(full)
+    for table, dest in (((mask.full_kv_num_blocks, mask.full_kv_indices), full), ((mask.kv_num_blocks, mask.kv_indices), partial)):
+        num, idx = table
+        for h in range(2):
+            for i in range(kp.num_blocks):
+                dest[0, h, i, idx[0, h, i, : num[0, h, i]].long()] = True
+    assert torch.equal(full | partial, kp.allowed_mask().expand_as(full))
+    whole = kp.block_len == kp.block_size
+    assert not (full & ~whole).any() and not (partial & whole).any()
+
+
+def test_time_budget_records_runs_not_made(tiny_presets):
+    from adaptive_sparse_attention.bench.runner import run_preset
+
+    result = run_preset("cpu-small", ["ours:cube:none:query"], [0.2], torch.device("cpu"), scenes=["pan"], deadline=0.0)
+    assert [r["error"] for r in result["rows"]] == ["not run: time budget spent"] * 2
