@@ -8,24 +8,15 @@ few ulp): 1e-5 relative and absolute. Outputs stored in fp16 carry one rounding 
 log-sum-exp and the key as the kernel stored it (the definition), so a key that rounds the other
 way at a half-ulp boundary does not fail it.
 """
-import os
 
 import pytest
 import torch
 
-# Triton decorates its language functions when first imported, so the interpreter flag must be
-# set before that and put back afterwards (other modules test the no-GPU paths); the
-# `interpreter` fixture sets it again around each test here.
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
+from triton_interpreter import interpreter_env
+
+with interpreter_env():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.block_stats import block_sums_triton, block_summaries_triton
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend import planner, pooling, tail
@@ -37,9 +28,7 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 STORED_TOL = {torch.float32: FP32_TOL, torch.float16: dict(rtol=1e-3, atol=1e-5)}
 
 
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("interpreter")  # every test here runs in the interpreter
 
 
 def random_tiling(seq_len: int, batch: int, heads: int, block_size: int, seed: int) -> Tiling:

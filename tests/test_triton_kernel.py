@@ -8,24 +8,15 @@ in both cases: 1e-4. Shapes stay small (a few hundred tokens) because the interp
 milliseconds per program step.
 """
 import dataclasses
-import os
 
 import pytest
 import torch
 
-# Triton decorates its own language functions when first imported, so the interpreter flag must
-# be set before that; it is put back afterwards because other modules test the no-GPU paths,
-# and the `interpreter` fixture sets it again around each test here.
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
+from triton_interpreter import interpreter_env
+
+with interpreter_env():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton, selection_bits
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
@@ -37,10 +28,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 LSE_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """TRITON_INTERPRET=1 while these tests run (the launcher and the dispatcher read it)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.usefixtures("interpreter")  # every test here runs in the interpreter
 
 
 def layout_awkward() -> SequenceLayout:
