@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from abc import ABC, abstractmethod
 import logging
 import sys
-from collections import OrderedDict
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -39,6 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .attention import DTYPES, HEAD_DIMS, resolve_backend, sparse_attention
+from .cache import BoundedCache
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .producer import produce_qkv
@@ -65,21 +65,15 @@ def check_h3(diffusion_model: Any) -> None:
             f"{cls.__module__}.{cls.__name__}. Load a MiniMax-H3 checkpoint (UNETLoader) and connect it here.")
 
 
-class LayoutCache:
+class LayoutCache(BoundedCache[SequenceLayout]):
     """ComfyUI ``PackedLayout`` -> `SequenceLayout`, cached per (signature, segments), bounded."""
 
     def __init__(self, size: int = LAYOUT_CACHE_SIZE):
-        self.size = size
-        self.entries: "OrderedDict[tuple, SequenceLayout]" = OrderedDict()
+        super().__init__(size)
 
-    def get(self, packed: Any) -> SequenceLayout:
+    def of(self, packed: Any) -> SequenceLayout:
         key = (getattr(packed, "signature", None), tuple(tuple(s) for s in packed.segments))
-        if key not in self.entries:
-            self.entries[key] = SequenceLayout.from_packed(packed)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
-        self.entries.move_to_end(key)
-        return self.entries[key]
+        return self.get(key, lambda: SequenceLayout.from_packed(packed))
 
 
 @dataclass
@@ -155,7 +149,7 @@ class BlockHook(ABC):
         to = args.get("transformer_options", {})
         for packed in (args.get("layout"), to.get("minimax_h3_layout"), ctx.packed):
             if packed is not None:
-                return self.layouts.get(packed)
+                return self.layouts.of(packed)
         return None
 
     def on_pre_run(self, patcher: Any = None) -> None:

@@ -5,12 +5,12 @@ tiling is built on the host, once per layout, and cached.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.plan import BlockSparsePlan
+from .cache import BoundedCache
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .pooling import block_means
@@ -18,8 +18,7 @@ from .routing import pooled_scores, route_plan, select_blocks
 from .tail import block_reduce, coarse_output, mean_summaries, reweight_summaries, target_anchor
 from .tiling import Tiling, cube_tiling
 
-_CUBE_CACHE: "OrderedDict[tuple, Tiling]" = OrderedDict()
-_CUBE_CACHE_SIZE = 8  # a few shapes per session; bounded so nothing grows across runs
+_CUBE_TILINGS: BoundedCache[Tiling] = BoundedCache(8)  # a few shapes per session
 
 
 @dataclass
@@ -33,13 +32,8 @@ class Plan:
 
 
 def cached_cube_tiling(layout: SequenceLayout, block_size: int, device: torch.device) -> Tiling:
-    key = (layout.signature(), block_size, str(device))
-    if key not in _CUBE_CACHE:
-        _CUBE_CACHE[key] = cube_tiling(layout, block_size, device)
-        while len(_CUBE_CACHE) > _CUBE_CACHE_SIZE:
-            _CUBE_CACHE.popitem(last=False)
-    _CUBE_CACHE.move_to_end(key)
-    return _CUBE_CACHE[key]
+    return _CUBE_TILINGS.get((layout.signature(), block_size, str(device)),
+                             lambda: cube_tiling(layout, block_size, device))
 
 
 def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config: SparseConfig) -> Tiling:

@@ -266,7 +266,7 @@ def test_layout_discovery_and_bounded_cache():
     assert hook.layout({}, ctx) is None
     cache = LayoutCache(size=2)
     for t in (4, 2, 3, 4):
-        cache.get(PackedLayout(5, t, 16, 16, 3))
+        cache.of(PackedLayout(5, t, 16, 16, 3))
     assert len(cache.entries) == 2
     assert hook.layout({"layout": PACKED}, ctx) is hook.layout({"layout": PackedLayout(5, 4, 16, 16, 3)}, ctx)
     # the wrapper rebuilds a layout whose signature does not match the call (older upstream path)
