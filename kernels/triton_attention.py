@@ -57,7 +57,7 @@ def _block_sparse_fwd(
     BS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EMPTY_LSE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EMPTY_LSE: tl.constexpr, ROW_DTYPE: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -76,7 +76,7 @@ def _block_sparse_fwd(
     # gather-on-load of this tile's query rows
     qrow = tl.load(QPerm + b * sqp_b + h * sqp_h + i * BS + offs_m)
     qmask = qrow >= 0
-    q = tl.load(Q + b * sq_b + h * sq_h + qrow.to(tl.int64)[:, None] * sq_s + offs_d[None, :] * sq_d,
+    q = tl.load(Q + b * sq_b + h * sq_h + qrow.to(ROW_DTYPE)[:, None] * sq_s + offs_d[None, :] * sq_d,
                 mask=qmask[:, None], other=0.0).to(DOT_DTYPE)
 
     k_base = K + b * sk_b + h * sk_h
@@ -106,7 +106,7 @@ def _block_sparse_fwd(
         blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
 
         kmask = krow >= 0
-        koff = krow.to(tl.int64)
+        koff = krow.to(ROW_DTYPE)
         kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
         vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
         valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
@@ -149,7 +149,7 @@ def _block_sparse_fwd(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, EMPTY_LSE, (m_i + tl.log2(l_safe)) * LN2)
     # scatter-on-store straight to the model-order rows
-    orow = qrow.to(tl.int64)
+    orow = qrow.to(ROW_DTYPE)
     tl.store(Out + b * so_b + h * so_h + orow[:, None] * so_s + offs_d[None, :] * so_d,
              out.to(Out.dtype.element_ty), mask=qmask[:, None])
     tl.store(Lse + b * sl_b + h * sl_h + orow * sl_s, lse, mask=qmask)
@@ -174,6 +174,13 @@ def selection_bits(plan: BlockSparsePlan) -> torch.Tensor:
 def _perm_strides(perm: torch.Tensor) -> tuple[int, int]:
     """(batch, head) strides of a [Bp, Hp, L] permutation; 0 where it is shared."""
     return (perm.stride(0) if perm.shape[0] > 1 else 0, perm.stride(1) if perm.shape[1] > 1 else 0)
+
+
+def _needs_wide_rows(*tensors: torch.Tensor) -> bool:
+    """Whether a row offset (row * row stride + dim * dim stride) inside one (batch, head) can pass
+    2**31 elements: H3's fused qkv buffer at 14 s clips does, contiguous [B, H, S, D] inputs do not.
+    Narrow offsets halve the kernel's per-element address arithmetic."""
+    return any((t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2 ** 31 for t in tensors)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan) -> None:
@@ -237,6 +244,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
         QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail,
         DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
+        ROW_DTYPE=tl.int64 if _needs_wide_rows(q, k, v, out) else tl.int32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -16,6 +16,7 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
+    from adaptive_sparse_attention.kernels import triton_attention
     from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton, selection_bits
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
@@ -158,6 +159,18 @@ def test_strided_inputs_and_sub_block_tiles():
     assert plan.num_blocks > 16
     out, _ = check(q, k, v, plan, config=KernelConfig(16, 16, 16, 4, 2))
     assert out.transpose(1, 2).is_contiguous()  # same [B, S, H, D] memory order as the inputs
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_narrow_and_wide_row_offsets(monkeypatch, wide):
+    """Row offsets are int32 unless a (batch, head) slice can pass 2**31 elements (H3's fused qkv
+    buffer at 14 s clips); both variants give the reference result."""
+    big = torch.empty_strided((1, 2, 8, 128), (0, 128, 3 * 2 ** 28, 1), device="meta")
+    assert triton_attention._needs_wide_rows(big) and not triton_attention._needs_wide_rows(torch.zeros(1, 2, 8, 128))
+    monkeypatch.setattr(triton_attention, "_needs_wide_rows", lambda *tensors: wide)
+    layout = layout_awkward()
+    q, k, v = inputs(layout, 2, 32, torch.float32, seed=3, batch=1)
+    check(q, k, v, random_plan(layout.total, 1, 2, 32, 64, torch.float32, "query", seed=4))
 
 
 def test_families_are_forced_and_validated(monkeypatch):
