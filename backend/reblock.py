@@ -5,19 +5,25 @@ and K q_j point the same way; <K q_i, K q_j> = q_i^T K^T K q_j, so queries are c
 cosine of q^T L_K with L_K L_K^T = M_K = K^T K / N (uncentered second moment of the keys, plus a
 small ridge relative to trace/d), and keys by the cosine of k^T L_Q. Moments are estimated per
 (batch, head) from an evenly strided sample of the region's rows; the factor is a Cholesky
-factor (`cholesky_ex`, no host sync).
+factor (`cholesky_ex`, no host sync). The small moment, factor and basis math runs in float64 and
+a failed factorization falls back to the diagonal factor: in float32 the metric's factorization
+failed on the H200 (info != 0, NaN factor) for 33 of 56 heads of a structured scene, which
+turned their features into zeros and their blocks into raster order (docs/performance-notes.md,
+"Reblock v3").
 
 Partition (section 06). Features are normalised in the full head dimension, then projected on
-their top `FEATURE_DIMS` principal directions (subspace iteration, per head) so that the tree
-reads a few bytes per token per level. A region of N rows is ceil(N / block_size) blocks; the
-root holds all blocks, and every node splits its blocks into halves (floor, ceil) and its tokens
-by capacity: the left child takes the tokens with the smallest projections on the node's split
-direction (found from a few landmark members of the node: their top principal direction,
-refined by balanced 2-means steps), exactly its capacity, a multiple of the block size. The
-region's last block is its edge block (N mod block_size rows). Leaves are single blocks, in tree
-order. Every level is a few batched ops over all (tree, node) pairs: nodes are padded to the
-level's widest (sizes at one depth differ by at most one block), split by selection (kthvalue,
-ties by slot) and prefix sums, no sort, and the next level's slots are gathered through a static
+their top `FEATURE_DIMS` principal directions (subspace iteration, per head); the tree works on
+these float32 features on every device, so a tiling does not depend on where it is built. A
+region of N rows is ceil(N / block_size) blocks; the root holds all blocks, and every node
+splits its blocks into halves (floor, ceil) and its tokens by capacity: the left child takes
+the tokens with the smallest projections on the node's split direction (found from a few
+landmark members of the node: their top principal direction, refined by balanced 2-means
+steps), exactly its capacity, a multiple of the block size. The region's last block is its
+edge block (N mod block_size rows). Leaves are single blocks, in tree order. Every level is a
+few batched ops over all (tree, node) pairs: nodes are padded to the level's widest (sizes at
+one depth differ by at most one block), split by selection (kthvalue, ties by slot) and prefix
+sums, no sort; features and token ids travel with their slots (node-major, feature-major
+storage) and reach the next level by one gather inside their parent node through a static
 index map. Work is O(N log N) per head; the shape-only schedule is built on the host once per
 (layout, block size, device) and cached; on the GPU the partition is replayed from a CUDA graph.
 
@@ -65,11 +71,12 @@ class Level:
     """Static slots of one tree level: `nodes` nodes of `width` slots each, tokens first.
 
     valid: bool [nodes, width], slot holds a token. left: long [nodes, 1], the left child's
-    capacity (tokens); right: long [nodes, width], left + slot (where right-going slots start). Selection pads every node so that its left[i]-th smallest projection is
-    the kth-smallest value of its row: fill [nodes, width] puts -inf in kth - left[i] padding
-    slots and +inf in the others. landmarks: long [nodes * marks] slots spread over every
-    node's tokens (an empty node's first slot). carry: long [next level's slots], the slot of
-    this level (after the split) each one takes; padding takes `nodes * width`, a dummy slot.
+    capacity (tokens); right: long [nodes, width], left + slot (where right-going slots start).
+    Selection pads every node so that its left[i]-th smallest projection is the kth-smallest
+    value of its row: fill [nodes, width] puts -inf in kth - left[i] padding slots and +inf in
+    the others. landmarks: long [nodes, marks], slots spread over every node's tokens (an empty
+    node's first slot). carry: long [nodes, 2, next width], the slot of its parent (after the
+    split) that every slot of the two children takes; padding takes any slot (never read).
     """
 
     nodes: int
@@ -116,19 +123,17 @@ def build_schedule(length: int, block_size: int, device: torch.device) -> Schedu
         c_lo, c_hi = torch.stack([lo, mid], 1).reshape(-1), torch.stack([mid, hi], 1).reshape(-1)
         c_tok = tokens(c_lo, c_hi)
         c_w = width(c_lo, c_hi, c_tok) if int((c_hi - c_lo).max()) > 1 else int(c_tok.max())
-        offset = torch.stack([torch.zeros_like(left), left], 1).reshape(-1)
-        t = torch.arange(c_w)
-        src = (torch.arange(2 * nodes) // 2).view(-1, 1) * w + offset.view(-1, 1) + t
-        carry = torch.where(t < c_tok.view(-1, 1), src, torch.full_like(src, nodes * w))
+        offset = torch.stack([torch.zeros_like(left), left], 1).view(nodes, 2, 1)
+        carry = (offset + torch.arange(c_w)).clamp(max=w - 1)  # in range; padding is never read
         m = max(LANDMARKS, min(w, LEVEL_LANDMARKS // nodes))
         j = torch.frac(0.5 + GOLDEN * torch.arange(m, dtype=torch.float64))
-        marks = torch.arange(nodes).view(-1, 1) * w + (j * tok.view(-1, 1)).long()  # empty: slot 0
+        marks = (j * tok.view(-1, 1)).long()  # empty node: slot 0
         t = torch.arange(w)
         kth = int(left.max())
         fill = torch.where(t < (tok + kth - left).view(-1, 1), float("-inf"), float("inf"))
         levels.append(Level(nodes, w, m, kth, (t < tok.view(-1, 1)).to(device), fill.to(device),
                             left.view(-1, 1).to(device), (left.view(-1, 1) + t).to(device),
-                            marks.reshape(-1).to(device), carry.reshape(-1).to(device)))
+                            marks.to(device), carry.to(device)))
         lo, hi, tok = c_lo, c_hi, c_tok
     nodes, w = lo.numel(), int(tok.max())
     leaf = hi > lo  # every non-empty node is now one block
@@ -180,11 +185,21 @@ def ridge(m: torch.Tensor, relative: float) -> torch.Tensor:
     return m + (relative * tr / n + TINY).unsqueeze(-1).unsqueeze(-1) * torch.eye(n, dtype=m.dtype, device=m.device)
 
 
+def cholesky_factor(m: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of symmetric PSD m [..., n, n], or the diagonal factor sqrt(diag m)
+    (non-finite entries 0) where the factorization fails or is not finite; no host sync
+    (`cholesky_ex`, then a select), so a failure can never hand on garbage or NaN."""
+    L, info = torch.linalg.cholesky_ex(m)
+    ok = (info == 0) & torch.isfinite(L).all(-1).all(-1)
+    root = m.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()
+    fallback = torch.diag_embed(torch.nan_to_num(root, nan=0.0, posinf=0.0))
+    return torch.where(ok.unsqueeze(-1).unsqueeze(-1), L, fallback)
+
+
 def orthonormalize(y: torch.Tensor) -> torch.Tensor:
     """Columns of y [..., n, r] made orthonormal by a shifted Cholesky QR (no host sync)."""
     g = ridge(y.transpose(-1, -2) @ y, 1e-4)  # the shift keeps rank-deficient y factorizable
-    r = torch.linalg.cholesky_ex(g).L
-    return torch.linalg.solve_triangular(r, y.transpose(-1, -2), upper=False).transpose(-1, -2)
+    return torch.linalg.solve_triangular(cholesky_factor(g), y.transpose(-1, -2), upper=False).transpose(-1, -2)
 
 
 def principal_basis(c: torch.Tensor, rank: int) -> torch.Tensor:
@@ -200,25 +215,29 @@ def principal_basis(c: torch.Tensor, rank: int) -> torch.Tensor:
     return orthonormalize(y)
 
 
-def metric_features(x: torch.Tensor, other: torch.Tensor, work: torch.dtype) -> torch.Tensor:
-    """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in `work`.
+def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in
+    x's accumulation dtype (float32, float64 for float64 inputs), on every device alike.
 
     Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
-    projected on their top r principal directions, estimated from the strided sample.
+    projected on their top r principal directions, estimated from the strided sample. The
+    moments, factor and basis are small ([G, D, D]) and computed in float64, so the
+    factorizations cannot fail by rounding; one product x @ [L | L W] in x's dtype (tensor
+    cores for bf16/fp16, float32 accumulation) touches every row.
     """
     G, N, D = x.shape
     acc = accum_dtype(x)
     step = -(-N // MOMENT_SAMPLES)
-    o = other[:, ::step].to(acc)
-    factor = torch.linalg.cholesky_ex(ridge(o.transpose(-1, -2) @ o / o.shape[1], RIDGE)).L
-    s = x[:, ::step].to(acc) @ factor
+    o = other[:, ::step].double()
+    factor = cholesky_factor(ridge(o.transpose(-1, -2) @ o / o.shape[1], RIDGE))
+    s = x[:, ::step].double() @ factor
     s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
     rank = min(FEATURE_DIMS, D)
     basis = principal_basis(s.transpose(-1, -2) @ s / s.shape[1], rank)
     f = x @ torch.cat([factor, factor @ basis], dim=-1).to(x.dtype)
     norm = torch.linalg.vector_norm(f[..., :D], dim=-1, keepdim=True, dtype=acc)
     # non-finite inputs must not reach the split: a NaN projection would break its counts
-    return torch.nan_to_num(f[..., D:].to(acc) / (norm + TINY), nan=0.0, posinf=0.0, neginf=0.0).to(work)
+    return torch.nan_to_num(f[..., D:].to(acc) / (norm + TINY), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def split_directions(marks: torch.Tensor) -> torch.Tensor:
@@ -262,24 +281,31 @@ def split(proj: torch.Tensor, level: Level) -> torch.Tensor:
 def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """Capacity-exact tree partition of features z [G, N, r]: block slots -> row [G, blocks * bs], -1 pads.
 
-    `rows` (int32) holds, for every slot of the current level, the flat row of z it carries
-    (G * N, a zero row, for padding slots); each level splits every node and carries the slots on.
+    The features travel with their slots, stored node-major and feature-major ([G, nodes, r,
+    width]: each node's r feature rows are contiguous), so a node's projection is one batched
+    GEMV and every level moves features and token ids by one gather along the innermost dim
+    whose reads stay inside the parent node (no row gather from the whole table; PyTorch's
+    row gather of narrow rows runs one thread block per row).
     """
     G, N, r = z.shape
-    dummy = G * N
-    flat = torch.cat([z.reshape(dummy, r), z.new_zeros(1, r)])
-    rows = torch.arange(dummy, device=z.device, dtype=torch.int32).view(G, N)
-    for level in schedule.levels:
-        nodes, width = level.nodes, level.width
-        zp = torch.index_select(flat, 0, rows.view(-1)).view(G, nodes, width, r)
-        marks = torch.index_select(zp.view(G, -1, r), 1, level.landmarks).view(G, nodes, level.marks, r)
-        direction = split_directions(marks.float() if z.dtype == torch.float16 else marks)
-        dest = split((zp @ direction.to(z.dtype)).squeeze(-1), level)
-        moved = torch.empty_like(rows).view(G, nodes, width).scatter_(2, dest, rows.view(G, nodes, width))
-        rows = torch.index_select(torch.nn.functional.pad(moved.view(G, -1), (0, 1), value=dummy), 1, level.carry)
-    out = torch.index_select(torch.nn.functional.pad(rows, (0, 1), value=dummy), 1, schedule.leaf_slots)
-    local = out.long() - torch.arange(G, device=z.device).view(G, 1) * N
-    return torch.where(out < dummy, local, torch.full_like(local, -1))
+    feats = z.transpose(1, 2).reshape(G, 1, r, N)  # the root is every token, width N
+    rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)
+    last = len(schedule.levels) - 1
+    for i, level in enumerate(schedule.levels):
+        nodes, width, c_w = level.nodes, level.width, level.carry.shape[-1]
+        marks = torch.gather(feats, 3, level.landmarks.view(1, nodes, 1, -1).expand(G, nodes, r, -1))
+        direction = split_directions(marks.transpose(-1, -2))
+        dest = split((direction.transpose(-1, -2) @ feats).squeeze(-2), level)
+        slots = torch.arange(width, device=z.device).expand(G, nodes, width)
+        src = torch.empty_like(dest).scatter_(2, dest, slots)  # slot before the split of every slot after
+        pick = torch.gather(src.unsqueeze(2).expand(G, nodes, 2, width), 3,
+                            level.carry.unsqueeze(0).expand(G, nodes, 2, c_w))
+        rows = torch.gather(rows.unsqueeze(2).expand(G, nodes, 2, width), 3, pick).view(G, 2 * nodes, c_w)
+        if i < last:
+            feats = torch.gather(feats.unsqueeze(2).expand(G, nodes, 2, r, width), 4,
+                                 pick.unsqueeze(3).expand(G, nodes, 2, r, c_w)).view(G, 2 * nodes, r, c_w)
+    rows = torch.nn.functional.pad(rows.reshape(G, -1), (0, 1), value=-1)
+    return torch.index_select(rows, 1, schedule.leaf_slots).long()
 
 
 @dataclass
@@ -358,7 +384,6 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
     check_inputs(q, k, layout, block_size, layout_mode)
     B, H, _, D = q.shape
     static = cached_static(layout, block_size, q.device)
-    work = torch.float16 if q.is_cuda and q.element_size() == 2 else accum_dtype(q)
     sides = 2 if layout_mode == "independent" else 1
     pieces = []
     for seg, part in zip(layout.regions(), static.parts):
@@ -367,9 +392,9 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
             continue
         qs = q[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
         ks = k[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
-        z = metric_features(ks, qs, work)  # keys under the queries' metric
+        z = metric_features(ks, qs)  # keys under the queries' metric
         if sides == 2:
-            z = torch.cat([metric_features(qs, ks, work), z])  # queries under the keys' metric
+            z = torch.cat([metric_features(qs, ks), z])  # queries under the keys' metric
         members = run_partition(z, part, block_size).view(sides, B, H, -1)
         pieces.append(torch.where(members >= 0, members + seg.start, members))
     perm = torch.cat(pieces, dim=-1).to(torch.int32)

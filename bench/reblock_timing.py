@@ -95,7 +95,7 @@ def main() -> None:
     qs = q[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     ks = k[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     schedule = reblock.cached_static(layout, 64, dev).parts[-1]
-    z = reblock.metric_features(ks, qs, torch.float16)
+    z = reblock.metric_features(ks, qs)
     res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64),
                                                            reblock.partition(z, schedule)))
     t = {}
@@ -106,7 +106,7 @@ def main() -> None:
             t[f"tiling_{mode}{suffix}"] = time_call(lambda: reblock.reblock_tiling(q, k, layout, 64, mode), dev, 3, 10)
             t[f"tiling_{mode}{suffix}_host"] = host_ms(lambda: reblock.reblock_tiling(q, k, layout, 64, mode))
     reblock.CUDA_GRAPHS = True
-    t["features"] = time_call(lambda: reblock.metric_features(ks, qs, torch.float16), dev, 3, 10)
+    t["features"] = time_call(lambda: reblock.metric_features(ks, qs), dev, 3, 10)
     t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64), dev, 3, 10)
     t["partition_eager"] = time_call(lambda: reblock.partition(z, schedule), dev, 3, 10)
     res["ms"] = t
@@ -118,12 +118,11 @@ def main() -> None:
             reblock.partition(z, schedule)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
-    for name, value in (("FEATURE_DIMS", 8), ("FEATURE_DIMS", 32), ("REFINE_STEPS", 0)):
-        old = getattr(reblock, name)
-        setattr(reblock, name, value)
-        zd = reblock.metric_features(ks, qs, torch.float16)
-        t[f"partition_eager_{name.lower()}_{value}"] = time_call(lambda: reblock.partition(zd, schedule), dev, 3, 10)
-        setattr(reblock, name, old)
+    dims = reblock.FEATURE_DIMS  # the features travel with the slots: does their width cost?
+    reblock.FEATURE_DIMS = 8
+    z8 = reblock.metric_features(ks, qs)
+    reblock.FEATURE_DIMS = dims
+    t["partition_eager_feature_dims_8"] = time_call(lambda: reblock.partition(z8, schedule), dev, 3, 10)
     save()
 
     t["dense_sdpa"] = time_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), dev, 1, 3)

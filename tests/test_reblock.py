@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
-from adaptive_sparse_attention.backend.reblock import build_schedule, partition, reblock_tiling
+from adaptive_sparse_attention.backend.planner import build_plan
+from adaptive_sparse_attention.backend.reblock import build_schedule, cholesky_factor, partition, reblock_tiling
 from adaptive_sparse_attention.backend.tiling import chunk_tiles, cube_tiling
 from adaptive_sparse_attention.kernels import pack, unpack
 
@@ -174,6 +175,31 @@ def test_interleaved_clusters_are_grouped_better_than_cubes(mode):
     # (measured: cube 0.26, reblock 0.99)
     assert recall["cube"] < 0.4
     assert recall["reblock"] > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_byte_inputs_group_as_well_as_float64(dtype):
+    # the tiling is computed from bf16/fp16 copies, the plan and the recall from the float64
+    # inputs: rounding the inputs must not cost the grouping (float64 tiling: 0.99)
+    q, k, v, layout = clustered_scene()
+    tiling = reblock_tiling(q.to(dtype), k.to(dtype), layout, 64)
+    plan = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.25, backend="torch"), tiling=tiling)
+    assert attention_mass_recall(q, k, plan, layout) > 0.9
+
+
+def test_cholesky_factor_is_exact_when_it_exists_and_finite_when_it_does_not():
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
+    m = a @ a.transpose(-1, -2)
+    m[1] = -m[1]  # negative definite: no factor
+    m[2, 0, 0] = float("nan")
+    L = cholesky_factor(m)
+    assert torch.allclose(L[0] @ L[0].T, m[0], rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(L).all()
+    assert torch.equal(L[1], torch.zeros(5, 5, dtype=torch.float64))  # sqrt of the clamped diagonal
+    expected = m[2].diagonal().sqrt()
+    expected[0] = 0  # the NaN entry
+    assert torch.equal(L[2], torch.diag(expected))
 
 
 def test_keys_are_grouped_by_the_queries_metric_not_by_raw_geometry():
