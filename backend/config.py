@@ -57,9 +57,8 @@ class SparseConfig:
         `joint-video` makes every video region sparse with one TopK group per key region.
     tail_granularity: `query` (every query scores the summaries) or `block` (one shared
         summary result per query block).
-    tiling / reblock_layout: fixed 3D cubes (the default) or the adaptive reblock layout. Reblock
-        raises recall but its plan still costs ~70% of the kernel time at 10 s clips on an H200
-        (docs/performance-notes.md), so it is opt-in until it fits its 15% budget.
+    tiling / reblock_layout: the adaptive reblock layout (default: at 10% it halves the output
+        error of cube tiling on the H3 scenes for ~25% more time, BENCHMARKS.md) or fixed 3D cubes.
     tail: what stands in for unselected candidate blocks.
     dense_layers: layer indices that always run dense; min_tokens: shorter sequences run dense.
     block_size: tokens per block (64 or 128). strict: raise instead of falling back to dense.
@@ -71,7 +70,7 @@ class SparseConfig:
     warmup_ratio: float = 0.2
     sparse_scope: str = "target-video"
     tail_granularity: str = "query"
-    tiling: str = "cube"
+    tiling: str = "reblock"
     reblock_layout: str = "q_reuse_k"
     tail: str = "reweight"
     dense_layers: tuple[int, ...] = ()

@@ -8,7 +8,7 @@ from adaptive_sparse_attention.backend.config import parse_layer_list
 def test_defaults_match_the_node():
     cfg = SparseConfig()
     assert (cfg.topk_ratio, cfg.warmup_mode, cfg.sparse_scope, cfg.tail_granularity) == (0.2, "fidelity", "target-video", "query")
-    assert (cfg.tiling, cfg.reblock_layout, cfg.tail, cfg.block_size, cfg.backend) == ("cube", "q_reuse_k", "reweight", 64, "auto")
+    assert (cfg.tiling, cfg.reblock_layout, cfg.tail, cfg.block_size, cfg.backend) == ("reblock", "q_reuse_k", "reweight", 64, "auto")
 
 
 @pytest.mark.parametrize("field,value,allowed", [
