@@ -43,19 +43,6 @@ def sample_rows(layout: SequenceLayout, per_group: int, seed: int = 0) -> dict[s
     return out
 
 
-def relative_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref||_F / ||ref||_F in float64."""
-    diff = (out.double() - ref.double()).norm()
-    return float(diff / ref.double().norm().clamp_min(1e-300))
-
-
-def mean_cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Mean over rows (last dim = features) of cos(out_row, ref_row) in float64."""
-    a, b = out.double(), ref.double()
-    cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-300)
-    return float(cos.mean())
-
-
 def output_errors(out: torch.Tensor, ref: torch.Tensor, layout: SequenceLayout) -> dict[str, dict[str, float]]:
     """Relative L2 and mean cosine of out vs ref [B, H, S, D] on every row group."""
     result = {}

@@ -5,19 +5,22 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
-from adaptive_sparse_attention.backend.metrics import (block_of_rows, mean_cosine, output_errors, plan_mass_metrics,
-                                                       quality_report, relative_l2, row_groups, sample_rows)
+from adaptive_sparse_attention.backend.metrics import (block_of_rows, output_errors, plan_mass_metrics, quality_report,
+                                                       row_groups, sample_rows)
 from adaptive_sparse_attention.kernels import BlockSparsePlan
 
 TOL = 1e-12
 
 
 def test_relative_l2_and_cosine_by_hand():
-    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    out = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
-    assert relative_l2(out, ref) == pytest.approx(1 / math.sqrt(2), abs=TOL)
-    assert mean_cosine(out, ref) == pytest.approx((1 / math.sqrt(2) + 1) / 2, abs=TOL)
-    assert relative_l2(ref, ref) == 0.0
+    """Two target-video rows: ref rows (1, 0), (0, 1); out rows (1, 1), (0, 1); text rows equal."""
+    layout = SequenceLayout.from_segments([(0, 1, "text"), (1, 3, "video", (1, 1, 2))])
+    ref = torch.tensor([[[[3.0, 4.0], [1.0, 0.0], [0.0, 1.0]]]])
+    out = torch.tensor([[[[3.0, 4.0], [1.0, 1.0], [0.0, 1.0]]]])
+    errors = output_errors(out, ref, layout)
+    assert errors["video"]["rel_l2"] == pytest.approx(1 / math.sqrt(2), abs=TOL)
+    assert errors["video"]["cosine"] == pytest.approx((1 / math.sqrt(2) + 1) / 2, abs=TOL)
+    assert errors["text"] == {"rel_l2": 0.0, "cosine": pytest.approx(1.0, abs=TOL)}
 
 
 def test_block_of_rows_inverts_the_permutation():
