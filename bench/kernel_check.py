@@ -31,9 +31,7 @@ from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import build_plan, make_tiling
-from ..backend.pooling import block_means
-from ..backend.routing import pooled_scores, route_plan, select_blocks
-from ..backend.tail import block_reduce, reweight_summaries, target_anchor
+from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
 from ..kernels.plan import BlockSparsePlan
 from ..kernels.reference import block_sparse_reference
@@ -226,36 +224,18 @@ def compiled_resources() -> list[dict]:
 
 
 def planner_profile(q, k, v, layout, ratio) -> dict:
-    """Milliseconds per planner component (cube tiling, reweight tails, query granularity)."""
-    cfg = SparseConfig(tiling="cube", topk_ratio=ratio)
-    tiling = make_tiling(q, k, layout, cfg)
-    state = {}
+    """Milliseconds per planner step (bench/planner_timing.py's steps: cube tiling, reweight
+    tails) plus the block-granularity reduction and the kernel's selection-bit prepass."""
+    from .planner_timing import steps  # planner_timing reuses this module's shapes and timer
 
-    def step(name, fn):
-        state[name] = fn()
-
-    parts = {
-        "block_means_q": lambda: block_means(q, tiling.q_perm, tiling),
-        "block_means_k": lambda: block_means(k, tiling.k_perm, tiling),
-        "pooled_scores": lambda: pooled_scores(state["block_means_q"], state["block_means_k"]),
-        "route_plan": lambda: route_plan(tiling, cfg.sparse_scope, ratio),
-        "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"]),
-        "target_anchor": lambda: target_anchor(q, layout),
-        "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"]),
-    }
-    out = {}
-    for name, fn in parts.items():
-        step(name, fn)
-        out[name] = bench_ms(lambda: step(name, fn), rep_ms=300)
-    idx, num = state["select_blocks"]
-    dense_hi = state["route_plan"][0]
-    kp = BlockSparsePlan(tiling.block_size, tiling.q_perm, tiling.k_perm, tiling.block_len, dense_hi, idx, num)
-    key, value, bias = state["reweight_summaries"]
+    parts = steps(q, k, v, layout, ratio)
+    results = {name: fn() for name, fn in parts.items()}
+    out = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
+    plan = results["build_plan reweight"].kernel
+    key, value, bias = results["reweight_summaries"]
     out["summary_mask+block_reduce (block gran.)"] = bench_ms(
-        lambda: block_reduce(state["block_means_q"], key, value, bias, kp.summary_mask()), rep_ms=300)
-    kp.tail_k = key
-    out["selection_bits (kernel prepass)"] = bench_ms(lambda: selection_bits(kp), rep_ms=300)
-    out["build_plan total"] = bench_ms(lambda: build_plan(q, k, v, layout, cfg), rep_ms=600)
+        lambda: block_reduce(results["block_means q"], key, value, bias, plan.summary_mask()), rep_ms=300)
+    out["selection_bits (kernel prepass)"] = bench_ms(lambda: selection_bits(plan), rep_ms=300)
     return out
 
 

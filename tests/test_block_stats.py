@@ -12,6 +12,7 @@ way at a half-ulp boundary does not fail it.
 import pytest
 import torch
 
+from random_blocks import random_block_lengths, random_perms
 from triton_interpreter import interpreter_env
 
 with interpreter_env():
@@ -35,16 +36,8 @@ def random_tiling(seq_len: int, batch: int, heads: int, block_size: int, seed: i
     """Blocks of random true length (1..block_size, so most are edge blocks) holding a random
     permutation of the rows, one per (batch, head) or one shared by all ([1, 1, L])."""
     g = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < seq_len:
-        lengths.append(min(int(torch.randint(1, block_size + 1, (1,), generator=g)), seq_len - sum(lengths)))
-    J = len(lengths)
-    block_len = torch.tensor(lengths, dtype=torch.int32)
-    slot_valid = (torch.arange(block_size).view(1, -1) < block_len.view(-1, 1)).view(-1)
-    perm = torch.full((batch * heads, J * block_size), -1, dtype=torch.int32)
-    for row in perm:
-        row[slot_valid] = torch.randperm(seq_len, generator=g).to(torch.int32)
-    perm = perm.view(batch, heads, -1)
+    block_len = random_block_lengths(seq_len, block_size, g)
+    perm = random_perms(seq_len, block_len, batch, heads, block_size, g)
     return Tiling(block_size, perm, perm, block_len, (), ())
 
 

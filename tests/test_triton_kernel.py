@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from random_blocks import random_block_lengths, random_perms
 from triton_interpreter import interpreter_env
 
 with interpreter_env():
@@ -83,18 +84,11 @@ def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed):
     permutations, random dense prefixes and sorted selections of varying length (including
     none), random tail summaries."""
     g = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < seq_len:
-        lengths.append(min(int(torch.randint(1, block_size + 1, (1,), generator=g)), seq_len - sum(lengths)))
-    J = len(lengths)
-    block_len = torch.tensor(lengths, dtype=torch.int32)
-    slot_valid = (torch.arange(block_size).view(1, -1) < block_len.view(-1, 1)).view(-1)
+    block_len = random_block_lengths(seq_len, block_size, g)
+    J = block_len.numel()
 
     def perms():
-        p = torch.full((batch * heads, J * block_size), -1, dtype=torch.int32)
-        for row in p:
-            row[slot_valid] = torch.randperm(seq_len, generator=g).to(torch.int32)
-        return p.view(batch, heads, -1)
+        return random_perms(seq_len, block_len, batch, heads, block_size, g)
 
     dense_hi = torch.randint(0, J + 1, (J,), generator=g, dtype=torch.int32)
     dense_hi[: J // 4] = 0
