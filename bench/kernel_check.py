@@ -30,6 +30,7 @@ import torch
 from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
+from ..backend.scenes import SIZES
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
@@ -37,12 +38,8 @@ from ..kernels.plan import BlockSparsePlan
 from ..kernels.reference import block_sparse_reference
 from ..kernels.triton_attention import block_sparse_triton, selection_bits
 
-HEADS, DIM = 56, 128
-H3_SHAPES = {  # name -> (audio rows, video grid); text is 256 rows
-    "5s": (414, (37, 24, 42)),
-    "10s": (810, (72, 24, 42)),
-    "14s": (1224, (102, 24, 42)),
-}
+H3_SHAPES = {name: SIZES[f"h3-{name}"] for name in ("5s", "10s", "14s")}  # the bench presets' shapes
+HEADS, DIM = H3_SHAPES["10s"].heads, H3_SHAPES["10s"].head_dim
 VARIANTS = {  # launch-config variants timed at the 10s shape, ratio 0.1: name -> (plan block size, config)
     "bs64 m64n64t64w4s2": (64, KernelConfig(64, 64, 64, 4, 2)),
     "bs64 m64n64t64w4s3": (64, KernelConfig(64, 64, 64, 4, 3)),
@@ -51,12 +48,6 @@ VARIANTS = {  # launch-config variants timed at the 10s shape, ratio 0.1: name -
     "bs128 m128n64t64w8s3": (128, KernelConfig(128, 64, 64, 8, 3)),
     "bs128 m128n128t64w8s2": (128, KernelConfig(128, 128, 64, 8, 2)),
 }
-
-
-def h3_layout(audio: int, grid: tuple[int, int, int]) -> SequenceLayout:
-    video = grid[0] * grid[1] * grid[2]
-    return SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + audio, "audio"),
-                                         (256 + audio, 256 + audio + video, "video", grid)])
 
 
 def h3_qkv(layout: SequenceLayout, heads: int, dim: int, dtype: torch.dtype, seed: int):
@@ -148,8 +139,7 @@ def sanitize_child() -> None:
 def profile_child() -> None:
     """One kernel launch at the 5s shape, ratio 0.1, query tails (after two warm-up launches),
     for Nsight Compute run by the parent."""
-    audio, grid = H3_SHAPES["5s"]
-    layout = h3_layout(audio, grid)
+    layout = H3_SHAPES["5s"].layout()
     q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=5)
     plan, _ = plan_for(q, k, v, layout, 0.1)
     for _ in range(3):
@@ -245,8 +235,7 @@ def dense_probe(results: dict) -> None:
     by the cube permutation, or read in model order (identity permutation, contiguous blocks)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    audio, grid = H3_SHAPES["5s"]
-    layout = h3_layout(audio, grid)
+    layout = H3_SHAPES["5s"].layout()
     S = layout.total
     q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=3)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -280,8 +269,7 @@ def timing(results: dict, shapes: list[str], ratios: list[float], block_sizes: l
 
     results["timing"] = {}
     for name in shapes:
-        audio, grid = H3_SHAPES[name]
-        layout = h3_layout(audio, grid)
+        layout = H3_SHAPES[name].layout()
         S = layout.total
         q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=7)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

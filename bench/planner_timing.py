@@ -23,7 +23,7 @@ from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_plan, select_blocks
 from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
-from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_layout, h3_qkv
+from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_qkv
 
 
 @contextlib.contextmanager
@@ -84,8 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     import triton
 
-    audio, grid = H3_SHAPES[args.shape]
-    layout = h3_layout(audio, grid)
+    layout = H3_SHAPES[args.shape].layout()
     q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=11)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "shape": {"name": args.shape, "B": 1, "H": HEADS, "S": layout.total, "D": DIM, "dtype": "bf16",

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..backend.config import SparseConfig
-from ..backend.layout import SequenceLayout
+from ..backend.scenes import SceneSize
 from ..backend.planner import build_plan
 from ..backend import reblock
 from ..kernels import run_block_sparse
@@ -47,9 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     dev = torch.device("cuda")
     T, Hh, W = args.video
-    text, audio = 256, 810
-    layout = SequenceLayout.from_segments([(0, text, "text"), (text, text + audio, "audio"),
-                                           (text + audio, text + audio + T * Hh * W, "video", (T, Hh, W))])
+    layout = SceneSize(256, 810, (T, Hh, W), args.heads, 128).layout()  # the 10s preset's prefix
     S, H, D = layout.total, args.heads, 128
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(1, H, S, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
