@@ -29,20 +29,9 @@ def head_slice(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
     return perm if perm.shape[1] == 1 else perm[:, h0:h1]
 
 
-def gather_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Rows of x [B, h, S, D] in tiled order [B, h, L, D], x's dtype, padding slots zero (`pack`).
-
-    A permutation shared by every batch and head is a plain row gather (`index_select`), which is
-    much cheaper on the GPU than `pack`'s element-wise gather."""
-    if perm.shape[0] != 1 or perm.shape[1] != 1:
-        return pack(x, perm)
-    idx = perm.view(-1)
-    return x.index_select(2, idx.clamp(min=0)).masked_fill_((idx < 0).view(1, 1, -1, 1), 0)
-
-
 def block_rows(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, h0: int, h1: int) -> torch.Tensor:
     """Heads h0:h1 of x gathered into blocks: [B, h, J, block_size, D] in the accumulation dtype."""
-    rows = gather_rows(x[:, h0:h1], head_slice(perm, h0, h1)).to(accum_dtype(x))
+    rows = pack(x[:, h0:h1], head_slice(perm, h0, h1)).to(accum_dtype(x))
     return rows.view(x.shape[0], h1 - h0, tiling.num_blocks, tiling.block_size, x.shape[-1])
 
 
@@ -60,7 +49,7 @@ def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling) -> torch.Te
     out = x.new_empty(B, H, tiling.num_blocks, D, dtype=acc)
     for h0 in range(0, H, POOL_HEADS):
         h1 = min(H, h0 + POOL_HEADS)
-        rows = gather_rows(x[:, h0:h1], head_slice(perm, h0, h1))
+        rows = pack(x[:, h0:h1], head_slice(perm, h0, h1))
         out[:, h0:h1] = rows.view(B, h1 - h0, tiling.num_blocks, tiling.block_size, D).sum(3, dtype=acc) / n
     return out
 
