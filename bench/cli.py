@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..backend.capture import load_capture
-from .methods import DEFAULT_METHOD, module_available
+from .methods import DEFAULT_METHOD
 from .report import acceptance, markdown_table, render_markdown, write_outputs
 from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
 
@@ -43,8 +43,7 @@ def _device(text: str) -> torch.device:
 
 
 def demo_methods() -> list[str]:
-    tiling = "reblock" if module_available("backend.reblock") else "cube"
-    return ["dense"] + [f"ours:{tiling}:{tail}:query" for tail in ("reweight", "mean", "none")] + ["ours:cube:reweight:query"]
+    return ["dense"] + [f"ours:reblock:{tail}:query" for tail in ("reweight", "mean", "none")] + ["ours:cube:reweight:query"]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

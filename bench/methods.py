@@ -56,11 +56,6 @@ class Prepared:
         return (self.output or self.call)()
 
 
-def module_available(name: str) -> bool:
-    """Whether a module of this package (e.g. "backend.reblock") exists, without importing it."""
-    return importlib.util.find_spec(f"{__package__.rsplit('.', 1)[0]}.{name}") is not None
-
-
 def sol_available() -> bool:
     return importlib.util.find_spec("comfy_kitchen") is not None
 
@@ -113,8 +108,6 @@ def expand_methods(specs: list[str]) -> list[str]:
 
 def unavailable_reason(spec: str, device: torch.device, head_dim: int) -> str | None:
     """Why `spec` cannot run here (missing optional code or hardware), or None."""
-    if "reblock" in spec and not module_available("backend.reblock"):
-        return "backend/reblock.py is not in this checkout"
     if spec.startswith("sol:"):
         if not sol_available():
             return "comfy-kitchen is not installed (pip install comfy-kitchen packaging)"

@@ -16,10 +16,12 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..backend.attention import resolve_backend as engine_backend
+from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.metrics import quality_report, sample_rows
 from ..backend.scenes import SIZES, make_scene
-from .methods import expand_methods, module_available, prepare, split_spec, unavailable_reason
+from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .timing import time_call
 
 
@@ -56,10 +58,8 @@ class Case:
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """Kernel backend for `ours`: `auto` means Triton on CUDA when the kernel module exists."""
-    if requested != "auto":
-        return requested
-    return "triton" if device.type == "cuda" and module_available("kernels.triton_attention") else "torch"
+    """Kernel backend `ours` runs with on `device`: the engine's own choice for `requested`."""
+    return engine_backend(SparseConfig(backend=requested), device)
 
 
 def scene_cases(preset: Preset, scenes: Iterable[str], seed: int, device: torch.device) -> Iterator[Case]:
