@@ -27,13 +27,14 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, s, vals, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold one tile of base-2 logits s [M, N] and their values [N, D] into (acc, m, l)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _online_softmax_step(acc, m_i, l_i, s, scale, vals, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of logits s [M, N] (base 2 once multiplied by `scale`, which is folded into
+    the row max and one multiply-add per logit) and their values [N, D] into (acc, m, l)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    p = tl.exp2(s * scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vals, input_precision=PRECISION)
+    acc = tl.dot(p.to(DOT_DTYPE), vals, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -110,9 +111,8 @@ def _block_sparse_fwd(
         kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
         vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
         valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
-        s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION) * qk_scale \
-            + tl.where(valid, 0.0, float("-inf"))[None, :]
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+        s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
         krow, blen, blk_next = krow_next, blen_next, blk_after
 
     if QUERY_TAIL:
@@ -129,9 +129,10 @@ def _block_sparse_fwd(
             bias = tl.load(TailBias + t_row + c, mask=cin, other=0.0)
             tv = tl.load(TailV + (t_row + c[:, None]) * HEAD_DIM + offs_d[None, :],
                          mask=cin[:, None], other=0.0).to(DOT_DTYPE)
-            s = tl.dot(q, tk, input_precision=PRECISION) * qk_scale \
-                + tl.where(keep, bias * LOG2E, float("-inf"))[None, :]
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, tv, DOT_DTYPE, PRECISION)
+            # the bias (natural log) in the units of an unscaled logit
+            s = tl.dot(q, tk, input_precision=PRECISION) \
+                + tl.where(keep, bias * (LOG2E / qk_scale), float("-inf"))[None, :]
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, tv, DOT_DTYPE, PRECISION)
 
     if BLOCK_TAIL:
         # one virtual key per query block, shared by its rows: log-mass and normalised value
