@@ -13,6 +13,7 @@ import math
 import torch
 
 from .layout import CONTEXT, TARGET_VIDEO
+from .pooling import fused_planner
 from .tiling import Tiling
 
 def region_budget(num_blocks: int, ratio: float) -> int:
@@ -66,9 +67,14 @@ def select_blocks(scores: torch.Tensor, dense_hi: torch.Tensor, groups: list[tup
     """Per-group TopK for every sparse query block: (q2k_idx [B, H, J, R] int32 ascending with -1
     rows for dense query blocks, q2k_num [B, H, J] int32). R = sum of the group budgets."""
     B, H, J, _ = scores.shape
-    picks = [topk_blocks(scores[..., lo:hi], budget) + lo for lo, hi, budget in groups]
-    idx = torch.sort(torch.cat(picks, dim=-1), dim=-1).values.to(torch.int32)
     sparse = dense_hi < J
-    idx = torch.where(sparse.view(1, 1, J, 1), idx, torch.full_like(idx, -1))
+    if fused_planner(scores):  # radix-select TopK in one Triton kernel (kernels/block_select.py)
+        from ..kernels.block_select import select_blocks_triton
+
+        idx = select_blocks_triton(scores, dense_hi, groups)
+    else:
+        picks = [topk_blocks(scores[..., lo:hi], budget) + lo for lo, hi, budget in groups]
+        idx = torch.sort(torch.cat(picks, dim=-1), dim=-1).values.to(torch.int32)
+        idx = torch.where(sparse.view(1, 1, J, 1), idx, torch.full_like(idx, -1))
     num = (sparse.to(torch.int32) * idx.shape[-1]).view(1, 1, J).expand(B, H, J).contiguous()
     return idx.contiguous(), num

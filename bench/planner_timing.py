@@ -4,7 +4,7 @@
 
 At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
 `build_plan` (reweight and mean tails, query granularity) on the torch path (the reference, fused
-kernels switched off) and on the fused path (CUDA events, warm-up, median). Checks the fused
+kernels of `kernels/block_stats.py` and `kernels/block_select.py` switched off) and on the fused path (CUDA events, warm-up, median). Checks the fused
 results against the torch path on the same GPU (max error relative to the largest reference
 value, selections equal), identical bits on a rerun and no host synchronisation.
 """
@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from ..backend import pooling, tail
+from ..backend import pooling, routing, tail
 from ..backend.config import SparseConfig
 from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
@@ -30,7 +30,8 @@ from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_qkv
 def fused(enabled: bool):
     """Force the backend's fused-kernel dispatch on or off."""
     with mock.patch.object(pooling, "fused_planner", lambda *xs: enabled), \
-            mock.patch.object(tail, "fused_planner", lambda *xs: enabled):
+            mock.patch.object(tail, "fused_planner", lambda *xs: enabled), \
+            mock.patch.object(routing, "fused_planner", lambda *xs: enabled):
         yield
 
 
@@ -102,7 +103,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    for name in ("block_means q", "reweight_summaries", "mean_summaries"):
+                    for name in ("block_means q", "select_blocks", "reweight_summaries", "mean_summaries"):
                         parts[name]()
                     res["fused_host_sync"] = "none"
                 except RuntimeError as e:

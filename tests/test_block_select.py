@@ -1,0 +1,46 @@
+"""Fused TopK kernel (CPU interpreter) against the stable-sort selection of `routing.select_blocks`.
+
+Selections are integer sets, so they must match exactly: rows with many ties (scores drawn from a
+few values, including -0.0 next to 0.0, which the sort treats as equal), budgets of one block and
+of a whole group, several groups, dense query blocks, and group sizes that are not powers of two.
+"""
+import pytest
+import torch
+
+from triton_interpreter import interpreter_env
+
+with interpreter_env():
+    pytest.importorskip("triton")
+    from adaptive_sparse_attention.kernels.block_select import select_blocks_triton
+
+from adaptive_sparse_attention.backend.routing import select_blocks
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+CASES = [  # batch, heads, J, groups (lo, hi, budget), number of leading dense query blocks, tied scores
+    (2, 1, 37, [(3, 20, 4), (20, 37, 17)], 3, True),
+    (1, 2, 37, [(3, 20, 4), (20, 37, 17)], 0, False),
+    (1, 1, 9, [(0, 9, 1)], 0, True),
+    (1, 1, 150, [(5, 150, 15)], 5, False),
+    (1, 1, 150, [(5, 150, 15)], 5, True),
+]
+
+
+@pytest.mark.parametrize("B,H,J,groups,n_dense,ties", CASES)
+def test_matches_the_stable_sort_selection(B, H, J, groups, n_dense, ties):
+    g = torch.Generator().manual_seed(J + n_dense)
+    if ties:
+        levels = torch.tensor([-1.0, -0.0, 0.0, 0.5, 1.0, float("-inf")])
+        scores = levels[torch.randint(0, len(levels), (B, H, J, J), generator=g)]
+    else:
+        scores = torch.randn(B, H, J, J, generator=g)
+    dense_hi = torch.full((J,), groups[0][0], dtype=torch.int32)
+    dense_hi[:n_dense] = J
+    want, _ = select_blocks(scores, dense_hi, groups)
+    got = select_blocks_triton(scores, dense_hi, groups)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_bad_group_is_named():
+    with pytest.raises(ValueError, match="budget=5"):
+        select_blocks_triton(torch.zeros(1, 1, 4, 4), torch.zeros(4, dtype=torch.int32), [(0, 4, 5)])
