@@ -41,7 +41,7 @@ import torch
 
 from .config import REBLOCK_LAYOUTS
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
-from .pooling import accum_dtype
+from .pooling import accum_dtype, fused_planner
 from .tiling import Tiling, chunk_tiles
 
 MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
@@ -77,6 +77,7 @@ class Level:
     the others. landmarks: long [nodes, marks], slots spread over every node's tokens (an empty
     node's first slot). carry: long [nodes, 2, next width], the slot of its parent (after the
     split) that every slot of the two children takes; padding takes any slot (never read).
+    sizes: int32 [2, nodes], tokens and left capacity of every node (the fused split's input).
     """
 
     nodes: int
@@ -89,6 +90,7 @@ class Level:
     right: torch.Tensor
     landmarks: torch.Tensor
     carry: torch.Tensor
+    sizes: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ def build_schedule(length: int, block_size: int, device: torch.device) -> Schedu
         fill = torch.where(t < (tok + kth - left).view(-1, 1), float("-inf"), float("inf"))
         levels.append(Level(nodes, w, m, kth, (t < tok.view(-1, 1)).to(device), fill.to(device),
                             left.view(-1, 1).to(device), (left.view(-1, 1) + t).to(device),
-                            marks.to(device), carry.to(device)))
+                            marks.to(device), carry.to(device),
+                            torch.stack([tok, left]).to(torch.int32).to(device)))
         lo, hi, tok = c_lo, c_hi, c_tok
     nodes, w = lo.numel(), int(tok.max())
     leaf = hi > lo  # every non-empty node is now one block
@@ -288,6 +291,9 @@ def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     row gather of narrow rows runs one thread block per row).
     """
     G, N, r = z.shape
+    fused = fused_planner(z) and z.dtype == torch.float32
+    if fused:
+        from ..kernels.reblock_split import MAX_WIDTH, split_move_triton
     feats = z.transpose(1, 2).reshape(G, 1, r, N)  # the root is every token, width N
     rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)
     last = len(schedule.levels) - 1
@@ -295,7 +301,11 @@ def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
         nodes, width, c_w = level.nodes, level.width, level.carry.shape[-1]
         marks = torch.gather(feats, 3, level.landmarks.view(1, nodes, 1, -1).expand(G, nodes, r, -1))
         direction = split_directions(marks.transpose(-1, -2))
-        dest = split((direction.transpose(-1, -2) @ feats).squeeze(-2), level)
+        proj = (direction.transpose(-1, -2) @ feats).squeeze(-2)
+        if fused and width <= MAX_WIDTH:  # split and move in one kernel (kernels/reblock_split.py)
+            feats, rows = split_move_triton(proj, feats, rows, level.sizes[0], level.sizes[1], c_w, i < last)
+            continue
+        dest = split(proj, level)
         slots = torch.arange(width, device=z.device).expand(G, nodes, width)
         src = torch.empty_like(dest).scatter_(2, dest, slots)  # slot before the split of every slot after
         pick = torch.gather(src.unsqueeze(2).expand(G, nodes, 2, width), 3,

@@ -6,8 +6,9 @@ Times (CUDA events, median after warm-up) `reblock_tiling` in both layout modes 
 stages (metric features, tree partition), `build_plan` with reblock vs cube tiling, and, when
 the Triton kernel runs, the sparse attention kernel at ratio 0.1 (the 15% budget is measured
 against it). It also checks that the tiling makes no host synchronisation (CUDA sync debug
-mode) and gives the same bits twice, reports host enqueue time (launch-bound or not), and
-times the tiling with and without the partition's CUDA graph. Inputs are random bf16 (the
+mode) and gives the same bits twice, that the fused split kernel gives the torch levels' tiling,
+reports host enqueue time (launch-bound or not), and times the tiling with and without the
+partition's CUDA graph and the partition with and without the fused split. Inputs are random bf16 (the
 cost depends on shapes only).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from unittest import mock
 
 import torch
 
@@ -96,6 +98,9 @@ def main() -> None:
     z = reblock.metric_features(ks, qs)
     res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64),
                                                            reblock.partition(z, schedule)))
+    with mock.patch.object(reblock, "fused_planner", lambda *xs: False):  # every level on the torch path
+        torch_levels = reblock.partition(z, schedule)
+    res["checks"]["fused_split_equals_torch_levels"] = bool(torch.equal(reblock.partition(z, schedule), torch_levels))
     t = {}
     for graphs in (True, False):
         reblock.CUDA_GRAPHS = graphs
@@ -107,6 +112,8 @@ def main() -> None:
     t["features"] = time_call(lambda: reblock.metric_features(ks, qs), dev, 3, 10)
     t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64), dev, 3, 10)
     t["partition_eager"] = time_call(lambda: reblock.partition(z, schedule), dev, 3, 10)
+    with mock.patch.object(reblock, "fused_planner", lambda *xs: False):
+        t["partition_eager_torch_levels"] = time_call(lambda: reblock.partition(z, schedule), dev, 3, 10)
     res["ms"] = t
     save()
     if args.profile:
