@@ -2,12 +2,10 @@
 
 `backend/routing.select_blocks` sorts every row of pooled scores to keep the `budget` largest
 (ties toward the lower block index) and sorts the picks again into ascending order. Here one
-program holds a row of a group's scores in registers (one warp per 2,048 slots, so the counts
-reduce within a warp) and finds the budget-th largest score by a radix select on its
-order-preserving integer key: 32 counting passes, no sort. Every score above it is picked, and
-of the scores equal to it the first ones by block index, as many as the budget still allows.
-The picks are written in ascending order at their prefix-sum positions, so the selection is
-exactly that of the stable sort (tested against it).
+program holds a row of a group's scores in registers and picks its `budget` largest by a radix
+select (`radix_select.top_k_mask`: exact, ties toward the lower index, no sort); the picks are
+written in ascending order at their prefix-sum positions, so the selection is exactly that of
+the stable sort (tested against it).
 
 Importing this module imports Triton: the backend imports it only on demand.
 """
@@ -16,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .radix_select import top_k_mask
 
 
 @triton.jit
@@ -30,20 +30,8 @@ def _select_group(Scores, DenseHi, Out, J, R, lo, n, budget, col0,
     if tl.load(DenseHi + i) >= J:  # a dense query block: no picks
         tl.store(out_row + offs, -1, mask=offs < budget)
     else:
-        x = tl.load(Scores + row * J + lo + offs, mask=live, other=0.0) + 0.0  # -0.0 -> +0.0, as sort sees it
-        bits = x.to(tl.int32, bitcast=True)
-        # order-preserving unsigned key: set the sign bit of positives, flip every bit of negatives
-        key = tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
-        key = tl.where(live, key, 0)  # padding lanes rank with the lowest key; never picked (below)
-        one = tl.full([], 1, tl.uint32)
-        thresh = tl.zeros([], tl.uint32)
-        for b in tl.static_range(31, -1, -1):  # the largest t with at least `budget` keys >= t
-            cand = thresh | (one << b)
-            thresh = tl.where(tl.sum((live & (key >= cand)).to(tl.int32), 0) >= budget, cand, thresh)
-        above = key > thresh
-        tie = live & (key == thresh)
-        room = budget - tl.sum(above.to(tl.int32), 0)
-        pick = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
+        x = tl.load(Scores + row * J + lo + offs, mask=live, other=0.0)
+        pick = top_k_mask(x, live, budget)
         pos = tl.cumsum(pick.to(tl.int32), 0) - 1
         tl.store(out_row + pos, (lo + offs).to(tl.int32), mask=pick)
 

@@ -4,9 +4,9 @@
 `left` smallest projections (ties by slot) and then moves features and token ids to the two
 children with a scatter, a static index map and three gathers (about ten kernels over every
 slot of the level). Here one program per (tree, node) holds the node's projections in
-registers, finds the left-th smallest by a radix select on an order-preserving integer key (32
-counting passes, no sort), ranks the ties by a prefix sum and writes every token's id and
-feature rows straight to its slot in the next level. Nodes up to `MAX_WIDTH` slots fit one
+registers, picks the `left` smallest by a radix select (`radix_select.top_k_mask` on the negated
+projections: exact, ties by slot, no sort) and writes every token's id and feature rows straight
+to its slot in the next level. Nodes up to `MAX_WIDTH` slots fit one
 program; the widest, first levels stay on the torch path. Same destinations as the torch split
 (tested against it), so both paths give the same tiling.
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .radix_select import top_k_mask
 
 MAX_WIDTH = 8192  # slots of the widest node one program takes (32 per thread at 8 warps)
 
@@ -30,21 +32,8 @@ def _split_move(Proj, Feats, Rows, Tokens, Left, FeatsOut, RowsOut, nodes, width
     tok = tl.load(Tokens + node)
     left = tl.load(Left + node)
     live = offs < tok
-    x = tl.load(Proj + gn * width + offs, mask=live, other=0.0) + 0.0  # -0.0 -> +0.0: equal, as compared
-    bits = x.to(tl.int32, bitcast=True)
-    # order-reversing unsigned key (smallest projection -> largest key): flip the magnitude of
-    # positives, keep negatives (their sign bit ranks them above every positive)
-    key = tl.where(bits >= 0, bits ^ 0x7FFFFFFF, bits).to(tl.uint32, bitcast=True)
-    key = tl.where(live, key, 0)  # padding ranks last; never picked (below)
-    one = tl.full([], 1, tl.uint32)
-    thresh = tl.zeros([], tl.uint32)
-    for b in tl.static_range(31, -1, -1):  # the largest t with at least `left` keys >= t
-        cand = thresh | (one << b)
-        thresh = tl.where(tl.sum((live & (key >= cand)).to(tl.int32), 0) >= left, cand, thresh)
-    below = live & (key > thresh)
-    tie = live & (key == thresh)
-    room = left - tl.sum(below.to(tl.int32), 0)
-    go_left = below | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
+    proj = tl.load(Proj + gn * width + offs, mask=live, other=0.0)
+    go_left = top_k_mask(-proj, live, left)  # the `left` smallest projections, ties by slot
     before = tl.cumsum(go_left.to(tl.int32), 0)
     # left-goers first in slot order, then the others: child 0 holds [0, left), child 1 the rest
     pos = tl.where(go_left, before - 1, offs - before)

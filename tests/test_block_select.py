@@ -1,8 +1,9 @@
 """Fused TopK kernel (CPU interpreter) against the stable-sort selection of `routing.select_blocks`.
 
 Selections are integer sets, so they must match exactly: rows with many ties (scores drawn from a
-few values, including -0.0 next to 0.0, which the sort treats as equal), budgets of one block and
-of a whole group, several groups, dense query blocks, and group sizes that are not powers of two.
+few values, including -0.0 next to 0.0, which the sort treats as equal), scores one ulp apart
+(they differ in the last digit of the radix select only), budgets of one block and of a whole
+group, several groups, dense query blocks, and group sizes that are not powers of two.
 """
 import pytest
 import torch
@@ -17,21 +18,25 @@ from adaptive_sparse_attention.backend.routing import select_blocks
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
-CASES = [  # batch, heads, J, groups (lo, hi, budget), number of leading dense query blocks, tied scores
-    (2, 1, 37, [(3, 20, 4), (20, 37, 17)], 3, True),
-    (1, 2, 37, [(3, 20, 4), (20, 37, 17)], 0, False),
-    (1, 1, 9, [(0, 9, 1)], 0, True),
-    (1, 1, 150, [(5, 150, 15)], 5, False),
-    (1, 1, 150, [(5, 150, 15)], 5, True),
+CASES = [  # batch, heads, J, groups (lo, hi, budget), number of leading dense query blocks, scores
+    (2, 1, 37, [(3, 20, 4), (20, 37, 17)], 3, "ties"),
+    (1, 2, 37, [(3, 20, 4), (20, 37, 17)], 0, "normal"),
+    (1, 1, 9, [(0, 9, 1)], 0, "ties"),
+    (1, 1, 150, [(5, 150, 15)], 5, "normal"),
+    (1, 1, 150, [(5, 150, 15)], 5, "ties"),
+    (1, 1, 150, [(0, 150, 40)], 0, "ulps"),
 ]
 
 
-@pytest.mark.parametrize("B,H,J,groups,n_dense,ties", CASES)
-def test_matches_the_stable_sort_selection(B, H, J, groups, n_dense, ties):
+@pytest.mark.parametrize("B,H,J,groups,n_dense,kind", CASES)
+def test_matches_the_stable_sort_selection(B, H, J, groups, n_dense, kind):
     g = torch.Generator().manual_seed(J + n_dense)
-    if ties:
+    if kind == "ties":
         levels = torch.tensor([-1.0, -0.0, 0.0, 0.5, 1.0, float("-inf")])
         scores = levels[torch.randint(0, len(levels), (B, H, J, J), generator=g)]
+    elif kind == "ulps":  # 1.0 plus 0..63 ulps: equal in the top three bytes of the key
+        ulps = torch.randint(0, 64, (B, H, J, J), generator=g, dtype=torch.int32)
+        scores = (torch.ones(B, H, J, J).view(torch.int32) + ulps).view(torch.float32)
     else:
         scores = torch.randn(B, H, J, J, generator=g)
     dense_hi = torch.full((J,), groups[0][0], dtype=torch.int32)

@@ -1,0 +1,42 @@
+"""Exact top-k of a register vector by radix select (Triton device functions).
+
+The planner's TopK (`block_select.py`) and the reblock split (`reblock_split.py`) both need the
+k largest values of a vector held by one program, ties toward the lower position, with no sort.
+Floats are mapped to order-preserving unsigned keys and the k-th largest key is built one bit
+at a time from the top: 32 counting passes, each one compare and one reduction over the vector.
+(8-bit passes with a 256-bin `tl.histogram` were slower on the H200: docs/performance-notes.md.)
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def float_key(x):
+    """uint32 keys in the order of the fp32 values x (-0.0 and 0.0 get the same key, as they
+    compare equal): positives get the sign bit set, negatives have every bit flipped."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # x + 0.0 turns -0.0 into 0.0
+    return tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def kth_largest_key(key, live, k):
+    """The k-th largest of the uint32 keys where `live` (k >= 1 and at most the live count; k = 0
+    gives the largest possible key, so that nothing lies above it)."""
+    one = tl.full([], 1, tl.uint32)
+    thresh = tl.zeros([], tl.uint32)
+    for b in tl.static_range(31, -1, -1):  # the largest t with at least k keys >= t
+        cand = thresh | (one << b)
+        thresh = tl.where(tl.sum((live & (key >= cand)).to(tl.int32), 0) >= k, cand, thresh)
+    return thresh
+
+
+@triton.jit
+def top_k_mask(x, live, k):
+    """Mask of the k largest fp32 values of x among the `live` lanes, ties toward the lower lane:
+    every value above the k-th largest, then the first lanes equal to it, as many as fit."""
+    key = tl.where(live, float_key(x), 0)
+    thresh = kth_largest_key(key, live, k)
+    above = live & (key > thresh)
+    tie = live & (key == thresh)
+    room = k - tl.sum(above.to(tl.int32), 0)
+    return above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
