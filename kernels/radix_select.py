@@ -22,10 +22,10 @@ def float_key(x):
 def kth_largest_key(key, live, k):
     """The k-th largest of the uint32 keys where `live` (k >= 1 and at most the live count; k = 0
     gives the largest possible key, so that nothing lies above it)."""
-    one = tl.full([], 1, tl.uint32)
     thresh = tl.zeros([], tl.uint32)
-    for b in tl.static_range(31, -1, -1):  # the largest t with at least k keys >= t
-        cand = thresh | (one << b)
+    for i in range(32):  # the largest t with at least k keys >= t, bit 31 first (a loop: 32
+        # unrolled copies over a wide vector take Triton many seconds to compile)
+        cand = thresh | (tl.full([], 1, tl.uint32) << (tl.zeros([], tl.uint32) + (31 - i)))
         thresh = tl.where(tl.sum((live & (key >= cand)).to(tl.int32), 0) >= k, cand, thresh)
     return thresh
 

@@ -1,0 +1,75 @@
+"""Compile every Triton kernel of the package for NVIDIA targets on this machine (no GPU needed).
+
+Run as a script in a fresh process (Triton must not be in interpreter mode when the kernels are
+imported). Prints one JSON object: for every (kernel, target), the shared memory the compiled
+kernel uses and whether a cubin came out, or the compile error. Argument types mirror what the
+launchers pass at the H3 shapes: bf16 tensors, int32 tables, unit innermost strides (Triton
+specialises those to constants) and 16-divisible pointers and strides.
+"""
+import json
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from adaptive_sparse_attention.kernels import block_select, block_stats, reblock_split, triton_attention
+from adaptive_sparse_attention.kernels.configs import CONFIGS, family_of
+
+TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
+UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}
+
+
+def compile_for(fn, pointers: dict, floats: set, const: dict, capability: int, warps: int, stages: int) -> dict:
+    const = dict(const, **{n: 1 for n in fn.arg_names if n in UNIT_STRIDES})
+    sig = {n: pointers.get(n) or ("constexpr" if n in const else "fp32" if n in floats else "i32") for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n in pointers or (sig[n] == "i32" and n.startswith("s") and "_" in n)}
+    try:
+        k = triton.compile(ASTSource(fn, signature=sig, constexprs=const, attrs=aligned),
+                           target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": stages})
+    except Exception as e:  # reported, so the test names the kernel and target that failed
+        return {"error": repr(e)[-600:]}
+    return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm}
+
+
+def attention(capability: int, head_dim: int, query_tail: bool) -> dict:
+    cfg = CONFIGS[(family_of((capability // 10, capability % 10)), head_dim, 64)]
+    pointers = {n: "*bf16" for n in ("Q", "K", "V", "Out", "TailK", "TailV")}
+    pointers.update({n: "*fp32" for n in ("Lse", "TailBias", "BlockLogit", "BlockValue")})
+    pointers.update({n: "*i32" for n in ("QPerm", "KPerm", "BlockLen", "DenseHi", "Q2kIdx", "Q2kNum", "SelBits")})
+    const = dict(BS=64, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
+                 QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, DOT_DTYPE=tl.bfloat16, PRECISION="tf32",
+                 EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32)
+    return compile_for(triton_attention._block_sparse_fwd, pointers, {"qk_scale"}, const, capability,
+                       cfg.num_warps, cfg.num_stages)
+
+
+def planner(capability: int) -> dict:
+    stats = dict(BS=64, BLOCK_S=64, BLOCK_D=128)
+    return {
+        "block_sums": compile_for(block_stats._block_sums, {"X": "*bf16", "Perm": "*i32", "BlockLen": "*i32",
+                                                            "Out": "*fp32"}, set(), stats, capability, 8, 3),
+        "block_summaries": compile_for(
+            block_stats._block_summaries, {"K": "*bf16", "V": "*bf16", "Perm": "*i32", "BlockLen": "*i32",
+                                           "Anchor": "*fp32", "Key": "*bf16", "Value": "*bf16", "Bias": "*fp32"},
+            {"scale"}, dict(stats, REWEIGHT=True), capability, 8, 3),
+        "select": compile_for(block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"},
+                              set(), {"NPAD": 2048}, capability, 1, 3),
+        "split": compile_for(reblock_split._split_move, {"Proj": "*fp32", "Feats": "*fp32", "Rows": "*i32",
+                                                         "Tokens": "*i32", "Left": "*i32", "FeatsOut": "*fp32",
+                                                         "RowsOut": "*i32"},
+                             set(), {"R": 16, "WPAD": reblock_split.MAX_WIDTH, "MOVE_FEATS": True}, capability, 8, 3),
+    }
+
+
+if __name__ == "__main__":
+    out = {}
+    for cap in TARGETS:
+        out[f"sm{cap} attention D128 query"] = attention(cap, 128, True)
+        out.update({f"sm{cap} {name}": r for name, r in planner(cap).items()})
+    out["sm86 attention D128 block"] = attention(86, 128, False)
+    out["sm90 attention D128 block"] = attention(90, 128, False)
+    out["sm86 attention D64 query"] = attention(86, 64, True)
+    out["sm86 attention D32 block"] = attention(86, 32, False)
+    print(json.dumps(out))
