@@ -214,6 +214,8 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     B, H, S, D = q.shape
     J, bs = plan.num_blocks, plan.block_size
     scale = D ** -0.5 if scale is None else float(scale)
+    if not 0.0 < scale < float("inf"):  # the softmax folds it into a multiply-add: 0 * -inf is NaN
+        raise ValueError(f"block_sparse_triton: scale={scale} is not allowed: expected a positive finite number")
     cfg = kernel_config(D, bs, q.device) if config is None else config
     block_m, block_n = min(cfg.block_m, bs), min(cfg.block_n, bs)  # tiles never span two blocks
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

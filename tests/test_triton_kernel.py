@@ -187,6 +187,9 @@ def test_bad_inputs_raise():
         block_sparse_triton(q, k, v, plan)
     with pytest.raises(ValueError, match="block_size=48"):
         block_sparse_triton(q.float(), k.float(), v.float(), dataclasses.replace(plan, block_size=48))
+    for scale in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="scale="):
+            block_sparse_triton(q.float(), k.float(), v.float(), plan, scale=scale)
 
 
 def test_custom_op_dispatch_and_compile():
