@@ -12,9 +12,12 @@ import math
 
 import torch
 
+from .cache import BoundedCache
 from .layout import CONTEXT, TARGET_VIDEO
 from .pooling import fused_planner
 from .tiling import Tiling
+
+_ROUTES: BoundedCache[tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]] = BoundedCache(16)
 
 def region_budget(num_blocks: int, ratio: float) -> int:
     """R = max(1, min(J, ceil(ratio * J))); the product is rounded to 9 decimals first so that
@@ -48,7 +51,15 @@ def index_table(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def route_plan(tiling: Tiling, scope: str, ratio: float) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Shape-only part of routing: dense_hi [J] int32 per query block, and the candidate groups
-    (lo, hi, budget) that sparse query blocks route over."""
+    (lo, hi, budget) that sparse query blocks route over. Cached per (tiling shape, scope, ratio,
+    device): built on the host once, so planning a block copies nothing from the host (a copy
+    from pageable host memory waits for the GPU to drain, which would stop the host running ahead)."""
+    key = (tiling.regions, tiling.region_blocks, scope, ratio, str(tiling.block_len.device))
+    dense_hi, groups = _ROUTES.get(key, lambda: _route_plan(tiling, scope, ratio))
+    return dense_hi, list(groups)
+
+
+def _route_plan(tiling: Tiling, scope: str, ratio: float) -> tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]:
     J = tiling.num_blocks
     t_lo, t_hi = tiling.blocks_of(TARGET_VIDEO)
     dense_hi = torch.full((J,), J, dtype=torch.int32)
@@ -59,7 +70,7 @@ def route_plan(tiling: Tiling, scope: str, ratio: float) -> tuple[torch.Tensor, 
         groups = [rb for seg, rb in zip(tiling.regions, tiling.region_blocks) if seg.region != CONTEXT]
         v_lo = tiling.blocks_of(CONTEXT)[1]  # context blocks come first
         dense_hi[v_lo:] = v_lo
-    return dense_hi.to(tiling.block_len.device), [(lo, hi, region_budget(hi - lo, ratio)) for lo, hi in groups]
+    return dense_hi.to(tiling.block_len.device), tuple((lo, hi, region_budget(hi - lo, ratio)) for lo, hi in groups)
 
 
 def select_blocks(scores: torch.Tensor, dense_hi: torch.Tensor, groups: list[tuple[int, int, int]]

@@ -87,3 +87,20 @@ def test_selection_is_the_topk_of_pooled_scores():
     for i in range(lo, hi):
         expect = sorted((torch.argsort(-e[i, lo:hi], stable=True)[: region_budget(hi - lo, 0.25)] + lo).tolist())
         assert plan.kernel.q2k_idx[0, 0, i].tolist() == expect
+
+
+def test_route_plan_is_built_once_per_shape_and_ratio():
+    """The shape-only tables are cached: a second plan of the same shape copies nothing from the
+    host (on the GPU such a copy from pageable memory would wait for the device to drain)."""
+    from adaptive_sparse_attention.backend.routing import route_plan
+    from adaptive_sparse_attention.backend.tiling import cube_tiling
+
+    lay = _layout_with_two_references()
+    tiling = cube_tiling(lay, 64)
+    first, groups = route_plan(tiling, "joint-video", 0.2)
+    again, groups_again = route_plan(cube_tiling(lay, 64), "joint-video", 0.2)
+    assert again is first and groups_again == groups
+    other, _ = route_plan(tiling, "joint-video", 0.3)
+    assert other is not first
+    groups.append((0, 0, 0))  # callers get their own list
+    assert route_plan(tiling, "joint-video", 0.2)[1] == groups_again
