@@ -1,7 +1,10 @@
 """Timing of one callable: warm-up calls, then the median of timed repetitions.
 
 On CUDA every repetition is bracketed by CUDA events (device time, no host overhead between
-launches counted twice); on the CPU by `time.perf_counter`.
+launches counted twice); on the CPU by `time.perf_counter`. `queued_ms` times a callable's
+device work alone: its launches are queued behind a busy GPU, as inside a model's forward pass
+where the host runs ahead of the GPU, so gaps while the host enqueues many small kernels do not
+count.
 """
 from __future__ import annotations
 
@@ -32,3 +35,32 @@ def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 1, r
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def queued_ms(fn: Callable[[], object], device: torch.device, warmup: int = 1, reps: int = 3,
+              lead_ms: float = 100.0) -> tuple[float, float]:
+    """(median device milliseconds of `fn` with its launches queued behind `lead_ms` of GPU spin,
+    the longest host enqueue time seen). If the host took longer than the lead, the GPU waited
+    for it and the time includes host gaps: callers should check the second value."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    stop.record()
+    stop.synchronize()
+    cycles = int(10_000_000 * lead_ms / start.elapsed_time(stop))
+    times, host = [], 0.0
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(cycles)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        stop.record()
+        host = max(host, (time.perf_counter() - t0) * 1e3)
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times), host
