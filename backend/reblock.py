@@ -21,11 +21,13 @@ landmark members of the node: their top principal direction, refined by balanced
 steps), exactly its capacity, a multiple of the block size. The region's last block is its
 edge block (N mod block_size rows). Leaves are single blocks, in tree order. Every level is a
 few batched ops over all (tree, node) pairs: nodes are padded to the level's widest (sizes at
-one depth differ by at most one block), split by selection (kthvalue, ties by slot) and prefix
-sums, no sort; features and token ids travel with their slots (node-major, feature-major
-storage) and reach the next level by one gather inside their parent node through a static
-index map. Work is O(N log N) per head; the shape-only schedule is built on the host once per
-(layout, block size, device) and cached; on the GPU the partition is replayed from a CUDA graph.
+one depth differ by at most one block); the features stay in token order and only the int32
+token ids of every slot move. On the GPU one Triton kernel per level projects, splits by radix
+select and places the ids (kernels/reblock_split.py); the torch levels (the reference) split by
+selection (kthvalue, ties by slot) and prefix sums and move the ids by one gather inside their
+parent node through a static index map. No sort anywhere. Work is O(N log N) per head; the
+shape-only schedule is built on the host once per (layout, block size, device) and cached; on
+the GPU the partition is replayed from a CUDA graph.
 
 Layout modes: `q_reuse_k` builds the key layout and queries reuse it; `independent` builds both
 (queries by X_Q, keys by X_K) in one batched run. V always follows K. Context regions keep the
@@ -224,19 +226,25 @@ def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
     Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
     projected on their top r principal directions, estimated from the strided sample. The
-    moments, factor and basis are small ([G, D, D]) and computed in float64, so the
-    factorizations cannot fail by rounding; one product x @ [L | L W] in x's dtype (tensor
-    cores for bf16/fp16, float32 accumulation) touches every row.
+    sample products accumulate in x's accumulation dtype; the moments, factor and basis are
+    small ([G, D, D]) and factorized in float64, so the factorizations cannot fail by rounding
+    (the ridge is far above the products' fp32 rounding); one product x @ [L | L W] in x's dtype (tensor
+    cores for bf16/fp16, float32 accumulation) touches every row: on the GPU in one Triton
+    kernel that writes only the r feature columns (kernels/reblock_features.py).
     """
     G, N, D = x.shape
     acc = accum_dtype(x)
     step = -(-N // MOMENT_SAMPLES)
-    o = other[:, ::step].double()
-    factor = cholesky_factor(ridge(o.transpose(-1, -2) @ o / o.shape[1], RIDGE))
-    s = x[:, ::step].double() @ factor
+    o = other[:, ::step].to(acc)
+    factor = cholesky_factor(ridge((o.transpose(-1, -2) @ o / o.shape[1]).double(), RIDGE))
+    s = x[:, ::step].to(acc) @ factor.to(acc)
     s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
     rank = min(FEATURE_DIMS, D)
-    basis = principal_basis(s.transpose(-1, -2) @ s / s.shape[1], rank)
+    basis = principal_basis((s.transpose(-1, -2) @ s / s.shape[1]).double(), rank)
+    if fused_planner(x) and rank >= 16 and rank & (rank - 1) == 0:
+        from ..kernels.reblock_features import metric_project_triton
+
+        return metric_project_triton(x, factor.to(x.dtype), (factor @ basis).to(x.dtype))
     f = x @ torch.cat([factor, factor @ basis], dim=-1).to(x.dtype)
     norm = torch.linalg.vector_norm(f[..., :D], dim=-1, keepdim=True, dtype=acc)
     # non-finite inputs must not reach the split: a NaN projection would break its counts
@@ -268,6 +276,19 @@ def split_directions(marks: torch.Tensor) -> torch.Tensor:
     return d / torch.linalg.vector_norm(d, dim=-2, keepdim=True).clamp_min(TINY)
 
 
+def project(z: torch.Tensor, rows: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """Projections [G, nodes, width] of the tokens `rows` [G, nodes, width] (features z [G, N, r])
+    on their node's direction [G, nodes, r]: sum over i of d_i z_i, i ascending, the fused
+    kernel's order, so both round alike."""
+    G, nodes, width = rows.shape
+    r = z.shape[-1]
+    zi = torch.gather(z, 1, rows.reshape(G, -1, 1).long().expand(-1, -1, r)).view(G, nodes, width, r)
+    proj = torch.zeros(G, nodes, width, dtype=z.dtype, device=z.device)
+    for i in range(r):
+        proj = proj + direction[..., i:i + 1] * zi[..., i]
+    return proj
+
+
 def split(proj: torch.Tensor, level: Level) -> torch.Tensor:
     """Capacity-exact split of every node [G, nodes, width] by projection: the destination slot of
     every slot. The left[i] smallest projections (ties by slot) go first in slot order, then the
@@ -284,36 +305,30 @@ def split(proj: torch.Tensor, level: Level) -> torch.Tensor:
 def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """Capacity-exact tree partition of features z [G, N, r]: block slots -> row [G, blocks * bs], -1 pads.
 
-    The features travel with their slots, stored node-major and feature-major ([G, nodes, r,
-    width]: each node's r feature rows are contiguous), so a node's projection is one batched
-    GEMV and every level moves features and token ids by one gather along the innermost dim
-    whose reads stay inside the parent node (no row gather from the whole table; PyTorch's
-    row gather of narrow rows runs one thread block per row).
+    The features stay in token order; what moves from level to level are the int32 token ids of
+    every node's slots. On the GPU two Triton kernels per level find the split directions and
+    project, split and place the ids (kernels/reblock_split.py); elsewhere the torch levels do
+    the same by a selection, a scatter and the gathers of the level's static carry map.
     """
     G, N, r = z.shape
     fused = fused_planner(z) and z.dtype == torch.float32
     if fused:
-        from ..kernels.reblock_split import MAX_WIDTH, split_move_triton
-    feats = z.transpose(1, 2).reshape(G, 1, r, N)  # the root is every token, width N
-    rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)
-    last = len(schedule.levels) - 1
-    for i, level in enumerate(schedule.levels):
+        from ..kernels.reblock_split import split_directions_triton, split_level_triton
+    rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)  # the root is every token
+    for level in schedule.levels:
         nodes, width, c_w = level.nodes, level.width, level.carry.shape[-1]
-        marks = torch.gather(feats, 3, level.landmarks.view(1, nodes, 1, -1).expand(G, nodes, r, -1))
-        direction = split_directions(marks.transpose(-1, -2))
-        proj = (direction.transpose(-1, -2) @ feats).squeeze(-2)
-        if fused and width <= MAX_WIDTH:  # split and move in one kernel (kernels/reblock_split.py)
-            feats, rows = split_move_triton(proj, feats, rows, level.sizes[0], level.sizes[1], c_w, i < last)
+        ids = torch.gather(rows, 2, level.landmarks.view(1, nodes, -1).expand(G, nodes, -1))
+        marks = torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, r)).view(G, nodes, -1, r)
+        if fused:
+            direction = split_directions_triton(marks, SQUARINGS, REFINE_STEPS)
+            rows = split_level_triton(z, rows, direction, level.sizes[0], level.sizes[1], c_w)
             continue
-        dest = split(proj, level)
+        dest = split(project(z, rows, split_directions(marks).squeeze(-1)), level)
         slots = torch.arange(width, device=z.device).expand(G, nodes, width)
         src = torch.empty_like(dest).scatter_(2, dest, slots)  # slot before the split of every slot after
         pick = torch.gather(src.unsqueeze(2).expand(G, nodes, 2, width), 3,
                             level.carry.unsqueeze(0).expand(G, nodes, 2, c_w))
         rows = torch.gather(rows.unsqueeze(2).expand(G, nodes, 2, width), 3, pick).view(G, 2 * nodes, c_w)
-        if i < last:
-            feats = torch.gather(feats.unsqueeze(2).expand(G, nodes, 2, r, width), 4,
-                                 pick.unsqueeze(3).expand(G, nodes, 2, r, c_w)).view(G, 2 * nodes, r, c_w)
     rows = torch.nn.functional.pad(rows.reshape(G, -1), (0, 1), value=-1)
     return torch.index_select(rows, 1, schedule.leaf_slots).long()
 

@@ -1,14 +1,16 @@
-"""Fused Triton step of the reblock tree: split every node by capacity and move its slots.
+"""Fused Triton level of the reblock tree: project, split by capacity and place the token ids.
 
-`backend/reblock.partition` splits each node of a level so that the left child takes the
-`left` smallest projections (ties by slot) and then moves features and token ids to the two
-children with a scatter, a static index map and three gathers (about ten kernels over every
-slot of the level). Here one program per (tree, node) holds the node's projections in
-registers, picks the `left` smallest by a radix select (`radix_select.top_k_mask` on the negated
-projections: exact, ties by slot, no sort) and writes every token's id and feature rows straight
-to its slot in the next level. Nodes up to `MAX_WIDTH` slots fit one
-program; the widest, first levels stay on the torch path. Same destinations as the torch split
-(tested against it), so both paths give the same tiling.
+`backend/reblock.partition` splits each node of a level so that the left child takes the `left`
+smallest projections on the node's direction (ties by slot). On the torch path that is a
+feature gather, a projection, a selection, two scans, a scatter and the gathers of a static
+index map (about fifteen kernels over every slot). Here one program per (tree, node) gathers its
+tokens' feature rows (the features stay in token order; only the int32 ids move between
+levels), projects them in a fixed order (sum over i of d_i z_i, i ascending), picks the `left`
+smallest by a radix select (`radix_select`, exact, ties by slot, no sort) and writes every id
+straight to its slot in the child. A node of up to `CHUNK` slots is held in registers; a wider
+one (the first levels) is walked in chunks, its keys kept in a scratch buffer for the counting
+passes. Same rank rule as the torch split (tested against it in the interpreter, where both
+round the projection alike; on the GPU the kernel's fused multiply-adds may round differently).
 
 Importing this module imports Triton: the backend imports it only on demand.
 """
@@ -18,56 +20,147 @@ import torch
 import triton
 import triton.language as tl
 
-from .radix_select import top_k_mask
+from .radix_select import float_key, kth_largest_key, kth_largest_key_in_memory, top_k_mask
 
-MAX_WIDTH = 8192  # slots of the widest node one program takes (32 per thread at 8 warps)
+CHUNK = 8192  # slots one program holds in registers (32 per thread at 8 warps)
+WIDE_CHUNK = 2048  # chunk of a wide node's passes when there are at least FEW_PROGRAMS programs
+FEW_PROGRAMS = 128  # about one per SM of a data-centre GPU (H200: 132); fewer take CHUNK-wide chunks
+TINY = tl.constexpr(1e-30)  # floor of the norms (as in backend/reblock.py)
 
 
 @triton.jit
-def _split_move(Proj, Feats, Rows, Tokens, Left, FeatsOut, RowsOut, nodes, width, out_width,
-                R: tl.constexpr, WPAD: tl.constexpr, MOVE_FEATS: tl.constexpr):
+def _split_directions(Marks, Out, m, r, RP: tl.constexpr, MP: tl.constexpr, CH: tl.constexpr,
+                      SQUARINGS: tl.constexpr, STEPS: tl.constexpr):
+    gn = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, MP)
+    j = tl.arange(0, RP)
+    live = i < m
+    marks = Marks + gn * m * r
+    x = tl.load(marks + i[:, None] * r + j[None, :], mask=live[:, None] & (j[None, :] < r), other=0.0)
+    total = tl.sum(x, 0)
+    c = tl.zeros([RP, RP], tl.float32)
+    for start in range(0, m, CH):  # centred covariance, CH landmarks per product (small shared memory)
+        ic = start + tl.arange(0, CH)
+        xc = tl.load(marks + ic[:, None] * r + j[None, :], mask=(ic[:, None] < m) & (j[None, :] < r), other=0.0)
+        xc = tl.where(ic[:, None] < m, xc - total[None, :] / m, 0.0)
+        c += tl.dot(tl.trans(xc), xc, input_precision="ieee")
+    c = c / tl.maximum(tl.sqrt(tl.sum(tl.sum(c * c, 1), 0)), TINY)
+    for _ in tl.static_range(SQUARINGS):
+        c = tl.dot(c, c, input_precision="ieee")
+    best = tl.argmax(tl.sum(c * c, 0), 0)  # the largest column (first on ties, like torch)
+    d = tl.sum(tl.where(j[None, :] == best, c, 0.0), 1)
+    for _ in tl.static_range(STEPS):
+        key = tl.where(live, float_key(tl.sum(x * d[None, :], 1)), 0)
+        thresh = kth_largest_key(key, live, m - (m + 1) // 2 + 1)  # the (m + 1) // 2-th smallest
+        d = 2 * tl.sum(tl.where((live & (key > thresh))[:, None], x, 0.0), 0) - total
+    d = d / tl.maximum(tl.sqrt(tl.sum(d * d, 0)), TINY)
+    tl.store(Out + gn * r + j, d, mask=j < r)
+
+
+@triton.jit
+def _project(Z, Dir, g, gn, ids, live, N, R: tl.constexpr):
+    """fp32 projections of the tokens `ids` of tree g on direction row gn, summed over i in order."""
+    row = Z + (g * N + ids.to(tl.int64)) * R
+    proj = tl.zeros(ids.shape, tl.float32)
+    for i in tl.static_range(R):
+        proj += tl.load(Dir + gn * R + i) * tl.load(row + i, mask=live, other=0.0)
+    return proj
+
+
+@triton.jit
+def _place(RowsOut, gn, out_width, slot, go_left, before, ids, live):
+    """Store ids to the children: left-goers first in slot order (child 0), the rest (child 1);
+    `before` counts the left-goers up to and including every slot."""
+    pos = tl.where(go_left, before - 1, slot - before)
+    child = gn * 2 + tl.where(go_left, 0, 1)
+    tl.store(RowsOut + child * out_width + pos, ids, mask=live)
+
+
+@triton.jit
+def _split_level(Z, Dir, Rows, Tokens, Left, Keys, RowsOut, N, nodes, width, out_width,
+                 R: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     node = tl.program_id(0)
-    gn = tl.program_id(1).to(tl.int64) * nodes + node  # (tree, node) row
-    offs = tl.arange(0, WPAD)
+    g = tl.program_id(1).to(tl.int64)
+    gn = g * nodes + node  # (tree, node) row
     tok = tl.load(Tokens + node)
     left = tl.load(Left + node)
-    live = offs < tok
-    proj = tl.load(Proj + gn * width + offs, mask=live, other=0.0)
-    go_left = top_k_mask(-proj, live, left)  # the `left` smallest projections, ties by slot
-    before = tl.cumsum(go_left.to(tl.int32), 0)
-    # left-goers first in slot order, then the others: child 0 holds [0, left), child 1 the rest
-    pos = tl.where(go_left, before - 1, offs - before)
-    child = gn * 2 + tl.where(go_left, 0, 1)
-    rows = tl.load(Rows + gn * width + offs, mask=live)
-    tl.store(RowsOut + child * out_width + pos, rows, mask=live)
-    if MOVE_FEATS:
-        for i in tl.static_range(R):
-            f = tl.load(Feats + (gn * R + i) * width + offs, mask=live)
-            tl.store(FeatsOut + (child * R + i) * out_width + pos, f, mask=live)
+    offs = tl.arange(0, BLOCK)
+    rows = Rows + gn * width
+    if not WIDE:
+        live = offs < tok
+        ids = tl.load(rows + offs, mask=live, other=0)
+        go_left = top_k_mask(-_project(Z, Dir, g, gn, ids, live, N, R), live, left)
+        _place(RowsOut, gn, out_width, offs, go_left, tl.cumsum(go_left.to(tl.int32), 0), ids, live)
+    else:
+        keys = Keys + gn * width
+        for start in range(0, tok, BLOCK):
+            live = start + offs < tok
+            ids = tl.load(rows + start + offs, mask=live, other=0)
+            key = float_key(-_project(Z, Dir, g, gn, ids, live, N, R))
+            tl.store(keys + start + offs, key.to(tl.int32, bitcast=True), mask=live)
+        thresh = kth_largest_key_in_memory(keys, tok, left, BLOCK)
+        above_total = 0
+        for start in range(0, tok, BLOCK):
+            live = start + offs < tok
+            key = tl.load(keys + start + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+            above_total += tl.sum((live & (key > thresh)).to(tl.int32), 0)
+        room = left - above_total  # ties at the threshold that still go left, the first in slot order
+        ties_seen = 0
+        left_seen = 0
+        for start in range(0, tok, BLOCK):
+            live = start + offs < tok
+            key = tl.load(keys + start + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+            tie = live & (key == thresh)
+            go_left = (live & (key > thresh)) | (tie & (ties_seen + tl.cumsum(tie.to(tl.int32), 0) <= room))
+            before = left_seen + tl.cumsum(go_left.to(tl.int32), 0)
+            ids = tl.load(rows + start + offs, mask=live, other=0)
+            _place(RowsOut, gn, out_width, start + offs, go_left, before, ids, live)
+            ties_seen += tl.sum(tie.to(tl.int32), 0)
+            left_seen += tl.sum(go_left.to(tl.int32), 0)
 
 
-def split_move_triton(proj: torch.Tensor, feats: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
-                      left: torch.Tensor, out_width: int, move_feats: bool
-                      ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Split every node of a level and move its slots to the next level.
+def split_directions_triton(marks: torch.Tensor, squarings: int, steps: int) -> torch.Tensor:
+    """Split direction of every node from its landmarks fp32 [G, nodes, m, r] -> unit [G, nodes, r].
 
-    proj fp32 [G, nodes, width], feats fp32 [G, nodes, r, width], rows int32 [G, nodes, width];
-    tokens, left int32 [nodes] (tokens first in every node; the left child's capacity). Returns
-    (features [G, 2 * nodes, r, out_width] or None without `move_feats`, rows [G, 2 * nodes,
-    out_width]): child 0 of node i takes its `left` smallest projections (ties by slot), child 1
-    the rest, both in slot order. Slots past a child's tokens are zero.
+    One program per (tree, node) does what `backend/reblock.split_directions` does (top
+    principal direction by `squarings` squarings of the normalised centred covariance, then
+    `steps` balanced 2-means steps whose median is a radix select), with fp32 products in a
+    different order, so the directions agree up to rounding.
     """
-    G, nodes, width = proj.shape
-    r = feats.shape[2]
-    if width > MAX_WIDTH:
-        raise ValueError(f"split_move_triton: node width {width} is not allowed: at most {MAX_WIDTH}")
-    if feats.shape != (G, nodes, r, width) or rows.shape != (G, nodes, width) or rows.dtype != torch.int32:
-        raise ValueError(f"split_move_triton: feats must be [G, nodes, r, width] and rows int32 [G, nodes, width] "
-                         f"like proj {tuple(proj.shape)}, got {tuple(feats.shape)} and {rows.dtype} {tuple(rows.shape)}")
-    feats_out = feats.new_zeros(G, 2 * nodes, r, out_width) if move_feats else None
-    rows_out = rows.new_zeros(G, 2 * nodes, out_width)
-    wpad = triton.next_power_of_2(width)
-    _split_move[(nodes, G)](proj.contiguous(), feats.contiguous(), rows.contiguous(), tokens, left,
-                            feats_out if move_feats else rows_out, rows_out, nodes, width, out_width,
-                            R=r, WPAD=wpad, MOVE_FEATS=move_feats, num_warps=max(1, min(8, wpad // 512)))
-    return feats_out, rows_out
+    G, nodes, m, r = marks.shape
+    if marks.dtype != torch.float32:
+        raise ValueError(f"split_directions_triton: marks must be fp32, got {marks.dtype}")
+    out = marks.new_empty(G, nodes, r)
+    mp, rp = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(r))
+    _split_directions[(G * nodes,)](marks.contiguous(), out, m, r, RP=rp, MP=mp, CH=min(mp, 64), SQUARINGS=squarings,
+                                    STEPS=steps, num_warps=max(1, min(8, mp // 256)))
+    return out
+
+
+def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Tensor, tokens: torch.Tensor,
+                       left: torch.Tensor, out_width: int) -> torch.Tensor:
+    """Split every node of a level and place its token ids in the next level.
+
+    z fp32 [G, N, r] (features in token order), rows int32 [G, nodes, width] (token ids, tokens
+    first in every node), direction fp32 [G, nodes, r]; tokens, left int32 [nodes] (tokens per
+    node; the left child's capacity). Returns int32 [G, 2 * nodes, out_width]: child 0 of node i
+    takes the `left` smallest projections (ties by slot), child 1 the rest, both in slot order;
+    slots past a child's tokens are 0.
+    """
+    G, nodes, width = rows.shape
+    r = z.shape[-1]
+    if z.dim() != 3 or z.shape[0] != G or z.dtype != torch.float32:
+        raise ValueError(f"split_level_triton: z must be fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
+    if rows.dtype != torch.int32 or direction.shape != (G, nodes, r) or direction.dtype != torch.float32:
+        raise ValueError(f"split_level_triton: rows must be int32 [G, nodes, width] and direction fp32 [G, nodes, r={r}], "
+                         f"got {rows.dtype} {tuple(rows.shape)} and {direction.dtype} {tuple(direction.shape)}")
+    out = rows.new_zeros(G, 2 * nodes, out_width)
+    block = min(triton.next_power_of_2(width), CHUNK)
+    wide = width > block
+    if wide and G * nodes >= FEW_PROGRAMS:  # enough programs to fill the GPU: smaller chunks fit more per SM
+        block = WIDE_CHUNK
+    keys = torch.empty(G, nodes, width, dtype=torch.int32, device=rows.device) if wide else out
+    _split_level[(nodes, G)](z.contiguous(), direction.contiguous(), rows.contiguous(), tokens, left, keys, out,
+                             z.shape[1], nodes, width, out_width, R=r, BLOCK=block, WIDE=wide,
+                             num_warps=max(1, min(8, block // 512)))
+    return out

@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adaptive_sparse_attention.kernels import block_select, block_stats, reblock_split, triton_attention
+from adaptive_sparse_attention.kernels import block_select, block_stats, reblock_features, reblock_split, triton_attention
 from adaptive_sparse_attention.kernels.configs import CONFIGS, family_of
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
@@ -56,10 +56,18 @@ def planner(capability: int) -> dict:
             {"scale"}, dict(stats, REWEIGHT=True), capability, 8, 3),
         "select": compile_for(block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"},
                               set(), {"NPAD": 2048}, capability, 1, 3),
-        "split": compile_for(reblock_split._split_move, {"Proj": "*fp32", "Feats": "*fp32", "Rows": "*i32",
-                                                         "Tokens": "*i32", "Left": "*i32", "FeatsOut": "*fp32",
-                                                         "RowsOut": "*i32"},
-                             set(), {"R": 16, "WPAD": reblock_split.MAX_WIDTH, "MOVE_FEATS": True}, capability, 8, 3),
+        "features": compile_for(reblock_features._metric_project, {"X": "*bf16", "L": "*bf16", "P": "*bf16",
+                                                                   "Out": "*fp32"}, set(),
+                                {"R": 16, "DP": 128, "BLOCK": reblock_features.BLOCK_M, "TILES": reblock_features.TILES,
+                                 "PRECISION": "tf32"}, capability, 4, 3),
+        **{f"directions M{mp}": compile_for(
+            reblock_split._split_directions, {"Marks": "*fp32", "Out": "*fp32"}, set(),
+            {"RP": 16, "MP": mp, "CH": min(mp, 64), "SQUARINGS": 4, "STEPS": 3}, capability, max(1, min(8, mp // 256)), 3)
+           for mp in (32, 2048)},
+        **{f"split {'wide' if wide else 'narrow'}": compile_for(
+            reblock_split._split_level, {"Z": "*fp32", "Dir": "*fp32", "Rows": "*i32", "Tokens": "*i32",
+                                         "Left": "*i32", "Keys": "*i32", "RowsOut": "*i32"},
+            set(), {"R": 16, "BLOCK": reblock_split.CHUNK, "WIDE": wide}, capability, 8, 3) for wide in (False, True)},
     }
 
 

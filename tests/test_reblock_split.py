@@ -1,10 +1,17 @@
-"""Fused split-and-move kernel of the reblock tree (CPU interpreter) against the torch levels.
+"""Fused reblock level kernels (CPU interpreter) against the torch levels.
 
-The partition is run twice on the same features: all levels on the torch path, and with the
-fused kernel for every node up to a width (all of them, or only the narrow, deep levels so the
-two paths alternate). The tilings must be identical: the selection is an exact rank rule
+Split: the partition is run twice on the same features and the same (torch) split directions:
+every level on the torch path, and every level in the fused kernel, once with nodes held in
+registers and with chunks so small that the wide-node path (keys in scratch memory, chunked
+counting passes, tie counts carried across chunks) serves most levels. Both paths project in the same order, so they round alike in the
+interpreter and the tilings must be identical: the selection is an exact rank rule
 (capacity-many smallest projections, ties by slot), so there is no tolerance. Features include
 full ties, three-valued ones, -0.0 next to 0.0, edge blocks and a single-block region.
+
+Directions: the kernel's products run in another order than torch's, so its directions agree
+with `split_directions` up to rounding (fp32, a few ulps of a unit vector: 1e-5) on landmark
+sets with a clear top direction, where the 2-means medians are not near-ties; and the whole
+fused partition is a capacity-exact tiling that agrees with the torch one almost everywhere.
 """
 import pytest
 import torch
@@ -31,19 +38,52 @@ def features(n: int, seed: int) -> torch.Tensor:
     return z
 
 
-@pytest.mark.parametrize("n,bs,max_width", [(600, 16, 4096), (600, 16, 100), (97, 8, 4096), (5, 16, 4096)])
-def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, max_width):
+@pytest.mark.parametrize("n,bs,chunk,wide_chunk", [(600, 16, 8192, 2048), (600, 16, 64, 64), (600, 16, 128, 32),
+                                                   (97, 8, 16, 16), (5, 16, 8192, 2048)])
+def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk):
     z = features(n, seed=n + bs)
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
     monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
-    monkeypatch.setattr(reblock_split, "MAX_WIDTH", max_width)
+    monkeypatch.setattr(reblock_split, "CHUNK", chunk)
+    monkeypatch.setattr(reblock_split, "WIDE_CHUNK", wide_chunk)
+    monkeypatch.setattr(reblock_split, "FEW_PROGRAMS", 8)  # the tests' trees are few and small
+    monkeypatch.setattr(reblock_split, "split_directions_triton",
+                        lambda marks, *_: reblock.split_directions(marks).squeeze(-1))
     got = partition(z, schedule)
     assert torch.equal(got, want)
 
 
-def test_too_wide_a_node_is_named():
-    with pytest.raises(ValueError, match="node width 9000"):
-        reblock_split.split_move_triton(torch.zeros(1, 1, 9000), torch.zeros(1, 1, 2, 9000),
-                                        torch.zeros(1, 1, 9000, dtype=torch.int32),
-                                        torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 10, True)
+@pytest.mark.parametrize("m,r", [(32, 16), (45, 4), (2048, 16), (200, 3)])
+def test_directions_match_torch(m, r):
+    g = torch.Generator().manual_seed(m + r)
+    scale = torch.linspace(3.0, 0.5, r)  # a clear top direction, then smaller ones
+    marks = torch.randn(2, 3, m, r, generator=g) * scale
+    marks[1, 2] = 0  # an all-zero node gives a zero direction on both paths
+    got = reblock_split.split_directions_triton(marks, reblock.SQUARINGS, reblock.REFINE_STEPS)
+    want = reblock.split_directions(marks).squeeze(-1)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_fused_partition_is_a_capacity_exact_tiling_close_to_torch(monkeypatch):
+    n, bs = 500, 16
+    z = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1))
+    schedule = build_schedule(n, bs, torch.device("cpu"))
+    want = partition(z, schedule)
+    monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
+    got = partition(z, schedule)
+    for row in got:
+        assert torch.equal(row[row >= 0].sort().values, torch.arange(n))
+    assert (got == want).double().mean() > 0.99
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="marks must be fp32"):
+        reblock_split.split_directions_triton(torch.zeros(1, 1, 32, 4, dtype=torch.float64), 4, 3)
+    rows = torch.zeros(1, 1, 8, dtype=torch.int32)
+    sizes = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="z must be fp32"):
+        reblock_split.split_level_triton(torch.zeros(1, 8, 2, dtype=torch.float64), rows, torch.zeros(1, 1, 2), sizes, sizes, 8)
+    with pytest.raises(ValueError, match="direction fp32"):
+        reblock_split.split_level_triton(torch.zeros(1, 8, 2), rows, torch.zeros(1, 1, 3), sizes, sizes, 8)

@@ -1,0 +1,45 @@
+"""Fused projection of the reblock tree features (CPU interpreter) against the torch path.
+
+`metric_features` is run on the same inputs with and without the Triton kernel. fp32 inputs:
+the kernel's products are full fp32 ("ieee"), in another summation order, so features (unit
+scale) agree to 1e-5. 16-bit inputs: both paths multiply 16-bit values with fp32 accumulation,
+but the torch path rounds the [N, D + r] product to the input dtype before the norm, so they
+agree to about that resolution (fp16: 2e-3). The interpreter of Triton 3.7.1 gets bf16 dots
+wrong, so the 16-bit case is fp16 here; bf16 on the GPU is checked by
+`bench/reblock_device_check.py` (GPU vs CPU features). Rows of zeros (norm 0) and a non-finite row give finite features.
+"""
+import pytest
+import torch
+
+from triton_interpreter import interpreter_env
+
+with interpreter_env():
+    pytest.importorskip("triton")
+    from adaptive_sparse_attention.kernels import reblock_features
+
+from adaptive_sparse_attention.backend import reblock
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+
+@pytest.mark.parametrize("dtype,D,N,tol", [(torch.float32, 32, 300, 1e-5), (torch.float16, 64, 517, 2e-3),
+                                           (torch.float32, 24, 70, 1e-5)])
+def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
+    g = torch.Generator().manual_seed(D + N)
+    x, other = (torch.randn(2, N, D, generator=g).to(dtype) for _ in range(2))
+    x[0, :5] = 0  # zero rows: norm 0, features 0
+    x[1, 7, 3] = float("inf")  # a non-finite row must not reach the split
+    want = reblock.metric_features(x, other)
+    monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
+    got = reblock.metric_features(x, other)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (2, N, reblock.FEATURE_DIMS)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+def test_bad_weights_are_named():
+    x = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="r=8 is not allowed"):
+        reblock_features.metric_project_triton(x, torch.zeros(1, 16, 16), torch.zeros(1, 16, 8))
+    with pytest.raises(ValueError, match="in x's dtype"):
+        reblock_features.metric_project_triton(x, torch.zeros(1, 16, 16, dtype=torch.float64), torch.zeros(1, 16, 16))
