@@ -234,10 +234,10 @@ def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """
     G, N, D = x.shape
     acc = accum_dtype(x)
-    step = -(-N // MOMENT_SAMPLES)
-    o = other[:, ::step].to(acc)
+    sample = torch.arange(0, N, -(-N // MOMENT_SAMPLES), device=x.device)  # a row gather, not a strided copy
+    o = other.index_select(1, sample).to(acc)
     factor = cholesky_factor(ridge((o.transpose(-1, -2) @ o / o.shape[1]).double(), RIDGE))
-    s = x[:, ::step].to(acc) @ factor.to(acc)
+    s = x.index_select(1, sample).to(acc) @ factor.to(acc)
     s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
     rank = min(FEATURE_DIMS, D)
     basis = principal_basis((s.transpose(-1, -2) @ s / s.shape[1]).double(), rank)

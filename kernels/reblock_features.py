@@ -21,7 +21,7 @@ TINY = tl.constexpr(1e-30)  # floor of the norm (as in backend/reblock.py)
 
 
 @triton.jit
-def _metric_project(X, L, P, Out, N, D, R: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+def _metric_project(X, L, P, Out, N, D, sx_g, sx_n, R: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                     TILES: tl.constexpr, PRECISION: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, DP)
@@ -32,7 +32,8 @@ def _metric_project(X, L, P, Out, N, D, R: tl.constexpr, DP: tl.constexpr, BLOCK
     for t in tl.static_range(TILES):
         rows = (tl.program_id(0) * TILES + t) * BLOCK + tl.arange(0, BLOCK)
         live = rows < N
-        x = tl.load(X + (g * N + rows[:, None]) * D + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
+        x = tl.load(X + g * sx_g + rows[:, None].to(tl.int64) * sx_n + d[None, :],
+                    mask=live[:, None] & dmask[None, :], other=0.0)
         full = tl.dot(x, factor, input_precision=PRECISION)
         norm = tl.sqrt(tl.sum(full * full, 1))
         f = tl.dot(x, proj, input_precision=PRECISION) / (norm[:, None] + TINY)
@@ -43,8 +44,8 @@ def _metric_project(X, L, P, Out, N, D, R: tl.constexpr, DP: tl.constexpr, BLOCK
 def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     """(x @ proj) / (|x @ factor| + tiny) per row, non-finite entries 0: fp32 [G, N, r].
 
-    x [G, N, D] fp16/bf16/fp32; factor [G, D, D] and proj [G, D, r] in x's dtype (r a power of
-    two, at least 16). Products accumulate in fp32 (full fp32 for fp32 inputs).
+    x [G, N, D] fp16/bf16/fp32, any row and head strides (no copy of a strided view of Q/K);
+    factor [G, D, D] and proj [G, D, r] in x's dtype (r a power of two, at least 16). Products accumulate in fp32 (full fp32 for fp32 inputs).
     """
     G, N, D = x.shape
     r = proj.shape[-1]
@@ -53,9 +54,11 @@ def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Ten
                          f"got {factor.dtype} {tuple(factor.shape)} and {proj.dtype} {tuple(proj.shape)}")
     if r < 16 or r & (r - 1):
         raise ValueError(f"metric_project_triton: r={r} is not allowed: expected a power of two >= 16")
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # rows may be strided (a head's slice of Q/K is), their elements not
     out = torch.empty(G, N, r, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, BLOCK_M * TILES), G)
-    _metric_project[grid](x.contiguous(), factor.contiguous(), proj.contiguous(), out, N, D, R=r,
+    _metric_project[grid](x, factor.contiguous(), proj.contiguous(), out, N, D, x.stride(0), x.stride(1), R=r,
                           DP=max(16, triton.next_power_of_2(D)), BLOCK=BLOCK_M, TILES=TILES,
                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
