@@ -225,25 +225,31 @@ def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     x's accumulation dtype (float32, float64 for float64 inputs), on every device alike.
 
     Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
-    projected on their top r principal directions, estimated from the strided sample. The
-    sample products accumulate in x's accumulation dtype; the moments, factor and basis are
-    small ([G, D, D]) and factorized in float64, so the factorizations cannot fail by rounding
-    (the ridge is far above the products' fp32 rounding); one product x @ [L | L W] in x's dtype (tensor
-    cores for bf16/fp16, float32 accumulation) touches every row: on the GPU in one Triton
-    kernel that writes only the r feature columns (kernels/reblock_features.py).
+    projected on their top r principal directions, estimated from the strided sample. The small
+    moments, factor and basis ([G, D, D]) are factorized in float64, so the factorizations
+    cannot fail by rounding (the ridge is far above the products' rounding). On the GPU the
+    sample products run in x's dtype on tensor cores with fp32 accumulation (the moments in one
+    Triton kernel, still positive semidefinite), and one Triton kernel computes x @ [L | L W]
+    and writes only the r feature columns (kernels/reblock_features.py); elsewhere the products
+    run in x's accumulation dtype.
     """
     G, N, D = x.shape
     acc = accum_dtype(x)
-    sample = torch.arange(0, N, -(-N // MOMENT_SAMPLES), device=x.device)  # a row gather, not a strided copy
-    o = other.index_select(1, sample).to(acc)
-    factor = cholesky_factor(ridge((o.transpose(-1, -2) @ o / o.shape[1]).double(), RIDGE))
-    s = x.index_select(1, sample).to(acc) @ factor.to(acc)
-    s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
     rank = min(FEATURE_DIMS, D)
-    basis = principal_basis((s.transpose(-1, -2) @ s / s.shape[1]).double(), rank)
-    if fused_planner(x) and rank >= 16 and rank & (rank - 1) == 0:
-        from ..kernels.reblock_features import metric_project_triton
+    fused = fused_planner(x) and rank >= 16 and rank & (rank - 1) == 0
+    if fused:
+        from ..kernels.reblock_features import gram_triton, metric_project_triton
 
+    def moment(a: torch.Tensor) -> torch.Tensor:  # a^T a / n in float64, from a product in x's precision
+        return (gram_triton(a) if fused else a.to(acc).transpose(-1, -2) @ a.to(acc) / a.shape[1]).double()
+
+    sample = torch.arange(0, N, -(-N // MOMENT_SAMPLES), device=x.device)  # a row gather, not a strided copy
+    factor = cholesky_factor(ridge(moment(other.index_select(1, sample)), RIDGE))
+    rows = x.index_select(1, sample)
+    s = (rows @ factor.to(x.dtype)).to(acc) if fused else rows.to(acc) @ factor.to(acc)
+    s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
+    basis = principal_basis(moment(s.to(x.dtype) if fused else s), rank)
+    if fused:
         return metric_project_triton(x, factor.to(x.dtype), (factor @ basis).to(x.dtype))
     f = x @ torch.cat([factor, factor @ basis], dim=-1).to(x.dtype)
     norm = torch.linalg.vector_norm(f[..., :D], dim=-1, keepdim=True, dtype=acc)

@@ -56,6 +56,8 @@ def planner(capability: int) -> dict:
             {"scale"}, dict(stats, REWEIGHT=True), capability, 8, 3),
         "select": compile_for(block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"},
                               set(), {"NPAD": 2048}, capability, 1, 3),
+        "gram": compile_for(reblock_features._gram, {"A": "*bf16", "Out": "*fp32"}, set(),
+                            {"DP": 128, "BLOCK": reblock_features.GRAM_ROWS, "PRECISION": "tf32"}, capability, 8, 3),
         "features": compile_for(reblock_features._metric_project, {"X": "*bf16", "L": "*bf16", "P": "*bf16",
                                                                    "Out": "*fp32"}, set(),
                                 {"R": 16, "DP": 128, "BLOCK": reblock_features.BLOCK_M, "TILES": reblock_features.TILES,

@@ -6,7 +6,8 @@ scale) agree to 1e-5. 16-bit inputs: both paths multiply 16-bit values with fp32
 but the torch path rounds the [N, D + r] product to the input dtype before the norm, so they
 agree to about that resolution (fp16: 2e-3). The interpreter of Triton 3.7.1 gets bf16 dots
 wrong, so the 16-bit case is fp16 here; bf16 on the GPU is checked by
-`bench/reblock_device_check.py` (GPU vs CPU features). Rows of zeros (norm 0) and a non-finite row give finite features.
+`bench/reblock_device_check.py` (GPU vs CPU features). The sample moments kernel is checked
+against a float64 product (fp32: exact inputs; fp16: inputs exact, fp32 sums). Rows of zeros (norm 0) and a non-finite row give finite features.
 """
 import pytest
 import torch
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("interpreter")
                                            (torch.float32, 24, 70, 1e-5)])
 def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     g = torch.Generator().manual_seed(D + N)
-    base, other = (torch.randn(2, N + 9, D, generator=g).to(dtype) for _ in range(2))
+    spread = torch.linspace(3.0, 0.3, D)  # distinct principal directions: a well-defined basis on both paths
+    base, other = ((torch.randn(2, N + 9, D, generator=g) * spread).to(dtype) for _ in range(2))
     x, other = base[:, 4:N + 4], other[:, :N]  # strided heads, as a region's slice of Q/K is
     x[0, :5] = 0  # zero rows: norm 0, features 0
     x[1, 7, 3] = float("inf")  # a non-finite row must not reach the split
@@ -37,6 +39,13 @@ def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     assert got.dtype == torch.float32 and got.shape == want.shape == (2, N, reblock.FEATURE_DIMS)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
+def test_gram_matches_torch(dtype, tol):
+    a = torch.randn(3, 203, 40, generator=torch.Generator().manual_seed(5)).to(dtype)[:, 1:200]  # strided heads
+    want = a.double().transpose(-1, -2) @ a.double() / a.shape[1]
+    torch.testing.assert_close(reblock_features.gram_triton(a).double(), want, rtol=tol, atol=tol)
 
 
 def test_bad_weights_are_named():
