@@ -36,11 +36,11 @@ Layout modes: `q_reuse_k` builds the key layout and queries reuse it; `independe
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from .cache import BoundedCache
 from .config import REBLOCK_LAYOUTS
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 from .pooling import accum_dtype, fused_planner
@@ -62,10 +62,9 @@ TINY = 1e-30
 
 log = logging.getLogger("adaptive_sparse_attention")
 
-_STATIC: "OrderedDict[tuple, StaticLayout]" = OrderedDict()
-_STATIC_CACHE_SIZE = 8  # a few shapes per session; bounded so nothing grows across runs
-_GRAPHS: "OrderedDict[tuple, CapturedPartition | None]" = OrderedDict()  # None: capture failed
-_GRAPH_CACHE_SIZE = 4  # each holds its input, output and working memory on the GPU
+_STATIC: BoundedCache[StaticLayout] = BoundedCache(8)  # a few shapes per session; bounded so nothing grows
+_GRAPHS: BoundedCache[CapturedPartition | None] = BoundedCache(4)  # None: capture failed; each graph holds
+# its input, output and working memory on the GPU
 
 
 @dataclass(frozen=True)
@@ -174,13 +173,7 @@ def build_static(layout: SequenceLayout, block_size: int, device: torch.device) 
 
 
 def cached_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
-    key = (layout.signature(), block_size, str(device))
-    if key not in _STATIC:
-        _STATIC[key] = build_static(layout, block_size, device)
-        while len(_STATIC) > _STATIC_CACHE_SIZE:
-            _STATIC.popitem(last=False)
-    _STATIC.move_to_end(key)
-    return _STATIC[key]
+    return _STATIC.get((layout.signature(), block_size, str(device)), lambda: build_static(layout, block_size, device))
 
 
 def ridge(m: torch.Tensor, relative: float) -> torch.Tensor:
@@ -363,6 +356,16 @@ def capture_partition(z: torch.Tensor, schedule: Schedule) -> CapturedPartition:
     return CapturedPartition(graph, static, out, schedule)
 
 
+def capture_or_none(z: torch.Tensor, schedule: Schedule) -> CapturedPartition | None:
+    """`capture_partition`, or None where capture fails (said once, as the result is cached):
+    the partition then keeps working eagerly."""
+    try:
+        return capture_partition(z, schedule)
+    except RuntimeError as e:
+        log.warning("reblock: CUDA graph capture failed (%s); running the partition eagerly", e)
+        return None
+
+
 def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int) -> torch.Tensor:
     """`partition`, replayed from a cached CUDA graph on the GPU (eager elsewhere, while the
     caller is itself capturing, or where capture failed)."""
@@ -370,16 +373,7 @@ def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int) -> torch
         return partition(z, schedule)
     key = (tuple(z.shape), z.dtype, str(z.device), block_size)
     with torch.cuda.device(z.device):
-        if key not in _GRAPHS:
-            try:
-                _GRAPHS[key] = capture_partition(z, schedule)
-            except RuntimeError as e:  # keep working, eagerly, and say why once
-                log.warning("reblock: CUDA graph capture failed (%s); running the partition eagerly", e)
-                _GRAPHS[key] = None
-            while len(_GRAPHS) > _GRAPH_CACHE_SIZE:
-                _GRAPHS.popitem(last=False)
-        _GRAPHS.move_to_end(key)
-        captured = _GRAPHS[key]
+        captured = _GRAPHS.get(key, lambda: capture_or_none(z, schedule))
         if captured is None:
             return partition(z, schedule)
         captured.z.copy_(z)
