@@ -19,6 +19,7 @@ from .tiling import Tiling
 
 _ROUTES: BoundedCache[tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]] = BoundedCache(16)
 
+
 def region_budget(num_blocks: int, ratio: float) -> int:
     """R = max(1, min(J, ceil(ratio * J))); the product is rounded to 9 decimals first so that
     e.g. 0.1 * 30 counts as 3, not 4."""

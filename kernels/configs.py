@@ -86,3 +86,9 @@ def kernel_config(head_dim: int, block_size: int, device: torch.device, family: 
         raise ValueError(f"block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
                          f"{sorted({d for _, d, _ in CONFIGS})}")
     return CONFIGS[key]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision for operands of `dtype`: full fp32 ("ieee") for fp32 inputs, so
+    fp32 runs stay close to the float64 reference; the tensor-core default for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"

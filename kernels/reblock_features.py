@@ -5,8 +5,7 @@ tensor cores with fp32 accumulation (torch has no 16-bit product with an fp32 re
 supported version, and an fp32 SIMT product of the samples cost 1.3 ms at the 10 s shape). The
 moments stay positive semidefinite: both operands are the same rounded rows.
 
-Projection:
-Every token x of a head becomes (x L W) / |x L|: its coordinates on the top principal
+Projection: every token x of a head becomes (x L W) / |x L|: its coordinates on the top principal
 directions of the metric space, divided by its length in the full metric space (cosine
 geometry). On the torch path that is one GEMM into a [N, D + r] buffer in the input dtype, a
 norm over its first D columns, a division and a NaN clean-up (about 2.4 ms at the 10 s H3 shape
@@ -20,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .configs import dot_precision
 
 BLOCK_M = 64  # rows per tile
 TILES = 4  # tiles per program: the [D, D] and [D, r] weights are loaded once for all of them
@@ -68,7 +69,7 @@ def gram_triton(a: torch.Tensor) -> torch.Tensor:
         a = a.contiguous()
     out = torch.empty(G, D, D, dtype=torch.float32, device=a.device)
     _gram[(G,)](a, out, n, D, a.stride(0), a.stride(1), DP=max(16, triton.next_power_of_2(D)), BLOCK=GRAM_ROWS,
-                PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=8)
+                PRECISION=dot_precision(a.dtype), num_warps=8)
     return out
 
 
@@ -76,7 +77,8 @@ def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Ten
     """(x @ proj) / (|x @ factor| + tiny) per row, non-finite entries 0: fp32 [G, N, r].
 
     x [G, N, D] fp16/bf16/fp32, any row and head strides (no copy of a strided view of Q/K);
-    factor [G, D, D] and proj [G, D, r] in x's dtype (r a power of two, at least 16). Products accumulate in fp32 (full fp32 for fp32 inputs).
+    factor [G, D, D] and proj [G, D, r] in x's dtype (r a power of two, at least 16). Products
+    accumulate in fp32 (full fp32 for fp32 inputs).
     """
     G, N, D = x.shape
     r = proj.shape[-1]
@@ -91,5 +93,5 @@ def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Ten
     grid = (triton.cdiv(N, BLOCK_M * TILES), G)
     _metric_project[grid](x, factor.contiguous(), proj.contiguous(), out, N, D, x.stride(0), x.stride(1), R=r,
                           DP=max(16, triton.next_power_of_2(D)), BLOCK=BLOCK_M, TILES=TILES,
-                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+                          PRECISION=dot_precision(x.dtype), num_warps=4)
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import KernelConfig, kernel_config
+from .configs import KernelConfig, dot_precision, kernel_config
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -222,7 +222,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     # bf16 tl.dot is wrong in the CPU interpreter, and fp32 dots are faster there anyway
     dot_dtype = tl.float32 if interpret or q.dtype == torch.float32 else (
         tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = dot_precision(q.dtype)
 
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
