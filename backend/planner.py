@@ -41,7 +41,7 @@ def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config
         return cached_cube_tiling(layout, config.block_size, q.device)
     from .reblock import reblock_tiling
 
-    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout)
+    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout, config.topk_ratio)
 
 
 def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,

@@ -42,6 +42,7 @@ import torch
 
 from .cache import BoundedCache
 from .config import REBLOCK_LAYOUTS
+from .head_choice import choose_tubes
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 from .pooling import accum_dtype, fused_planner
 from .tiling import Tiling, chunk_tiles
@@ -404,8 +405,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block
 
 
 def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int,
-                   layout_mode: str = "q_reuse_k") -> Tiling:
-    """Adaptive per-head tiling of q, k [B, H, S, D] (model order); perms are [B, H, J * block_size]."""
+                   layout_mode: str = "q_reuse_k", ratio: float = 0.1, tubes: bool = True) -> Tiling:
+    """Adaptive per-head tiling of q, k [B, H, S, D] (model order); perms are [B, H, J * block_size].
+
+    With `tubes`, every head keeps the tree or takes a fixed space-time tube, whichever holds more
+    sampled attention mass in its routing budget at `ratio` (backend/head_choice.py)."""
     check_inputs(q, k, layout, block_size, layout_mode)
     B, H, _, D = q.shape
     static = cached_static(layout, block_size, q.device)
@@ -423,6 +427,8 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
         members = run_partition(z, part, block_size).view(sides, B, H, -1)
         pieces.append(torch.where(members >= 0, members + seg.start, members))
     perm = torch.cat(pieces, dim=-1).to(torch.int32)
+    if tubes:  # every layout has one target video, its last region
+        perm = choose_tubes(q, k, perm, layout, block_size, static.region_blocks[-1], ratio)
     q_perm = perm[0]
     k_perm = perm[1] if sides == 2 else q_perm
     return Tiling(block_size, q_perm, k_perm, static.block_len, tuple(layout.regions()), static.region_blocks)

@@ -69,6 +69,31 @@ def cube_tiles(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tuple[
     return members, (members >= 0).sum(1)
 
 
+def snake_tiles(grid: tuple[int, int, int], patch: tuple[int, int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Space-time tubes cut like a 1D chunking: ([J, block_size] with -1, [J]), edge block last.
+
+    The grid's (bH, bW) patches are walked row by row, every other row backwards; each patch's
+    rows are listed frame by frame, forwards in every other patch and backwards in the others
+    (a snake), then the list is cut into blocks. A block is a tube of block_size / (bH * bW)
+    frames of one patch, or where a patch's frames run out, the same frames of two neighbouring
+    patches; no block jumps across the grid. Every patch gives the same block lengths as
+    `chunk_tiles` of the grid's length, so tilings of different patches (and the reblock tree)
+    can be mixed per head."""
+    (T, H, W), (b, c) = grid, patch
+    nw = -(-W // c)
+    t = torch.arange(T).view(T, 1, 1)
+    h = torch.arange(H).view(1, H, 1)
+    w = torch.arange(W).view(1, 1, W)
+    row = h // b
+    col = torch.where(row % 2 == 0, w // c, nw - 1 - w // c)
+    p = row * nw + col
+    frame = torch.where(p % 2 == 0, t, T - 1 - t)
+    key = ((p * T + frame) * b + h % b) * c + w % c
+    rows = torch.sort(key.reshape(-1)).indices  # keys are distinct
+    chunks, lengths = chunk_tiles(rows.numel(), block_size)
+    return torch.where(chunks >= 0, rows[chunks.clamp(min=0)], chunks), lengths
+
+
 def chunk_tiles(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1D chunks of `block_size` rows; the last one carries the remainder."""
     n = -(-length // block_size)

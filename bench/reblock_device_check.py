@@ -5,9 +5,11 @@
 Builds the scene on the GPU (bf16), the reblock tiling (q_reuse_k, block 64) on the GPU and, from
 CPU copies of the same tensors, on the CPU; routes both on the GPU (ratio 0.1, no tail) and
 reports the attention-mass recall of 64 sampled target-video queries per head (all heads, and
-per head for the first `--heads`), the share of permutation entries that agree, and the largest
-difference of the target-video tree features between the devices. The tiling must not depend
-on the device it is built on (beyond rounding), so the two recalls should agree.
+per head for the first `--heads`), the share of permutation entries that agree, the largest
+difference of the target-video tree features and of the per-head choice's block log-masses
+(Triton in bf16 vs float64 on the CPU) between the devices, which tiling every head took on
+each device (0 the tree, i the i-th tube), and the recall of the tree alone. The tiling must
+not depend on the device it is built on (beyond rounding), so the two recalls should agree.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.metrics import plan_mass_metrics, sample_rows
 from ..backend.planner import build_plan, make_tiling
+from ..backend.head_choice import block_log_mass, probe_rows, tube_perms
 from ..backend.reblock import metric_features, reblock_tiling
 from ..backend.scenes import make_scene
 from ..backend.tiling import Tiling
@@ -41,18 +44,31 @@ def head_recall(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Seque
     return recall[0].mean(-1).cpu()
 
 
+def picks(t: Tiling, layout: SequenceLayout) -> list[int]:
+    """Per head: 0 where the head kept the tree, i where it took the i-th tube."""
+    tubes = tube_perms(layout, t.block_size, t.k_perm.device)
+    same = (t.k_perm[0].unsqueeze(1) == tubes.unsqueeze(0)).all(-1)  # [H, tubes]
+    return torch.where(same.any(1), same.int().argmax(1) + 1, 0).tolist()
+
+
 def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, rows: torch.Tensor,
             tiling_fn: TilingFn, heads: int) -> dict:
     """GPU-built vs CPU-built tiling of `tiling_fn` on the same tensors (q, k, v on the GPU)."""
     gpu = tiling_fn(q, k, layout, 64)
     cpu = on_device(tiling_fn(q.cpu(), k.cpu(), layout, 64), q.device)
-    out = {"perm_agreement": float((gpu.k_perm == cpu.k_perm).double().mean())}
+    out = {"perm_agreement": float((gpu.k_perm == cpu.k_perm).double().mean()),
+           "picks_gpu": picks(gpu, layout), "picks_cpu": picks(cpu, layout)}
     for name, t in (("gpu", gpu), ("cpu", cpu)):
         r = head_recall(q, k, v, layout, t, rows)
         out[f"recall_{name}"] = round(float(r.mean()), 4)
         out[f"recall_{name}_first_heads"] = round(float(r[:heads].mean()), 4)
         out[f"recall_{name}_per_head"] = [round(x, 3) for x in r[:heads].tolist()]
     return out
+
+
+def layout_start(layout: SequenceLayout) -> int:
+    """First block of the target video (the last region) in a 64-row tiling."""
+    return sum(-(-seg.length // 64) for seg in layout.regions()[:-1])
 
 
 def main() -> None:
@@ -78,6 +94,13 @@ def main() -> None:
     diff = (metric_features(ks, qs).cpu() - metric_features(ks.cpu(), qs.cpu())).abs().amax((1, 2))
     res["feature_max_abs_diff_per_head"] = [float(f"{x:.2e}") for x in diff[:args.heads].tolist()]
     res["feature_max_abs_diff"] = float(diff.max())
+    probes = q[0].index_select(1, probe_rows(layout).to(dev))
+    window = tube_perms(layout, 64, dev)[:1, layout_start(layout) * 64:]
+    mass = block_log_mass(probes, k[0], window, 64).cpu() - block_log_mass(probes.cpu().double(), k[0].cpu().double(),
+                                                                          window.cpu(), 64)
+    res["block_log_mass_max_abs_diff"] = float(mass.abs().max())
+    tree = reblock_tiling(q, k, layout, 64, tubes=False)
+    res["recall_tree_only_gpu"] = round(float(head_recall(q, k, v, layout, tree, rows).mean()), 4)
     print(json.dumps(res), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -7,7 +7,8 @@ stages (metric features, tree partition), `build_plan` with reblock vs cube tili
 the Triton kernel runs, the sparse attention kernel at ratio 0.1 (the 15% budget is measured
 against it). It also checks that the tiling makes no host synchronisation (CUDA sync debug
 mode) and gives the same bits twice, how much of the fused levels' tiling equals the torch
-levels' (the kernels' fused multiply-adds round differently, so near-ties may differ), reports
+levels' (the kernels' fused multiply-adds round differently, so near-ties may differ), times the per-head
+choice between the tree and the tubes (`backend/head_choice.py`) on its own, reports
 host enqueue time (launch-bound or not), and times the tiling with and without the partition's
 CUDA graph and the partition with and without the fused levels. Every `*_queued` time is the
 device time with the launches queued behind a busy GPU (`timing.queued_ms`), as inside a model's
@@ -27,6 +28,7 @@ from ..backend.config import SparseConfig
 from ..backend.scenes import SceneSize
 from ..backend.planner import build_plan
 from ..backend import reblock
+from ..backend.head_choice import choose_tubes
 from ..kernels import run_block_sparse
 from .timing import queued_ms, time_call
 
@@ -137,7 +139,10 @@ def main() -> None:
     configs = {tiling: SparseConfig(topk_ratio=0.1, tiling=tiling, backend="triton") for tiling in ("cube", "reblock")}
     for tiling, cfg in configs.items():
         t[f"plan_{tiling}"] = time_call(lambda: build_plan(q, k, v, layout, cfg), dev, 2, 5)
+    tree = reblock.reblock_tiling(q, k, layout, 64, tubes=False).k_perm.unsqueeze(0)
     queued = {"tiling_q_reuse_k": lambda: reblock.reblock_tiling(q, k, layout, 64),
+              "tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False),
+              "head_choice": lambda: choose_tubes(q, k, tree, layout, 64, a.region_blocks[-1], 0.1),
               "features": lambda: reblock.metric_features(ks, qs),
               "partition_graph": lambda: reblock.run_partition(z, schedule, 64),
               **{f"plan_{tiling}": (lambda cfg=cfg: build_plan(q, k, v, layout, cfg)) for tiling, cfg in configs.items()}}

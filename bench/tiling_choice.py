@@ -7,8 +7,9 @@ tile shapes, and measures for each the attention-mass recall at ratio 0.1 of 64 
 target-video queries per head (ours, no tail). A proxy then picks one tiling per head: the one
 whose R heaviest target-video key blocks hold the most exact softmax mass of 64 *other* sampled
 queries. Prints per-head recall and proxy of every candidate, the proxy's picks, and the mean
-recall of cube, tree, proxy-chosen and best-per-head (oracle) tilings. An experiment for issue 3
-(docs/performance-notes.md); the planner does not choose per head.
+recall of cube, tree, proxy-chosen and best-per-head (oracle) tilings. `reblock` is the shipped
+tiling, which makes the same kind of choice between the tree and snake tubes
+(backend/head_choice.py); this probe explores other shapes (docs/performance-notes.md).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..backend.routing import region_budget
 from ..backend.scenes import SceneSize, make_scene
 from ..backend.tiling import cube_tiling
 
-SHAPES = ((4, 4, 4), (16, 2, 2), (2, 4, 8), (8, 2, 4))  # (bT, bH, bW) tiles of 64 tokens
+SHAPES = ((4, 4, 4), (16, 2, 2), (8, 2, 4), (32, 1, 2), (4, 2, 8), (2, 4, 8))  # (bT, bH, bW) tiles of 64 tokens
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
     rows, probe = (sample_rows(layout, 64, seed)["video"].to(q.device) for seed in (0, 1))
     cfg = SparseConfig(topk_ratio=0.1, tail="none", min_tokens=0)
     cands = {str(s): cube_tiling(layout, 64, q.device, tile=s) for s in SHAPES}
-    cands["tree"] = reblock_tiling(q, k, layout, 64)
+    cands["tree"] = reblock_tiling(q, k, layout, 64, tubes=False)
     p = torch.softmax(torch.einsum("hnd,hsd->hns", q[0][:, probe], k[0]) * D ** -0.5, -1)
     true, proxy = {}, {}
     for name, t in cands.items():
@@ -54,12 +55,15 @@ def main() -> None:
         proxy[name] = mass[..., lo:hi].topk(region_budget(hi - lo, 0.1), -1).values.sum(-1).mean(-1).cpu()
         print(f"{name:10s} recall {true[name].mean():.4f} per head {[round(x, 3) for x in true[name].tolist()]}"
               f"  proxy {[round(x, 3) for x in proxy[name].tolist()]}")
+    shipped, _ = plan_mass_metrics(q, k, build_plan(q, k, v, layout, cfg, tiling=reblock_tiling(q, k, layout, 64)).kernel,
+                                   rows)
     names = list(cands)
     recalls = torch.stack([true[n] for n in names])
     pick = torch.stack([proxy[n] for n in names]).argmax(0)
     chosen = recalls.gather(0, pick.view(1, -1)).squeeze(0)
     print(f"{args.scene} {tuple(args.video)}: cube {true[str(SHAPES[0])].mean():.4f} tree {true['tree'].mean():.4f} "
-          f"proxy-chosen {chosen.mean():.4f} oracle {recalls.max(0).values.mean():.4f}; "
+          f"proxy-chosen {chosen.mean():.4f} oracle {recalls.max(0).values.mean():.4f} "
+          f"reblock (shipped) {shipped.mean():.4f}; "
           f"picks {[names[i] for i in pick.tolist()]}")
 
 

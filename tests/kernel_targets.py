@@ -13,7 +13,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adaptive_sparse_attention.kernels import block_select, block_stats, reblock_features, reblock_split, triton_attention
+from adaptive_sparse_attention.kernels import (block_mass, block_select, block_stats, reblock_features, reblock_split,
+                                               triton_attention)
 from adaptive_sparse_attention.kernels.configs import CONFIGS, family_of
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
@@ -62,6 +63,9 @@ def planner(capability: int) -> dict:
                                                                    "Out": "*fp32"}, set(),
                                 {"R": 16, "DP": 128, "BLOCK": reblock_features.BLOCK_M, "TILES": reblock_features.TILES,
                                  "PRECISION": "tf32"}, capability, 4, 3),
+        "block mass": compile_for(block_mass._block_log_mass, {"Q": "*bf16", "K": "*bf16", "Perm": "*i32", "Out": "*fp32"},
+                                  {"scale"}, {"P": 64, "DP": 128, "BS": 64, "BLOCKS": block_mass.BLOCKS,
+                                              "PRECISION": "tf32"}, capability, 4, 3),
         **{f"directions M{mp}": compile_for(
             reblock_split._split_directions, {"Marks": "*fp32", "Out": "*fp32"}, set(),
             {"RP": 16, "MP": mp, "CH": min(mp, 64), "SQUARINGS": 4, "STEPS": 3}, capability, max(1, min(8, mp // 256)), 3)

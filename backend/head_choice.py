@@ -1,0 +1,108 @@
+"""Per-head tiling choice: the reblock tree or a fixed space-time tube, by sampled block mass.
+
+The tree (backend/reblock.py) groups tokens whose attention wants the same keys, which wins
+for heads that attend by content. Heads that attend by position (a local window, a temporal
+line) are served better by a fixed tube that keeps a token's neighbours in one block: on the
+structured scenes at the 10 s shape, the tree alone lifts recall at 10% over cube tiling by
++2.5 points on `cuts`, and picking per head between the tree and (16, 2, 2) or (8, 2, 4) tubes
+by this rule lifts it by +5.0 (the best choice per head in hindsight, docs/performance-notes.md).
+
+Rule: sample PROBES target-video queries; for every candidate tiling and head, the share of
+those queries' exact softmax mass over the target-video keys that falls in the candidate's R
+heaviest target-video key blocks (R the routing budget at the planned ratio), averaged over
+the probes. The largest share wins; ties go to the earlier candidate, the tree first. Tubes
+are cut like the tree's blocks (whole tiles, then the edge tiles' rows, one edge block last:
+`tiling.packed_tiles`), so heads can mix in one tiling.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cache import BoundedCache
+from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
+from .pooling import POOL_HEADS, accum_dtype, fused_planner
+from .routing import region_budget
+from .tiling import assemble, chunk_tiles, snake_tiles
+
+TUBES = ((1, 2), (2, 4))  # (bH, bW) patches: tubes of block_size / (bH * bW) frames
+PROBES = 64  # sampled target-video queries per head
+GOLDEN = 0.6180339887498949  # probe positions: fractional parts of j * GOLDEN (no video-row aliasing)
+
+_STATICS: BoundedCache[tuple[torch.Tensor, torch.Tensor]] = BoundedCache(8)  # a few shapes per session
+
+
+def tube_perms(layout: SequenceLayout, block_size: int, device: torch.device) -> torch.Tensor:
+    """Tube tilings of every video region (context in 1D chunks): int32 [tubes, J * block_size]."""
+    return cached_statics(layout, block_size, device)[0]
+
+
+def probe_rows(layout: SequenceLayout, count: int = PROBES) -> torch.Tensor:
+    """`count` model-order rows spread over the target video (int64, deterministic)."""
+    target = layout.target
+    j = torch.frac(0.5 + GOLDEN * torch.arange(count, dtype=torch.float64))
+    return target.start + (j * target.length).long()
+
+
+def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tube permutations and the probe rows, built on the host once per shape and kept on the
+    device (a copy from the host per call would wait for the GPU to drain)."""
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        perms = []
+        for patch in TUBES:
+            per_region = [snake_tiles(seg.grid, patch, block_size) if seg.region in (REFERENCE_VIDEO, TARGET_VIDEO)
+                          else chunk_tiles(seg.length, block_size) for seg in layout.regions()]
+            perms.append(assemble(layout, per_region)[0])
+        return torch.stack(perms).to(device), probe_rows(layout).to(device)
+
+    return _STATICS.get((layout.signature(), block_size, str(device)), build)
+
+
+def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, block_size: int) -> torch.Tensor:
+    """log sum_i exp(q . k_i / sqrt(D)) of every probe q [G, P, D] over the rows of every key
+    block of k [G, S, D] listed by perm [Gp, n * block_size] (Gp in {1, G}, -1 pads): [G, P, n]
+    in k's accumulation dtype. Triton on the GPU; here a few heads' logits at a time."""
+    if fused_planner(k) and all(n >= 16 and n & (n - 1) == 0 for n in (probes.shape[1], block_size)):
+        from ..kernels.block_mass import block_log_mass_triton
+
+        return block_log_mass_triton(probes, k, perm, block_size)
+    G, P, D = probes.shape
+    acc = accum_dtype(k)
+    ids = perm.long()
+    out = torch.empty(G, P, ids.shape[-1] // block_size, dtype=acc, device=k.device)
+    for g0 in range(0, G, POOL_HEADS):
+        g1 = min(G, g0 + POOL_HEADS)
+        logits = probes[g0:g1].to(acc) @ k[g0:g1].to(acc).transpose(1, 2) * D ** -0.5
+        rows = (ids if ids.shape[0] == 1 else ids[g0:g1]).unsqueeze(1)
+        cols = torch.gather(logits, 2, rows.clamp(min=0).expand(g1 - g0, P, -1))
+        cols = cols.masked_fill(rows < 0, float("-inf"))
+        out[g0:g1] = cols.view(g1 - g0, P, -1, block_size).logsumexp(-1)
+    return out
+
+
+def top_share(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
+    """Mean over probes of the mass share in the `budget` heaviest blocks: [G, P, n] -> [G]."""
+    total = log_mass.logsumexp(-1, keepdim=True)
+    return (log_mass.topk(budget, -1).values - total).exp().sum(-1).mean(-1)
+
+
+def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: SequenceLayout, block_size: int,
+                 span: tuple[int, int], ratio: float) -> torch.Tensor:
+    """Per head, the tree's permutations or the best tube's: tree [sides, B, H, L] (the last side
+    is the key layout the rule scores; every side of a head takes that head's choice), span the
+    target video's [lo, hi) blocks. Returns the chosen permutations, same shape and dtype."""
+    sides, B, H, L = tree.shape
+    D = q.shape[-1]
+    lo, hi = span
+    budget = region_budget(hi - lo, ratio)
+    if budget == hi - lo:  # every candidate holds all the mass
+        return tree
+    tubes, rows = cached_statics(layout, block_size, q.device)
+    window = slice(lo * block_size, hi * block_size)
+    probes = q.index_select(2, rows).reshape(B * H, PROBES, D)
+    keys = k.reshape(B * H, -1, D)
+    candidates = [tree[-1].reshape(B * H, L)] + [t.view(1, L) for t in tubes]
+    share = torch.stack([top_share(block_log_mass(probes, keys, c[:, window], block_size), budget)
+                         for c in candidates])
+    pick = share.argmax(0).view(1, B, H, 1)  # the first of equal shares
+    chosen = tubes.index_select(0, (pick - 1).clamp(min=0).view(-1)).view(1, B, H, L)
+    return torch.where(pick == 0, tree, chosen)
