@@ -80,7 +80,7 @@ def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, bl
 
 
 def top_share(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
-    """Mean over probes of the mass share in the `budget` heaviest blocks: [G, P, n] -> [G]."""
+    """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...]."""
     total = log_mass.logsumexp(-1, keepdim=True)
     return (log_mass.topk(budget, -1).values - total).exp().sum(-1).mean(-1)
 
@@ -101,8 +101,8 @@ def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: S
     probes = q.index_select(2, rows).reshape(B * H, PROBES, D)
     keys = k.reshape(B * H, -1, D)
     candidates = [tree[-1].reshape(B * H, L)] + [t.view(1, L) for t in tubes]
-    share = torch.stack([top_share(block_log_mass(probes, keys, c[:, window], block_size), budget)
-                         for c in candidates])
+    share = top_share(torch.stack([block_log_mass(probes, keys, c[:, window], block_size) for c in candidates]),
+                      budget)  # one TopK over every candidate
     pick = share.argmax(0).view(1, B, H, 1)  # the first of equal shares
     chosen = tubes.index_select(0, (pick - 1).clamp(min=0).view(-1)).view(1, B, H, L)
     return torch.where(pick == 0, tree, chosen)

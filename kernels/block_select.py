@@ -55,9 +55,10 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
     scores, dense_hi = scores.contiguous(), dense_hi.to(torch.int32).contiguous()
     out = torch.empty(B, H, J, R, dtype=torch.int32, device=scores.device)
     col0 = 0
-    for lo, hi, budget in groups:
+    for lo, hi, budget in groups:  # 32 scores per thread: 2 warps at 2,048 beat 1 (1.59 vs 2.08 ms at the 10 s
+        # shape on the H200) and 4 or 8 (1.67, 1.94 ms)
         npad = triton.next_power_of_2(hi - lo)
         _select_group[(J, B * H)](scores, dense_hi, out, J, R, lo, hi - lo, budget, col0,
-                                  NPAD=npad, num_warps=max(1, min(8, npad // 2048)))
+                                  NPAD=npad, num_warps=max(1, min(8, npad // 1024)))
         col0 += budget
     return out

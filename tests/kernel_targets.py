@@ -56,7 +56,7 @@ def planner(capability: int) -> dict:
                                            "Anchor": "*fp32", "Key": "*bf16", "Value": "*bf16", "Bias": "*fp32"},
             {"scale"}, dict(stats, REWEIGHT=True), capability, 8, 3),
         "select": compile_for(block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"},
-                              set(), {"NPAD": 2048}, capability, 1, 3),
+                              set(), {"NPAD": 2048}, capability, 2, 3),
         "gram": compile_for(reblock_features._gram, {"A": "*bf16", "Out": "*fp32"}, set(),
                             {"DP": 128, "BLOCK": reblock_features.GRAM_ROWS, "PRECISION": "tf32"}, capability, 8, 3),
         "features": compile_for(reblock_features._metric_project, {"X": "*bf16", "L": "*bf16", "P": "*bf16",
