@@ -276,6 +276,14 @@ def split_directions(marks: torch.Tensor) -> torch.Tensor:
     return d / torch.linalg.vector_norm(d, dim=-2, keepdim=True).clamp_min(TINY)
 
 
+def landmark_features(z: torch.Tensor, rows: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
+    """Features [G, nodes, m, r] of the tokens in the landmark slots [nodes, m] of every node of
+    rows [G, nodes, width] (token ids; features z [G, N, r] in token order)."""
+    G, nodes, _ = rows.shape
+    ids = torch.gather(rows, 2, landmarks.view(1, nodes, -1).expand(G, nodes, -1))
+    return torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, z.shape[-1])).view(G, nodes, -1, z.shape[-1])
+
+
 def project(z: torch.Tensor, rows: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     """Projections [G, nodes, width] of the tokens `rows` [G, nodes, width] (features z [G, N, r])
     on their node's direction [G, nodes, r]: sum over i of d_i z_i, i ascending, the fused
@@ -317,12 +325,11 @@ def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)  # the root is every token
     for level in schedule.levels:
         nodes, width, c_w = level.nodes, level.width, level.carry.shape[-1]
-        ids = torch.gather(rows, 2, level.landmarks.view(1, nodes, -1).expand(G, nodes, -1))
-        marks = torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, r)).view(G, nodes, -1, r)
         if fused:
-            direction = split_directions_triton(marks, SQUARINGS, REFINE_STEPS)
+            direction = split_directions_triton(z, rows, level.landmarks, SQUARINGS, REFINE_STEPS)
             rows = split_level_triton(z, rows, direction, level.sizes[0], level.sizes[1], c_w)
             continue
+        marks = landmark_features(z, rows, level.landmarks)
         dest = split(project(z, rows, split_directions(marks).squeeze(-1)), level)
         slots = torch.arange(width, device=z.device).expand(G, nodes, width)
         src = torch.empty_like(dest).scatter_(2, dest, slots)  # slot before the split of every slot after

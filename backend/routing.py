@@ -27,7 +27,12 @@ def region_budget(num_blocks: int, ratio: float) -> int:
 
 
 def pooled_scores(q_mean: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
-    """E = q_mean k_mean^T / sqrt(D), fp32 [B, H, J, J]."""
+    """E = q_mean k_mean^T / sqrt(D), fp32 [B, H, J, J] (fp64 for fp64 means). fp32 means on the
+    GPU take a Triton kernel on tensor cores at about fp32 accuracy (kernels/block_scores.py)."""
+    if fused_planner(q_mean) and q_mean.dtype == torch.float32:
+        from ..kernels.block_scores import pooled_scores_triton
+
+        return pooled_scores_triton(q_mean, k_mean)
     return torch.matmul(q_mean, k_mean.transpose(-1, -2)) * (q_mean.shape[-1] ** -0.5)
 
 

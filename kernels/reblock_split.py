@@ -29,19 +29,30 @@ TINY = tl.constexpr(1e-30)  # floor of the norms (as in backend/reblock.py)
 
 
 @triton.jit
-def _split_directions(Marks, Out, m, r, RP: tl.constexpr, MP: tl.constexpr, CH: tl.constexpr,
-                      SQUARINGS: tl.constexpr, STEPS: tl.constexpr):
+def _landmark_rows(Z, Rows, Landmarks, g, node, i, j, N, m, r, sr_g, sr_n):
+    """Feature rows [len(i), RP] of landmarks i of a node: slot -> token id -> row of z."""
+    live = i < m
+    slot = tl.load(Landmarks + node * m + i, mask=live, other=0)
+    ids = tl.load(Rows + g * sr_g + node * sr_n + slot, mask=live, other=0)
+    return tl.load(Z + (g * N + ids.to(tl.int64))[:, None] * r + j[None, :], mask=live[:, None] & (j[None, :] < r),
+                   other=0.0)
+
+
+@triton.jit
+def _split_directions(Z, Rows, Landmarks, Out, N, nodes, m, r, sr_g, sr_n, RP: tl.constexpr, MP: tl.constexpr,
+                      CH: tl.constexpr, SQUARINGS: tl.constexpr, STEPS: tl.constexpr):
     gn = tl.program_id(0).to(tl.int64)
+    g = gn // nodes
+    node = gn % nodes
     i = tl.arange(0, MP)
     j = tl.arange(0, RP)
     live = i < m
-    marks = Marks + gn * m * r
-    x = tl.load(marks + i[:, None] * r + j[None, :], mask=live[:, None] & (j[None, :] < r), other=0.0)
+    x = _landmark_rows(Z, Rows, Landmarks, g, node, i, j, N, m, r, sr_g, sr_n)
     total = tl.sum(x, 0)
     c = tl.zeros([RP, RP], tl.float32)
     for start in range(0, m, CH):  # centred covariance, CH landmarks per product (small shared memory)
         ic = start + tl.arange(0, CH)
-        xc = tl.load(marks + ic[:, None] * r + j[None, :], mask=(ic[:, None] < m) & (j[None, :] < r), other=0.0)
+        xc = _landmark_rows(Z, Rows, Landmarks, g, node, ic, j, N, m, r, sr_g, sr_n)
         xc = tl.where(ic[:, None] < m, xc - total[None, :] / m, 0.0)
         c += tl.dot(tl.trans(xc), xc, input_precision="ieee")
     c = c / tl.maximum(tl.sqrt(tl.sum(tl.sum(c * c, 1), 0)), TINY)
@@ -119,21 +130,31 @@ def _split_level(Z, Dir, Rows, Tokens, Left, Keys, RowsOut, N, nodes, width, out
             left_seen += tl.sum(go_left.to(tl.int32), 0)
 
 
-def split_directions_triton(marks: torch.Tensor, squarings: int, steps: int) -> torch.Tensor:
-    """Split direction of every node from its landmarks fp32 [G, nodes, m, r] -> unit [G, nodes, r].
+def split_directions_triton(z: torch.Tensor, rows: torch.Tensor, landmarks: torch.Tensor, squarings: int,
+                            steps: int) -> torch.Tensor:
+    """Split direction of every node from the features of its landmarks -> unit fp32 [G, nodes, r].
 
-    One program per (tree, node) does what `backend/reblock.split_directions` does (top
-    principal direction by `squarings` squarings of the normalised centred covariance, then
-    `steps` balanced 2-means steps whose median is a radix select), with fp32 products in a
-    different order, so the directions agree up to rounding.
+    z fp32 [G, N, r] (features in token order), rows int32 [G, nodes, width] (token ids of every
+    node's slots, any strides), landmarks int64 [nodes, m] (the slots whose tokens are the
+    landmarks). One program per (tree, node) gathers its landmarks' features itself and does
+    what `backend/reblock.split_directions` does with `landmark_features` (top principal
+    direction by `squarings` squarings of the normalised centred covariance, then `steps`
+    balanced 2-means steps whose median is a radix select), with fp32 products in a different
+    order, so the directions agree up to rounding.
     """
-    G, nodes, m, r = marks.shape
-    if marks.dtype != torch.float32:
-        raise ValueError(f"split_directions_triton: marks must be fp32, got {marks.dtype}")
-    out = marks.new_empty(G, nodes, r)
+    G, nodes, _ = rows.shape
+    m, r = landmarks.shape[-1], z.shape[-1]
+    if z.dim() != 3 or z.shape[0] != G or z.dtype != torch.float32:
+        raise ValueError(f"split_directions_triton: z must be fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
+    if rows.dtype != torch.int32 or rows.stride(-1) != 1 or landmarks.shape != (nodes, m) or landmarks.dtype != torch.int64:
+        raise ValueError(f"split_directions_triton: rows must be int32 [G, nodes, width] with unit last stride and "
+                         f"landmarks int64 [nodes={nodes}, m], got {rows.dtype} {tuple(rows.shape)} and "
+                         f"{landmarks.dtype} {tuple(landmarks.shape)}")
+    out = z.new_empty(G, nodes, r)
     mp, rp = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(r))
-    _split_directions[(G * nodes,)](marks.contiguous(), out, m, r, RP=rp, MP=mp, CH=min(mp, 64), SQUARINGS=squarings,
-                                    STEPS=steps, num_warps=max(1, min(8, mp // 256)))
+    _split_directions[(G * nodes,)](z.contiguous(), rows, landmarks.contiguous(), out, z.shape[1], nodes, m, r,
+                                    rows.stride(0), rows.stride(1), RP=rp, MP=mp, CH=min(mp, 64),
+                                    SQUARINGS=squarings, STEPS=steps, num_warps=max(1, min(8, mp // 256)))
     return out
 
 

@@ -13,8 +13,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adaptive_sparse_attention.kernels import (block_mass, block_select, block_stats, reblock_features, reblock_split,
-                                               triton_attention)
+from adaptive_sparse_attention.kernels import (block_mass, block_scores, block_select, block_stats, reblock_features,
+                                               reblock_split, triton_attention)
 from adaptive_sparse_attention.kernels.configs import CONFIGS, family_of
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
@@ -55,6 +55,8 @@ def planner(capability: int) -> dict:
             block_stats._block_summaries, {"K": "*bf16", "V": "*bf16", "Perm": "*i32", "BlockLen": "*i32",
                                            "Anchor": "*fp32", "Key": "*bf16", "Value": "*bf16", "Bias": "*fp32"},
             {"scale"}, dict(stats, REWEIGHT=True), capability, 8, 3),
+        "scores": compile_for(block_scores._pooled_scores, {"Q": "*fp32", "K": "*fp32", "Out": "*fp32"}, {"scale"},
+                              {"DP": 128, "TILE": block_scores.TILE, "PRECISION": "tf32x3"}, capability, 4, 3),
         "select": compile_for(block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"},
                               set(), {"NPAD": 2048}, capability, 2, 3),
         "gram": compile_for(reblock_features._gram, {"A": "*bf16", "Out": "*fp32"}, set(),
@@ -67,7 +69,7 @@ def planner(capability: int) -> dict:
                                   {"scale"}, {"P": 64, "DP": 128, "BS": 64, "BLOCKS": block_mass.BLOCKS,
                                               "PRECISION": "tf32"}, capability, 4, 3),
         **{f"directions M{mp}": compile_for(
-            reblock_split._split_directions, {"Marks": "*fp32", "Out": "*fp32"}, set(),
+            reblock_split._split_directions, {"Z": "*fp32", "Rows": "*i32", "Landmarks": "*i64", "Out": "*fp32"}, set(),
             {"RP": 16, "MP": mp, "CH": min(mp, 64), "SQUARINGS": 4, "STEPS": 3}, capability, max(1, min(8, mp // 256)), 3)
            for mp in (32, 2048)},
         **{f"split {'wide' if wide else 'narrow'}": compile_for(

@@ -49,3 +49,20 @@ def test_matches_the_stable_sort_selection(B, H, J, groups, n_dense, kind):
 def test_bad_group_is_named():
     with pytest.raises(ValueError, match="budget=5"):
         select_blocks_triton(torch.zeros(1, 1, 4, 4), torch.zeros(4, dtype=torch.int32), [(0, 4, 5)])
+
+
+@pytest.mark.parametrize("B,H,J,D", [(1, 2, 70, 128), (2, 1, 9, 40)])
+def test_pooled_scores_kernel_matches_float64(monkeypatch, B, H, J, D):
+    """The routing's scores on the fused path (CPU interpreter) against the float64 product:
+    fp32 accuracy (1e-5 of scores of order 1)."""
+    from adaptive_sparse_attention.backend import routing
+    from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton
+
+    g = torch.Generator().manual_seed(J)
+    q_mean, k_mean = (torch.randn(B, H, J, D, generator=g) for _ in range(2))
+    want = q_mean.double() @ k_mean.double().transpose(-1, -2) * D ** -0.5
+    torch.testing.assert_close(pooled_scores_triton(q_mean, k_mean).double(), want, rtol=0, atol=1e-5)
+    monkeypatch.setattr(routing, "fused_planner", lambda *xs: True)
+    torch.testing.assert_close(routing.pooled_scores(q_mean, k_mean).double(), want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="must be fp32"):
+        pooled_scores_triton(q_mean.double(), k_mean.double())

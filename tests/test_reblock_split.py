@@ -8,7 +8,8 @@ interpreter and the tilings must be identical: the selection is an exact rank ru
 (capacity-many smallest projections, ties by slot), so there is no tolerance. Features include
 full ties, three-valued ones, -0.0 next to 0.0, edge blocks and a single-block region.
 
-Directions: the kernel's products run in another order than torch's, so its directions agree
+Directions: the kernel gathers its landmarks' features itself (token ids at shuffled slots);
+its products run in another order than torch's, so its directions agree
 with `split_directions` up to rounding (fp32, a few ulps of a unit vector: 1e-5) on landmark
 sets with a clear top direction, where the 2-means medians are not near-ties; and the whole
 fused partition is a capacity-exact tiling that agrees with the torch one almost everywhere.
@@ -48,8 +49,8 @@ def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chun
     monkeypatch.setattr(reblock_split, "CHUNK", chunk)
     monkeypatch.setattr(reblock_split, "WIDE_CHUNK", wide_chunk)
     monkeypatch.setattr(reblock_split, "FEW_PROGRAMS", 8)  # the tests' trees are few and small
-    monkeypatch.setattr(reblock_split, "split_directions_triton",
-                        lambda marks, *_: reblock.split_directions(marks).squeeze(-1))
+    monkeypatch.setattr(reblock_split, "split_directions_triton", lambda z, rows, landmarks, *_:
+                        reblock.split_directions(reblock.landmark_features(z, rows, landmarks)).squeeze(-1))
     got = partition(z, schedule)
     assert torch.equal(got, want)
 
@@ -60,7 +61,15 @@ def test_directions_match_torch(m, r):
     scale = torch.linspace(3.0, 0.5, r)  # a clear top direction, then smaller ones
     marks = torch.randn(2, 3, m, r, generator=g) * scale
     marks[1, 2] = 0  # an all-zero node gives a zero direction on both paths
-    got = reblock_split.split_directions_triton(marks, reblock.SQUARINGS, reblock.REFINE_STEPS)
+    # the kernel gathers the landmarks itself: put them at shuffled token ids and slots
+    ids = torch.randperm(3 * m + 5, generator=g)[:3 * m].view(3, m)
+    z = torch.zeros(2, 3 * m + 5, r)
+    z[:, ids.view(-1)] = marks.view(2, 3 * m, r)
+    landmarks = torch.stack([torch.randperm(m + 7, generator=g)[:m] for _ in range(3)])
+    rows = torch.zeros(2, 3, m + 7, dtype=torch.int32)
+    rows.scatter_(2, landmarks.expand(2, 3, m), ids.to(torch.int32).expand(2, 3, m))
+    assert torch.equal(reblock.landmark_features(z, rows, landmarks), marks)
+    got = reblock_split.split_directions_triton(z, rows, landmarks, reblock.SQUARINGS, reblock.REFINE_STEPS)
     want = reblock.split_directions(marks).squeeze(-1)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -79,9 +88,11 @@ def test_fused_partition_is_a_capacity_exact_tiling_close_to_torch(monkeypatch):
 
 
 def test_bad_inputs_are_named():
-    with pytest.raises(ValueError, match="marks must be fp32"):
-        reblock_split.split_directions_triton(torch.zeros(1, 1, 32, 4, dtype=torch.float64), 4, 3)
     rows = torch.zeros(1, 1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="z must be fp32"):
+        reblock_split.split_directions_triton(torch.zeros(1, 8, 4, dtype=torch.float64), rows, torch.zeros(1, 4).long(), 4, 3)
+    with pytest.raises(ValueError, match="landmarks int64"):
+        reblock_split.split_directions_triton(torch.zeros(1, 8, 4), rows, torch.zeros(1, 4, dtype=torch.int32), 4, 3)
     sizes = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="z must be fp32"):
         reblock_split.split_level_triton(torch.zeros(1, 8, 2, dtype=torch.float64), rows, torch.zeros(1, 1, 2), sizes, sizes, 8)
