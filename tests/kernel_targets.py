@@ -50,11 +50,11 @@ def planner(capability: int) -> dict:
     stats = dict(BS=64, BLOCK_S=64, BLOCK_D=128)
     return {
         "block_sums": compile_for(block_stats._block_sums, {"X": "*bf16", "Perm": "*i32", "BlockLen": "*i32",
-                                                            "Out": "*fp32"}, set(), stats, capability, 8, 3),
+                                                            "Out": "*fp32"}, set(), stats, capability, 2, 3),
         "block_summaries": compile_for(
             block_stats._block_summaries, {"K": "*bf16", "V": "*bf16", "Perm": "*i32", "BlockLen": "*i32",
                                            "Anchor": "*fp32", "Key": "*bf16", "Value": "*bf16", "Bias": "*fp32"},
-            {"scale"}, dict(stats, REWEIGHT=True), capability, 8, 3),
+            {"scale"}, dict(stats, REWEIGHT=True), capability, 2, 3),
         "scores": compile_for(block_scores._pooled_scores, {"Q": "*fp32", "K": "*fp32", "Out": "*fp32"}, {"scale"},
                               {"DP": 128, "TILE": block_scores.TILE, "PRECISION": "tf32x3"}, capability, 4, 3),
         "select": compile_for(block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"},
