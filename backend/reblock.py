@@ -31,7 +31,9 @@ the GPU the partition is replayed from a CUDA graph.
 
 Layout modes: `q_reuse_k` builds the key layout and queries reuse it; `independent` builds both
 (queries by X_Q, keys by X_K) in one batched run. V always follows K. Context regions keep the
-1D chunks of the cube tiling.
+1D chunks of the cube tiling. Then every head keeps its tree or takes a fixed space-time tube
+tiling cut into the same blocks, whichever holds more sampled attention mass (heads that attend
+by position are served better by tubes; backend/head_choice.py).
 """
 from __future__ import annotations
 

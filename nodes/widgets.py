@@ -65,9 +65,9 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     Widget("warmup_ratio", "float", _D.warmup_ratio, min=0.0, max=1.0, step=0.01, advanced=True,
            tooltip="Share of denoising steps that run dense in fidelity mode (rounded up to whole steps)."),
     Widget("tiling", "combo", _D.tiling, options=TILINGS, advanced=True,
-           tooltip="reblock: adaptive token layout that groups tokens attending alike (about half the error of "
-                   "cube at the same ratio; its layout costs some time every step). cube: fixed space-time tiles "
-                   "(no layout cost)."),
+           tooltip="reblock: per head, an adaptive token layout that groups tokens attending alike, or "
+                   "space-time tubes where those hold more attention (about half the error of cube at the same "
+                   "ratio; its layout costs some time every step). cube: fixed space-time tiles (no layout cost)."),
     Widget("reblock_layout", "combo", _D.reblock_layout, options=REBLOCK_LAYOUTS, advanced=True,
            tooltip="q_reuse_k: queries reuse the key layout (one layout per head). independent: separate "
                    "query and key layouts."),
