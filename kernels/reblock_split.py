@@ -7,9 +7,10 @@ index map (about fifteen kernels over every slot). Here one program per (tree, n
 tokens' feature rows (the features stay in token order; only the int32 ids move between
 levels), projects them in a fixed order (sum over i of d_i z_i, i ascending), picks the `left`
 smallest by a radix select (`radix_select`, exact, ties by slot, no sort) and writes every id
-straight to its slot in the child. A node of up to `CHUNK` slots is held in registers; a wider
-one (the first levels) is walked in chunks, its keys kept in a scratch buffer for the counting
-passes. Same rank rule as the torch split (tested against it in the interpreter, where both
+straight to its slot in the child. A node of up to `CHUNK` slots is held in registers. A wider
+one (the first levels) gets its keys from a separate kernel spread over many programs, then is
+walked in chunks: a sample of its keys brackets the threshold, so the counting passes run over
+the few keys inside the bracket. Same rank rule as the torch split (tested against it in the interpreter, where both
 round the projection alike; on the GPU the kernel's fused multiply-adds may round differently).
 
 Importing this module imports Triton: the backend imports it only on demand.
@@ -25,6 +26,11 @@ from .radix_select import float_key, kth_largest_key, kth_largest_key_in_memory,
 CHUNK = 8192  # slots one program holds in registers (32 per thread at 8 warps)
 WIDE_CHUNK = 2048  # chunk of a wide node's passes when there are at least FEW_PROGRAMS programs
 FEW_PROGRAMS = 128  # about one per SM of a data-centre GPU (H200: 132); fewer take CHUNK-wide chunks
+KEY_BLOCK = 1024  # wide nodes: slots per program of the projection ...
+SAMPLE = 4096  # ... keys sampled to bracket the split's threshold ...
+MARGIN = 128  # ... MARGIN sample ranks either side of its expected rank (4 standard deviations of the
+# rank of a random sample at a balanced split, so the full selection almost never runs) ...
+CAP = 8192  # ... and at most CAP keys inside the bracket (the root at the 10 s shape: about 4,500)
 TINY = tl.constexpr(1e-30)  # floor of the norms (as in backend/reblock.py)
 
 
@@ -88,8 +94,61 @@ def _place(RowsOut, gn, out_width, slot, go_left, before, ids, live):
 
 
 @triton.jit
-def _split_level(Z, Dir, Rows, Tokens, Left, Keys, RowsOut, N, nodes, width, out_width,
-                 R: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def _bracketed_kth_key(keys, cand, tok, left, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr,
+                       CAP: tl.constexpr):
+    """`kth_largest_key_in_memory(keys, tok, left)` in about two passes instead of 32: the keys
+    of SAMPLE evenly spaced slots bracket the left-th largest key (MARGIN sample ranks on either
+    side of its expected rank); one pass counts the keys above the bracket and copies those
+    inside it to `cand`; if the k-th key lies inside and at most CAP keys do, it is selected
+    among them in registers. Otherwise (ties, a skewed node) the full selection runs. Exact
+    either way: the result is the same key."""
+    n = tl.maximum(tok, 1)
+    s = tl.arange(0, SAMPLE)
+    sample = tl.load(keys + (s.to(tl.int64) * n) // SAMPLE, mask=tok > 0, other=0).to(tl.uint32, bitcast=True)
+    every = s < SAMPLE
+    rank = (left.to(tl.int64) * SAMPLE) // n  # expected rank of the k-th key among the sample's, from the top
+    hi = kth_largest_key(sample, every, tl.maximum(rank - MARGIN, 0).to(tl.int32))  # rank 0: the largest key
+    lo = tl.where(rank + MARGIN < SAMPLE, kth_largest_key(sample, every, tl.minimum(rank + MARGIN, SAMPLE).to(tl.int32)),
+                  0)
+    offs = tl.arange(0, BLOCK)
+    above = 0
+    inside = 0
+    for start in range(0, tok, BLOCK):
+        live = start + offs < tok
+        key = tl.load(keys + start + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+        above += tl.sum((live & (key > hi)).to(tl.int32), 0)
+        inb = live & (key >= lo) & (key <= hi)
+        pos = inside + tl.cumsum(inb.to(tl.int32), 0) - 1
+        tl.store(cand + pos, key.to(tl.int32, bitcast=True), mask=inb & (pos < CAP))
+        inside += tl.sum(inb.to(tl.int32), 0)
+    if (above < left) & (above + inside >= left) & (inside <= CAP):
+        c = tl.arange(0, CAP)
+        few = tl.load(cand + c, mask=c < inside, other=0).to(tl.uint32, bitcast=True)
+        thresh = kth_largest_key(few, c < inside, left - above)
+    else:
+        thresh = kth_largest_key_in_memory(keys, tok, left, BLOCK)
+    return thresh
+
+
+@triton.jit
+def _node_keys(Z, Dir, Rows, Tokens, Keys, N, nodes, width, BLOCK: tl.constexpr, R: tl.constexpr):
+    """Keys (float_key of minus the projection) of one BLOCK of a wide node's slots: the wide
+    nodes' projections in parallel over many programs (one program per node ran the root at
+    the bandwidth of one SM)."""
+    node = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    gn = g * nodes + node
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < tl.load(Tokens + node)
+    ids = tl.load(Rows + gn * width + offs, mask=live, other=0)
+    key = float_key(-_project(Z, Dir, g, gn, ids, live, N, R))
+    tl.store(Keys + gn * width + offs, key.to(tl.int32, bitcast=True), mask=live)
+
+
+@triton.jit
+def _split_level(Z, Dir, Rows, Tokens, Left, Keys, Cand, RowsOut, N, nodes, width, out_width,
+                 R: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr, SAMPLE: tl.constexpr,
+                 MARGIN: tl.constexpr, CAP: tl.constexpr):
     node = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     gn = g * nodes + node  # (tree, node) row
@@ -103,13 +162,8 @@ def _split_level(Z, Dir, Rows, Tokens, Left, Keys, RowsOut, N, nodes, width, out
         go_left = top_k_mask(-_project(Z, Dir, g, gn, ids, live, N, R), live, left)
         _place(RowsOut, gn, out_width, offs, go_left, tl.cumsum(go_left.to(tl.int32), 0), ids, live)
     else:
-        keys = Keys + gn * width
-        for start in range(0, tok, BLOCK):
-            live = start + offs < tok
-            ids = tl.load(rows + start + offs, mask=live, other=0)
-            key = float_key(-_project(Z, Dir, g, gn, ids, live, N, R))
-            tl.store(keys + start + offs, key.to(tl.int32, bitcast=True), mask=live)
-        thresh = kth_largest_key_in_memory(keys, tok, left, BLOCK)
+        keys = Keys + gn * width  # written by _node_keys
+        thresh = _bracketed_kth_key(keys, Cand + gn * CAP, tok, left, BLOCK, SAMPLE, MARGIN, CAP)
         above_total = 0
         for start in range(0, tok, BLOCK):
             live = start + offs < tok
@@ -180,8 +234,14 @@ def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Ten
     wide = width > block
     if wide and G * nodes >= FEW_PROGRAMS:  # enough programs to fill the GPU: smaller chunks fit more per SM
         block = WIDE_CHUNK
-    keys = torch.empty(G, nodes, width, dtype=torch.int32, device=rows.device) if wide else out
-    _split_level[(nodes, G)](z.contiguous(), direction.contiguous(), rows.contiguous(), tokens, left, keys, out,
-                             z.shape[1], nodes, width, out_width, R=r, BLOCK=block, WIDE=wide,
-                             num_warps=max(1, min(8, block // 512)))
+    z, direction, rows = z.contiguous(), direction.contiguous(), rows.contiguous()
+    keys = cand = out
+    if wide:
+        keys = torch.empty(G, nodes, width, dtype=torch.int32, device=rows.device)
+        cand = torch.empty(G, nodes, CAP, dtype=torch.int32, device=rows.device)
+        _node_keys[(triton.cdiv(width, KEY_BLOCK), nodes, G)](z, direction, rows, tokens, keys, z.shape[1], nodes, width,
+                                                             BLOCK=KEY_BLOCK, R=r, num_warps=4)
+    _split_level[(nodes, G)](z, direction, rows, tokens, left, keys, cand, out,
+                             z.shape[1], nodes, width, out_width, R=r, BLOCK=block, WIDE=wide, SAMPLE=SAMPLE,
+                             MARGIN=MARGIN, CAP=CAP, num_warps=max(1, min(8, block // 512)))
     return out

@@ -72,10 +72,14 @@ def planner(capability: int) -> dict:
             reblock_split._split_directions, {"Z": "*fp32", "Rows": "*i32", "Landmarks": "*i64", "Out": "*fp32"}, set(),
             {"RP": 16, "MP": mp, "CH": min(mp, 64), "SQUARINGS": 4, "STEPS": 3}, capability, max(1, min(8, mp // 256)), 3)
            for mp in (32, 2048)},
+        "node keys": compile_for(reblock_split._node_keys, {"Z": "*fp32", "Dir": "*fp32", "Rows": "*i32", "Tokens": "*i32",
+                                                            "Keys": "*i32"}, set(),
+                                 {"BLOCK": reblock_split.KEY_BLOCK, "R": 16}, capability, 4, 3),
         **{f"split {'wide' if wide else 'narrow'}": compile_for(
             reblock_split._split_level, {"Z": "*fp32", "Dir": "*fp32", "Rows": "*i32", "Tokens": "*i32",
-                                         "Left": "*i32", "Keys": "*i32", "RowsOut": "*i32"},
-            set(), {"R": 16, "BLOCK": reblock_split.CHUNK, "WIDE": wide}, capability, 8, 3) for wide in (False, True)},
+                                         "Left": "*i32", "Keys": "*i32", "Cand": "*i32", "RowsOut": "*i32"},
+            set(), {"R": 16, "BLOCK": reblock_split.CHUNK, "WIDE": wide, "SAMPLE": reblock_split.SAMPLE,
+                    "MARGIN": reblock_split.MARGIN, "CAP": reblock_split.CAP}, capability, 8, 3) for wide in (False, True)},
     }
 
 

@@ -2,8 +2,9 @@
 
 Split: the partition is run twice on the same features and the same (torch) split directions:
 every level on the torch path, and every level in the fused kernel, once with nodes held in
-registers and with chunks so small that the wide-node path (keys in scratch memory, chunked
-counting passes, tie counts carried across chunks) serves most levels. Both paths project in the same order, so they round alike in the
+registers and with chunks so small that the wide-node path (keys in scratch memory, a sampled
+bracket of the threshold or the full chunked counting passes, tie counts carried across chunks)
+serves most levels. Both paths project in the same order, so they round alike in the
 interpreter and the tilings must be identical: the selection is an exact rank rule
 (capacity-many smallest projections, ties by slot), so there is no tolerance. Features include
 full ties, three-valued ones, -0.0 next to 0.0, edge blocks and a single-block region.
@@ -39,15 +40,22 @@ def features(n: int, seed: int) -> torch.Tensor:
     return z
 
 
-@pytest.mark.parametrize("n,bs,chunk,wide_chunk", [(600, 16, 8192, 2048), (600, 16, 64, 64), (600, 16, 128, 32),
-                                                   (97, 8, 16, 16), (5, 16, 8192, 2048)])
-def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk):
+@pytest.mark.parametrize("n,bs,chunk,wide_chunk,bracket", [
+    (600, 16, 8192, 2048, (4096, 128, 8192)), (600, 16, 64, 64, (64, 8, 128)), (600, 16, 128, 32, (64, 8, 128)),
+    (600, 16, 64, 64, (16, 0, 16)), (600, 16, 64, 64, (64, 48, 512)), (97, 8, 16, 16, (16, 2, 16)),
+    (5, 16, 8192, 2048, (4096, 128, 8192))])
+def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk, bracket):
+    """bracket (SAMPLE, MARGIN, CAP) of the wide nodes' threshold: a tight one (the full selection
+    runs where the threshold falls outside), a loose one, one too small to hold the keys inside."""
     z = features(n, seed=n + bs)
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
     monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
     monkeypatch.setattr(reblock_split, "CHUNK", chunk)
     monkeypatch.setattr(reblock_split, "WIDE_CHUNK", wide_chunk)
+    for name, value in zip(("SAMPLE", "MARGIN", "CAP"), bracket):
+        monkeypatch.setattr(reblock_split, name, value)
+    monkeypatch.setattr(reblock_split, "KEY_BLOCK", 32)  # a wide node's keys from several programs
     monkeypatch.setattr(reblock_split, "FEW_PROGRAMS", 8)  # the tests' trees are few and small
     monkeypatch.setattr(reblock_split, "split_directions_triton", lambda z, rows, landmarks, *_:
                         reblock.split_directions(reblock.landmark_features(z, rows, landmarks)).squeeze(-1))
