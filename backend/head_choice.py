@@ -2,17 +2,16 @@
 
 The tree (backend/reblock.py) groups tokens whose attention wants the same keys, which wins
 for heads that attend by content. Heads that attend by position (a local window, a temporal
-line) are served better by a fixed tube that keeps a token's neighbours in one block: on the
-structured scenes at the 10 s shape, the tree alone lifts recall at 10% over cube tiling by
-+2.5 points on `cuts`, and picking per head between the tree and (16, 2, 2) or (8, 2, 4) tubes
-by this rule lifts it by +5.0 (the best choice per head in hindsight, docs/performance-notes.md).
+line) are served better by fixed tubes that keep a token's neighbours in one block. At the 10 s
+shape on the H200 (56 heads, ratio 0.1) the tree alone raised recall over cube tiling by +1.5
+points on `cuts` and +4.7 on `pan`; with this choice +3.9 and +8.3 (BENCHMARKS.md).
 
 Rule: sample PROBES target-video queries; for every candidate tiling and head, the share of
 those queries' exact softmax mass over the target-video keys that falls in the candidate's R
 heaviest target-video key blocks (R the routing budget at the planned ratio), averaged over
-the probes. The largest share wins; ties go to the earlier candidate, the tree first. Tubes
-are cut like the tree's blocks (whole tiles, then the edge tiles' rows, one edge block last:
-`tiling.packed_tiles`), so heads can mix in one tiling.
+the probes. The largest share wins; ties go to the earlier candidate, the tree first. The
+tubes are snakes through (bH, bW) patches cut like the tree's blocks (full blocks, one edge
+block last: `tiling.snake_tiles`), so heads can mix in one tiling.
 """
 from __future__ import annotations
 

@@ -320,7 +320,7 @@ def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     project, split and place the ids (kernels/reblock_split.py); elsewhere the torch levels do
     the same by a selection, a scatter and the gathers of the level's static carry map.
     """
-    G, N, r = z.shape
+    G, N, _ = z.shape
     fused = fused_planner(z) and z.dtype == torch.float32
     if fused:
         from ..kernels.reblock_split import split_directions_triton, split_level_triton
