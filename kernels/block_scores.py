@@ -30,7 +30,7 @@ def _pooled_scores(Q, K, Out, J, D, scale, DP: tl.constexpr, TILE: tl.constexpr,
 
 def pooled_scores_triton(q_mean: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
     """q_mean k_mean^T / sqrt(D) of fp32 [B, H, J, D] block means: fp32 [B, H, J, J]."""
-    if q_mean.shape != k_mean.shape or q_mean.dim() != 4 or q_mean.dtype != torch.float32 or k_mean.dtype != torch.float32:
+    if q_mean.shape != k_mean.shape or q_mean.dim() != 4 or {q_mean.dtype, k_mean.dtype} != {torch.float32}:
         raise ValueError(f"pooled_scores_triton: q_mean and k_mean must be fp32 [B, H, J, D] of one shape, got "
                          f"{q_mean.dtype} {tuple(q_mean.shape)} and {k_mean.dtype} {tuple(k_mean.shape)}")
     B, H, J, D = q_mean.shape

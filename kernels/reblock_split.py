@@ -10,8 +10,9 @@ smallest by a radix select (`radix_select`, exact, ties by slot, no sort) and wr
 straight to its slot in the child. A node of up to `CHUNK` slots is held in registers. A wider
 one (the first levels) gets its keys from a separate kernel spread over many programs, then is
 walked in chunks: a sample of its keys brackets the threshold, so the counting passes run over
-the few keys inside the bracket. Same rank rule as the torch split (tested against it in the interpreter, where both
-round the projection alike; on the GPU the kernel's fused multiply-adds may round differently).
+the few keys inside the bracket. Same rank rule as the torch split (tested against it in the
+interpreter, where both round the projection alike; on the GPU the kernel's fused
+multiply-adds may round differently).
 
 Importing this module imports Triton: the backend imports it only on demand.
 """
@@ -108,8 +109,8 @@ def _bracketed_kth_key(keys, cand, tok, left, BLOCK: tl.constexpr, SAMPLE: tl.co
     every = s < SAMPLE
     rank = (left.to(tl.int64) * SAMPLE) // n  # expected rank of the k-th key among the sample's, from the top
     hi = kth_largest_key(sample, every, tl.maximum(rank - MARGIN, 0).to(tl.int32))  # rank 0: the largest key
-    lo = tl.where(rank + MARGIN < SAMPLE, kth_largest_key(sample, every, tl.minimum(rank + MARGIN, SAMPLE).to(tl.int32)),
-                  0)
+    low = kth_largest_key(sample, every, tl.minimum(rank + MARGIN, SAMPLE).to(tl.int32))
+    lo = tl.where(rank + MARGIN < SAMPLE, low, 0)  # past the sample's smallest key: every key
     offs = tl.arange(0, BLOCK)
     above = 0
     inside = 0
@@ -200,7 +201,8 @@ def split_directions_triton(z: torch.Tensor, rows: torch.Tensor, landmarks: torc
     m, r = landmarks.shape[-1], z.shape[-1]
     if z.dim() != 3 or z.shape[0] != G or z.dtype != torch.float32:
         raise ValueError(f"split_directions_triton: z must be fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
-    if rows.dtype != torch.int32 or rows.stride(-1) != 1 or landmarks.shape != (nodes, m) or landmarks.dtype != torch.int64:
+    if (rows.dtype != torch.int32 or rows.stride(-1) != 1 or landmarks.shape != (nodes, m)
+            or landmarks.dtype != torch.int64):
         raise ValueError(f"split_directions_triton: rows must be int32 [G, nodes, width] with unit last stride and "
                          f"landmarks int64 [nodes={nodes}, m], got {rows.dtype} {tuple(rows.shape)} and "
                          f"{landmarks.dtype} {tuple(landmarks.shape)}")
@@ -239,8 +241,8 @@ def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Ten
     if wide:
         keys = torch.empty(G, nodes, width, dtype=torch.int32, device=rows.device)
         cand = torch.empty(G, nodes, CAP, dtype=torch.int32, device=rows.device)
-        _node_keys[(triton.cdiv(width, KEY_BLOCK), nodes, G)](z, direction, rows, tokens, keys, z.shape[1], nodes, width,
-                                                             BLOCK=KEY_BLOCK, R=r, num_warps=4)
+        _node_keys[(triton.cdiv(width, KEY_BLOCK), nodes, G)](z, direction, rows, tokens, keys, z.shape[1], nodes,
+                                                             width, BLOCK=KEY_BLOCK, R=r, num_warps=4)
     _split_level[(nodes, G)](z, direction, rows, tokens, left, keys, cand, out,
                              z.shape[1], nodes, width, out_width, R=r, BLOCK=block, WIDE=wide, SAMPLE=SAMPLE,
                              MARGIN=MARGIN, CAP=CAP, num_warps=max(1, min(8, block // 512)))
