@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from .cache import BoundedCache
-from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
+from .layout import SequenceLayout
 from .pooling import POOL_HEADS, accum_dtype, fused_planner
 from .routing import region_budget
-from .tiling import assemble, chunk_tiles, snake_tiles
+from .tiling import assemble, snake_tiles
 
 TUBES = ((1, 2), (2, 4))  # (bH, bW) patches: tubes of block_size / (bH * bW) frames
 PROBES = 64  # sampled target-video queries per head
@@ -46,11 +46,8 @@ def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device
     """The tube permutations and the probe rows, built on the host once per shape and kept on the
     device (a copy from the host per call would wait for the GPU to drain)."""
     def build() -> tuple[torch.Tensor, torch.Tensor]:
-        perms = []
-        for patch in TUBES:
-            per_region = [snake_tiles(seg.grid, patch, block_size) if seg.region in (REFERENCE_VIDEO, TARGET_VIDEO)
-                          else chunk_tiles(seg.length, block_size) for seg in layout.regions()]
-            perms.append(assemble(layout, per_region)[0])
+        perms = [assemble(layout, block_size, lambda grid, patch=patch: snake_tiles(grid, patch, block_size))[0]
+                 for patch in TUBES]
         return torch.stack(perms).to(device), probe_rows(layout).to(device)
 
     return _STATICS.get((layout.signature(), block_size, str(device)), build)

@@ -13,6 +13,7 @@ members in t, h, w order; context segments are cut into 1D chunks. The reblock t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -102,11 +103,17 @@ def chunk_tiles(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tenso
     return members, (members >= 0).sum(1)
 
 
-def assemble(layout: SequenceLayout, per_region: list[tuple[torch.Tensor, torch.Tensor]]
+def assemble(layout: SequenceLayout, block_size: int,
+             video_tiles: Callable[[tuple[int, int, int]], tuple[torch.Tensor, torch.Tensor]]
              ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]]:
-    """Concatenate per-region (members relative to the region start, lengths) in block order."""
+    """One permutation of the whole layout in block order: video regions (reference and target)
+    cut by `video_tiles(grid)`, context regions in 1D chunks; each gives (members relative to
+    the region start, lengths). Returns (perm int32 [J * block_size], block_len int32 [J],
+    region block spans)."""
     perms, lens, spans, lo = [], [], [], 0
-    for seg, (members, lengths) in zip(layout.regions(), per_region):
+    for seg in layout.regions():
+        video = seg.region in (REFERENCE_VIDEO, TARGET_VIDEO)
+        members, lengths = video_tiles(seg.grid) if video else chunk_tiles(seg.length, block_size)
         perms.append(torch.where(members >= 0, members + seg.start, members))
         lens.append(lengths)
         spans.append((lo, lo + lengths.numel()))
@@ -125,10 +132,6 @@ def cube_tiling(layout: SequenceLayout, block_size: int = 64, device: torch.devi
     if len(tile) != 3 or min(tile) < 1 or tile[0] * tile[1] * tile[2] != block_size:
         raise ValueError(f"cube tiling: tile={tile} is not allowed: expected three positive sizes whose product "
                          f"is block_size={block_size}")
-    per_region = [
-        cube_tiles(seg.grid, tile) if seg.region in (REFERENCE_VIDEO, TARGET_VIDEO) else chunk_tiles(seg.length, block_size)
-        for seg in layout.regions()
-    ]
-    perm, block_len, spans = assemble(layout, per_region)
+    perm, block_len, spans = assemble(layout, block_size, lambda grid: cube_tiles(grid, tile))
     perm = perm.view(1, 1, -1).to(device)
     return Tiling(block_size, perm, perm, block_len.to(device), tuple(layout.regions()), spans)
