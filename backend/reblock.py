@@ -22,8 +22,8 @@ steps), exactly its capacity, a multiple of the block size. The region's last bl
 edge block (N mod block_size rows). Leaves are single blocks, in tree order. Every level is a
 few batched ops over all (tree, node) pairs: nodes are padded to the level's widest (sizes at
 one depth differ by at most one block); the features stay in token order and only the int32
-token ids of every slot move. On the GPU one Triton kernel per level projects, splits by radix
-select and places the ids (kernels/reblock_split.py); the torch levels (the reference) split by
+token ids of every slot move. On the GPU Triton kernels find every node's split direction,
+project, split by radix select and place the ids (kernels/reblock_split.py); the torch levels (the reference) split by
 selection (kthvalue, ties by slot) and prefix sums and move the ids by one gather inside their
 parent node through a static index map. No sort anywhere. Work is O(N log N) per head; the
 shape-only schedule is built on the host once per (layout, block size, device) and cached; on
@@ -278,23 +278,27 @@ def split_directions(marks: torch.Tensor) -> torch.Tensor:
     return d / torch.linalg.vector_norm(d, dim=-2, keepdim=True).clamp_min(TINY)
 
 
+def token_features(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Feature rows of the token ids [G, ...] of every tree (features z [G, N, r] in token
+    order): [G, ..., r]."""
+    G, r = z.shape[0], z.shape[-1]
+    return torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, r)).view(*ids.shape, r)
+
+
 def landmark_features(z: torch.Tensor, rows: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
     """Features [G, nodes, m, r] of the tokens in the landmark slots [nodes, m] of every node of
     rows [G, nodes, width] (token ids; features z [G, N, r] in token order)."""
     G, nodes, _ = rows.shape
-    ids = torch.gather(rows, 2, landmarks.view(1, nodes, -1).expand(G, nodes, -1))
-    return torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, z.shape[-1])).view(G, nodes, -1, z.shape[-1])
+    return token_features(z, torch.gather(rows, 2, landmarks.view(1, nodes, -1).expand(G, nodes, -1)))
 
 
 def project(z: torch.Tensor, rows: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     """Projections [G, nodes, width] of the tokens `rows` [G, nodes, width] (features z [G, N, r])
     on their node's direction [G, nodes, r]: sum over i of d_i z_i, i ascending, the fused
     kernel's order, so both round alike."""
-    G, nodes, width = rows.shape
-    r = z.shape[-1]
-    zi = torch.gather(z, 1, rows.reshape(G, -1, 1).long().expand(-1, -1, r)).view(G, nodes, width, r)
-    proj = torch.zeros(G, nodes, width, dtype=z.dtype, device=z.device)
-    for i in range(r):
+    zi = token_features(z, rows)
+    proj = torch.zeros(rows.shape, dtype=z.dtype, device=z.device)
+    for i in range(z.shape[-1]):
         proj = proj + direction[..., i:i + 1] * zi[..., i]
     return proj
 
@@ -316,8 +320,9 @@ def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """Capacity-exact tree partition of features z [G, N, r]: block slots -> row [G, blocks * bs], -1 pads.
 
     The features stay in token order; what moves from level to level are the int32 token ids of
-    every node's slots. On the GPU two Triton kernels per level find the split directions and
-    project, split and place the ids (kernels/reblock_split.py); elsewhere the torch levels do
+    every node's slots. On the GPU Triton kernels find the split directions, project (in a kernel
+    of their own for the wide nodes of the first levels), split and place the ids
+    (kernels/reblock_split.py); elsewhere the torch levels do
     the same by a selection, a scatter and the gathers of the level's static carry map.
     """
     G, N, _ = z.shape

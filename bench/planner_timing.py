@@ -4,9 +4,10 @@
 
 At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
 `build_plan` (reweight and mean tails, query granularity) on the torch path (the reference, fused
-kernels of `kernels/block_stats.py` and `kernels/block_select.py` switched off) and on the fused path (CUDA events, warm-up, median). Checks the fused
-results against the torch path on the same GPU (max error relative to the largest reference
-value, selections equal), identical bits on a rerun and no host synchronisation.
+kernels of `kernels/block_stats.py`, `block_scores.py` and `block_select.py` switched off) and on
+the fused path (CUDA events, warm-up, median). Checks the fused results against the torch path
+on the same GPU (max error relative to the largest reference value, selections equal),
+identical bits on a rerun and no host synchronisation.
 """
 from __future__ import annotations
 

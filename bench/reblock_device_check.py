@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..backend.config import SparseConfig
-from ..backend.layout import SequenceLayout
+from ..backend.layout import TARGET_VIDEO, SequenceLayout
 from ..backend.metrics import plan_mass_metrics, sample_rows
 from ..backend.planner import build_plan, make_tiling
 from ..backend.head_choice import block_log_mass, probe_rows, tube_perms
@@ -66,11 +66,6 @@ def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceL
     return out
 
 
-def layout_start(layout: SequenceLayout) -> int:
-    """First block of the target video (the last region) in a 64-row tiling."""
-    return sum(-(-seg.length // 64) for seg in layout.regions()[:-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="h3-5s")
@@ -94,12 +89,12 @@ def main() -> None:
     diff = (metric_features(ks, qs).cpu() - metric_features(ks.cpu(), qs.cpu())).abs().amax((1, 2))
     res["feature_max_abs_diff_per_head"] = [float(f"{x:.2e}") for x in diff[:args.heads].tolist()]
     res["feature_max_abs_diff"] = float(diff.max())
+    tree = reblock_tiling(q, k, layout, 64, tubes=False)
     probes = q[0].index_select(1, probe_rows(layout).to(dev))
-    window = tube_perms(layout, 64, dev)[:1, layout_start(layout) * 64:]
+    window = tube_perms(layout, 64, dev)[:1, tree.blocks_of(TARGET_VIDEO)[0] * 64:]
     mass = block_log_mass(probes, k[0], window, 64).cpu() - block_log_mass(probes.cpu().double(), k[0].cpu().double(),
                                                                           window.cpu(), 64)
     res["block_log_mass_max_abs_diff"] = float(mass.abs().max())
-    tree = reblock_tiling(q, k, layout, 64, tubes=False)
     res["recall_tree_only_gpu"] = round(float(head_recall(q, k, v, layout, tree, rows).mean()), 4)
     print(json.dumps(res), flush=True)
     if args.out:
