@@ -12,8 +12,9 @@ turned their features into zeros and their blocks into raster order (docs/perfor
 "Reblock v3").
 
 Partition (section 06). Features are normalised in the full head dimension, then projected on
-their top `FEATURE_DIMS` principal directions (subspace iteration, per head); the tree works on
-these float32 features on every device, so a tiling does not depend on where it is built. A
+their top `FEATURE_DIMS` principal directions (subspace iteration, per head) and stored in half
+precision (unit-scale coordinates; the tree's levels are bound by gathering them); the tree
+computes with them in float32 on every device, so a tiling does not depend on where it is built. A
 region of N rows is ceil(N / block_size) blocks; the root holds all blocks, and every node
 splits its blocks into halves (floor, ceil) and its tokens by capacity: the left child takes
 the tokens with the smallest projections on the node's split direction (found from a few
@@ -216,16 +217,27 @@ def principal_basis(c: torch.Tensor, rank: int) -> torch.Tensor:
     return orthonormalize(y)
 
 
+def moment(a: torch.Tensor) -> torch.Tensor:
+    """a^T a / n of rows a [G, n, D] in float64."""
+    return (a.transpose(-1, -2) @ a / a.shape[1]).double()
+
+
+def feature_dtype(x: torch.Tensor) -> torch.dtype:
+    """Storage of the tree features of x: float16, float64 for float64 inputs (the reference)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float16
+
+
 def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in
-    x's accumulation dtype (float32, float64 for float64 inputs), on every device alike.
+    `feature_dtype(x)`, on every device alike.
 
     Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
     projected on their top r principal directions, estimated from the strided sample. The small
     moments, factor and basis ([G, D, D]) are factorized in float64, so the factorizations
     cannot fail by rounding (the ridge is far above the products' rounding). On the GPU the
-    sample products run in x's dtype on tensor cores with fp32 accumulation (the moments in one
-    Triton kernel, still positive semidefinite), and one Triton kernel computes x @ [L | L W]
+    products run in x's dtype on tensor cores with fp32 accumulation: a Triton kernel reads the
+    strided sample in place and forms either moment (the second one of the normalised rows a L
+    / |a L|, rounded to x's dtype), still positive semidefinite, and another computes x @ [L | L W]
     and writes only the r feature columns (kernels/reblock_features.py); elsewhere the products
     run in x's accumulation dtype.
     """
@@ -233,24 +245,21 @@ def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     acc = accum_dtype(x)
     rank = min(FEATURE_DIMS, D)
     fused = fused_planner(x) and rank >= 16 and rank & (rank - 1) == 0
+    step = -(-N // MOMENT_SAMPLES)  # an evenly strided sample of the rows, read in place
+    sample, rows = other[:, ::step], x[:, ::step]
     if fused:
         from ..kernels.reblock_features import gram_triton, metric_project_triton
 
-    def moment(a: torch.Tensor) -> torch.Tensor:  # a^T a / n in float64, from a product in x's precision
-        return (gram_triton(a) if fused else a.to(acc).transpose(-1, -2) @ a.to(acc) / a.shape[1]).double()
-
-    sample = torch.arange(0, N, -(-N // MOMENT_SAMPLES), device=x.device)  # a row gather, not a strided copy
-    factor = cholesky_factor(ridge(moment(other.index_select(1, sample)), RIDGE))
-    rows = x.index_select(1, sample)
-    s = (rows @ factor.to(x.dtype)).to(acc) if fused else rows.to(acc) @ factor.to(acc)
-    s = s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)
-    basis = principal_basis(moment(s.to(x.dtype) if fused else s), rank)
-    if fused:
+        factor = cholesky_factor(ridge(gram_triton(sample), RIDGE))
+        basis = principal_basis(gram_triton(rows, factor.to(x.dtype)), rank)  # moment of the normalised rows
         return metric_project_triton(x, factor.to(x.dtype), (factor @ basis).to(x.dtype))
+    factor = cholesky_factor(ridge(moment(sample.to(acc)), RIDGE))
+    s = rows.to(acc) @ factor.to(acc)
+    basis = principal_basis(moment(s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)), rank)
     f = x @ torch.cat([factor, factor @ basis], dim=-1).to(x.dtype)
     norm = torch.linalg.vector_norm(f[..., :D], dim=-1, keepdim=True, dtype=acc)
     # non-finite inputs must not reach the split: a NaN projection would break its counts
-    return torch.nan_to_num(f[..., D:].to(acc) / (norm + TINY), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(f[..., D:].to(acc) / (norm + TINY), nan=0.0, posinf=0.0, neginf=0.0).to(feature_dtype(x))
 
 
 def split_directions(marks: torch.Tensor) -> torch.Tensor:
@@ -280,9 +289,10 @@ def split_directions(marks: torch.Tensor) -> torch.Tensor:
 
 def token_features(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Feature rows of the token ids [G, ...] of every tree (features z [G, N, r] in token
-    order): [G, ..., r]."""
+    order): [G, ..., r] in z's accumulation dtype."""
     G, r = z.shape[0], z.shape[-1]
-    return torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, r)).view(*ids.shape, r)
+    rows = torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, r)).view(*ids.shape, r)
+    return rows.to(accum_dtype(z))
 
 
 def landmark_features(z: torch.Tensor, rows: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
@@ -297,7 +307,7 @@ def project(z: torch.Tensor, rows: torch.Tensor, direction: torch.Tensor) -> tor
     on their node's direction [G, nodes, r]: sum over i of d_i z_i, i ascending, the fused
     kernel's order, so both round alike."""
     zi = token_features(z, rows)
-    proj = torch.zeros(rows.shape, dtype=z.dtype, device=z.device)
+    proj = torch.zeros(rows.shape, dtype=zi.dtype, device=z.device)
     for i in range(z.shape[-1]):
         proj = proj + direction[..., i:i + 1] * zi[..., i]
     return proj
@@ -326,7 +336,7 @@ def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     the same by a selection, a scatter and the gathers of the level's static carry map.
     """
     G, N, _ = z.shape
-    fused = fused_planner(z) and z.dtype == torch.float32
+    fused = fused_planner(z) and z.dtype != torch.float64
     if fused:
         from ..kernels.reblock_split import split_directions_triton, split_level_triton
     rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)  # the root is every token

@@ -33,6 +33,7 @@ MARGIN = 128  # ... MARGIN sample ranks either side of its expected rank (4 stan
 # rank of a random sample at a balanced split, so the full selection almost never runs) ...
 CAP = 8192  # ... and at most CAP keys inside the bracket (the root at the 10 s shape: about 4,500)
 TINY = tl.constexpr(1e-30)  # floor of the norms (as in backend/reblock.py)
+FEATURE_DTYPES = (torch.float16, torch.float32)  # feature storage; loaded to fp32
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def _landmark_rows(Z, Rows, Landmarks, g, node, i, j, N, m, r, sr_g, sr_n):
     slot = tl.load(Landmarks + node * m + i, mask=live, other=0)
     ids = tl.load(Rows + g * sr_g + node * sr_n + slot, mask=live, other=0)
     return tl.load(Z + (g * N + ids.to(tl.int64))[:, None] * r + j[None, :], mask=live[:, None] & (j[None, :] < r),
-                   other=0.0)
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _project(Z, Dir, g, gn, ids, live, N, R: tl.constexpr):
     row = Z + (g * N + ids.to(tl.int64)) * R
     proj = tl.zeros(ids.shape, tl.float32)
     for i in tl.static_range(R):
-        proj += tl.load(Dir + gn * R + i) * tl.load(row + i, mask=live, other=0.0)
+        proj += tl.load(Dir + gn * R + i) * tl.load(row + i, mask=live, other=0.0).to(tl.float32)
     return proj
 
 
@@ -189,9 +190,9 @@ def split_directions_triton(z: torch.Tensor, rows: torch.Tensor, landmarks: torc
                             steps: int) -> torch.Tensor:
     """Split direction of every node from the features of its landmarks -> unit fp32 [G, nodes, r].
 
-    z fp32 [G, N, r] (features in token order), rows int32 [G, nodes, width] (token ids of every
-    node's slots, any strides), landmarks int64 [nodes, m] (the slots whose tokens are the
-    landmarks). One program per (tree, node) gathers its landmarks' features itself and does
+    z fp16/fp32 [G, N, r] (features in token order, used in fp32), rows int32 [G, nodes, width]
+    (token ids of every node's slots, any strides), landmarks int64 [nodes, m] (the slots whose
+    tokens are the landmarks). One program per (tree, node) gathers its landmarks' features itself and does
     what `backend/reblock.split_directions` does with `landmark_features` (top principal
     direction by `squarings` squarings of the normalised centred covariance, then `steps`
     balanced 2-means steps whose median is a radix select), with fp32 products in a different
@@ -199,14 +200,14 @@ def split_directions_triton(z: torch.Tensor, rows: torch.Tensor, landmarks: torc
     """
     G, nodes, _ = rows.shape
     m, r = landmarks.shape[-1], z.shape[-1]
-    if z.dim() != 3 or z.shape[0] != G or z.dtype != torch.float32:
-        raise ValueError(f"split_directions_triton: z must be fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
+    if z.dim() != 3 or z.shape[0] != G or z.dtype not in FEATURE_DTYPES:
+        raise ValueError(f"split_directions_triton: z must be fp16 or fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
     if (rows.dtype != torch.int32 or rows.stride(-1) != 1 or landmarks.shape != (nodes, m)
             or landmarks.dtype != torch.int64):
         raise ValueError(f"split_directions_triton: rows must be int32 [G, nodes, width] with unit last stride and "
                          f"landmarks int64 [nodes={nodes}, m], got {rows.dtype} {tuple(rows.shape)} and "
                          f"{landmarks.dtype} {tuple(landmarks.shape)}")
-    out = z.new_empty(G, nodes, r)
+    out = torch.empty(G, nodes, r, dtype=torch.float32, device=z.device)
     mp, rp = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(r))
     _split_directions[(G * nodes,)](z.contiguous(), rows, landmarks.contiguous(), out, z.shape[1], nodes, m, r,
                                     rows.stride(0), rows.stride(1), RP=rp, MP=mp, CH=min(mp, 64),
@@ -218,16 +219,16 @@ def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Ten
                        left: torch.Tensor, out_width: int) -> torch.Tensor:
     """Split every node of a level and place its token ids in the next level.
 
-    z fp32 [G, N, r] (features in token order), rows int32 [G, nodes, width] (token ids, tokens
-    first in every node), direction fp32 [G, nodes, r]; tokens, left int32 [nodes] (tokens per
+    z fp16/fp32 [G, N, r] (features in token order, used in fp32), rows int32 [G, nodes, width]
+    (token ids, tokens first in every node), direction fp32 [G, nodes, r]; tokens, left int32 [nodes] (tokens per
     node; the left child's capacity). Returns int32 [G, 2 * nodes, out_width]: child 0 of node i
     takes the `left` smallest projections (ties by slot), child 1 the rest, both in slot order;
     slots past a child's tokens are 0.
     """
     G, nodes, width = rows.shape
     r = z.shape[-1]
-    if z.dim() != 3 or z.shape[0] != G or z.dtype != torch.float32:
-        raise ValueError(f"split_level_triton: z must be fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
+    if z.dim() != 3 or z.shape[0] != G or z.dtype not in FEATURE_DTYPES:
+        raise ValueError(f"split_level_triton: z must be fp16 or fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
     if rows.dtype != torch.int32 or direction.shape != (G, nodes, r) or direction.dtype != torch.float32:
         raise ValueError(f"split_level_triton: rows must be int32 [G, nodes, width] and direction fp32 [G, nodes, r={r}], "
                          f"got {rows.dtype} {tuple(rows.shape)} and {direction.dtype} {tuple(direction.shape)}")

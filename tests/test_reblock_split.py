@@ -40,14 +40,16 @@ def features(n: int, seed: int) -> torch.Tensor:
     return z
 
 
-@pytest.mark.parametrize("n,bs,chunk,wide_chunk,bracket", [
-    (600, 16, 8192, 2048, (4096, 128, 8192)), (600, 16, 64, 64, (64, 8, 128)), (600, 16, 128, 32, (64, 8, 128)),
-    (600, 16, 64, 64, (16, 0, 16)), (600, 16, 64, 64, (64, 48, 512)), (97, 8, 16, 16, (16, 2, 16)),
-    (5, 16, 8192, 2048, (4096, 128, 8192))])
-def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk, bracket):
+@pytest.mark.parametrize("n,bs,chunk,wide_chunk,bracket,dtype", [
+    (600, 16, 8192, 2048, (4096, 128, 8192), torch.float32), (600, 16, 64, 64, (64, 8, 128), torch.float32),
+    (600, 16, 128, 32, (64, 8, 128), torch.float16), (600, 16, 64, 64, (16, 0, 16), torch.float32),
+    (600, 16, 64, 64, (64, 48, 512), torch.float32), (97, 8, 16, 16, (16, 2, 16), torch.float16),
+    (5, 16, 8192, 2048, (4096, 128, 8192), torch.float32)])
+def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk, bracket, dtype):
     """bracket (SAMPLE, MARGIN, CAP) of the wide nodes' threshold: a tight one (the full selection
-    runs where the threshold falls outside), a loose one, one too small to hold the keys inside."""
-    z = features(n, seed=n + bs)
+    runs where the threshold falls outside), a loose one, one too small to hold the keys inside.
+    fp16: the features' storage (`reblock.feature_dtype`); both paths project in fp32."""
+    z = features(n, seed=n + bs).to(dtype)
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
     monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
@@ -63,29 +65,30 @@ def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chun
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("m,r", [(32, 16), (45, 4), (2048, 16), (200, 3)])
-def test_directions_match_torch(m, r):
+@pytest.mark.parametrize("m,r,dtype", [(32, 16, torch.float32), (45, 4, torch.float16), (2048, 16, torch.float32),
+                                       (200, 3, torch.float32)])
+def test_directions_match_torch(m, r, dtype):
     g = torch.Generator().manual_seed(m + r)
     scale = torch.linspace(3.0, 0.5, r)  # a clear top direction, then smaller ones
-    marks = torch.randn(2, 3, m, r, generator=g) * scale
+    marks = (torch.randn(2, 3, m, r, generator=g) * scale).to(dtype).float()  # features as stored
     marks[1, 2] = 0  # an all-zero node gives a zero direction on both paths
     # the kernel gathers the landmarks itself: put them at shuffled token ids and slots
     ids = torch.randperm(3 * m + 5, generator=g)[:3 * m].view(3, m)
-    z = torch.zeros(2, 3 * m + 5, r)
-    z[:, ids.view(-1)] = marks.view(2, 3 * m, r)
+    z = torch.zeros(2, 3 * m + 5, r, dtype=dtype)
+    z[:, ids.view(-1)] = marks.view(2, 3 * m, r).to(dtype)
     landmarks = torch.stack([torch.randperm(m + 7, generator=g)[:m] for _ in range(3)])
     rows = torch.zeros(2, 3, m + 7, dtype=torch.int32)
     rows.scatter_(2, landmarks.expand(2, 3, m), ids.to(torch.int32).expand(2, 3, m))
     assert torch.equal(reblock.landmark_features(z, rows, landmarks), marks)
     got = reblock_split.split_directions_triton(z, rows, landmarks, reblock.SQUARINGS, reblock.REFINE_STEPS)
     want = reblock.split_directions(marks).squeeze(-1)
-    assert got.shape == want.shape
+    assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_fused_partition_is_a_capacity_exact_tiling_close_to_torch(monkeypatch):
     n, bs = 500, 16
-    z = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1))
+    z = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1)).half()  # as stored
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
     monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
@@ -97,12 +100,12 @@ def test_fused_partition_is_a_capacity_exact_tiling_close_to_torch(monkeypatch):
 
 def test_bad_inputs_are_named():
     rows = torch.zeros(1, 1, 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="z must be fp32"):
+    with pytest.raises(ValueError, match="z must be fp16 or fp32"):
         reblock_split.split_directions_triton(torch.zeros(1, 8, 4, dtype=torch.float64), rows, torch.zeros(1, 4).long(), 4, 3)
     with pytest.raises(ValueError, match="landmarks int64"):
         reblock_split.split_directions_triton(torch.zeros(1, 8, 4), rows, torch.zeros(1, 4, dtype=torch.int32), 4, 3)
     sizes = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="z must be fp32"):
+    with pytest.raises(ValueError, match="z must be fp16 or fp32"):
         reblock_split.split_level_triton(torch.zeros(1, 8, 2, dtype=torch.float64), rows, torch.zeros(1, 1, 2), sizes, sizes, 8)
     with pytest.raises(ValueError, match="direction fp32"):
         reblock_split.split_level_triton(torch.zeros(1, 8, 2), rows, torch.zeros(1, 1, 3), sizes, sizes, 8)
