@@ -60,7 +60,7 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         if config.tail == "mean":
             key, value, bias = mean_summaries(k, v, tiling, k_mean)
         else:
-            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q, layout))
+            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q_mean, tiling))
         if config.tail_granularity == "query":
             kernel.tail_k, kernel.tail_v, kernel.tail_bias = key, value, bias
         else:

@@ -48,7 +48,7 @@ def steps(q, k, v, layout, ratio: float) -> dict:
         "pooled_scores": lambda: pooled_scores(state["block_means q"], state["block_means k"]),
         "route_plan": lambda: route_plan(tiling, cfg.sparse_scope, ratio),
         "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"]),
-        "target_anchor": lambda: target_anchor(q, layout),
+        "target_anchor": lambda: target_anchor(state["block_means q"], tiling),
         "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"]),
         "mean_summaries": lambda: mean_summaries(k, v, tiling, state["block_means k"]),
         "build_plan reweight": lambda: build_plan(q, k, v, layout, cfg),
