@@ -76,7 +76,12 @@ def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, bl
 
 
 def top_share(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
-    """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...]."""
+    """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...].
+    One Triton program per row on the GPU (kernels/block_mass.py)."""
+    if fused_planner(log_mass) and log_mass.dtype == torch.float32:
+        from ..kernels.block_mass import top_share_triton
+
+        return top_share_triton(log_mass, budget).mean(-1)
     total = log_mass.logsumexp(-1, keepdim=True)
     return (log_mass.topk(budget, -1).values - total).exp().sum(-1).mean(-1)
 

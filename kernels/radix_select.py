@@ -11,6 +11,15 @@ import triton
 import triton.language as tl
 
 
+def row_split(n: int) -> tuple[int, int]:
+    """(head, tail) lanes holding a row of n scores: half of n's next power of two plus the
+    next power of two (at least 16) of the rest where that is fewer lanes, else one vector."""
+    npad = triton.next_power_of_2(n)
+    head = npad // 2
+    tail = max(16, triton.next_power_of_2(n - head)) if n > head else 0
+    return (head, tail) if head >= 16 and head + tail < npad else (npad, 0)
+
+
 @triton.jit
 def float_key(x):
     """uint32 keys in the order of the fp32 values x (-0.0 and 0.0 get the same key, as they
@@ -64,3 +73,23 @@ def top_k_mask(x, live, k):
     tie = live & (key == thresh)
     room = k - tl.sum(above.to(tl.int32), 0)
     return above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
+
+
+@triton.jit
+def top_k_mask_pair(x, live, y, live_y, k):
+    """`top_k_mask` of the lanes of x followed by those of y, as two masks: a row of n values held
+    as a power-of-two head and a short tail costs passes over about n lanes, not over n padded to
+    the next power of two (1,134 key blocks: 1,152 lanes instead of 2,048)."""
+    key = tl.where(live, float_key(x), 0)
+    key_y = tl.where(live_y, float_key(y), 0)
+    thresh = tl.zeros([], tl.uint32)
+    for i in range(32):  # as kth_largest_key, counting over both vectors
+        cand = with_bit(thresh, 31 - i)
+        count = tl.sum((live & (key >= cand)).to(tl.int32), 0) + tl.sum((live_y & (key_y >= cand)).to(tl.int32), 0)
+        thresh = tl.where(count >= k, cand, thresh)
+    above, above_y = live & (key > thresh), live_y & (key_y > thresh)
+    tie, tie_y = live & (key == thresh), live_y & (key_y == thresh)
+    room = k - tl.sum(above.to(tl.int32), 0) - tl.sum(above_y.to(tl.int32), 0)
+    pick = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
+    room_y = room - tl.sum(tie.to(tl.int32), 0)
+    return pick, above_y | (tie_y & (tl.cumsum(tie_y.to(tl.int32), 0) <= room_y))

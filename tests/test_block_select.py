@@ -3,7 +3,8 @@
 Selections are integer sets, so they must match exactly: rows with many ties (scores drawn from a
 few values, including -0.0 next to 0.0, which the sort treats as equal), scores one ulp apart
 (they differ in the last digit of the radix select only), budgets of one block and of a whole
-group, several groups, dense query blocks, and group sizes that are not powers of two.
+group, several groups, dense query blocks, and group sizes that are not powers of two (145,
+150 and 37 are held as a head vector and a short tail, `block_select.row_split`).
 """
 import pytest
 import torch
@@ -25,6 +26,7 @@ CASES = [  # batch, heads, J, groups (lo, hi, budget), number of leading dense q
     (1, 1, 150, [(5, 150, 15)], 5, "normal"),
     (1, 1, 150, [(5, 150, 15)], 5, "ties"),
     (1, 1, 150, [(0, 150, 40)], 0, "ulps"),
+    (1, 1, 40, [(3, 40, 37)], 2, "ties"),  # a whole group wider than the head vector, dense rows too
 ]
 
 

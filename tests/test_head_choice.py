@@ -94,6 +94,22 @@ def test_block_log_mass_kernel_matches_torch(G, S, D, bs):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("n,budget", [(37, 4), (300, 30), (16, 16), (5, 1), (70, 64)])  # 37, 70: head and tail
+def test_top_share_kernel_matches_torch(n, budget):
+    """fp32 rows with ties and -inf (empty) blocks, against the torch path in float64."""
+    gen = torch.Generator().manual_seed(n)
+    lm = torch.randn(3, 2, 5, n, generator=gen) * 4
+    lm[0, 0, 0, : n // 2] = 1.5  # ties across the budget's edge
+    lm[1, 1, 2, 1::3] = float("-inf")
+    got = block_mass.top_share_triton(lm, budget)
+    want = (lm.double().topk(budget, -1).values - lm.double().logsumexp(-1, keepdim=True)).exp().sum(-1)
+    assert got.shape == (3, 2, 5)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match=f"budget={n + 1} is not allowed"):
+        block_mass.top_share_triton(lm, n + 1)
+
+
 def test_block_log_mass_kernel_names_bad_sizes():
     with pytest.raises(ValueError, match="probes=12 is not allowed"):
         block_mass.block_log_mass_triton(torch.zeros(1, 12, 16), torch.zeros(1, 32, 16),
