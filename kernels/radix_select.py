@@ -6,6 +6,9 @@ stores and re-reads in chunks), ties toward the lower position, with no sort.
 Floats are mapped to order-preserving unsigned keys and the k-th largest key is built one bit
 at a time from the top: 32 counting passes, each one compare and one reduction over the vector.
 (8-bit passes with a 256-bin `tl.histogram` were slower on the H200: docs/performance-notes.md.)
+A row whose length is not a power of two can be held as a power-of-two head and a short tail
+(`row_split`, `top_k_mask_pair`), so the passes cover about n lanes instead of n padded to the
+next power of two.
 """
 import triton
 import triton.language as tl
