@@ -106,9 +106,10 @@ def top_share_triton(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
     """Share of every row's mass in its `budget` heaviest entries: fp32 log-masses [..., n] ->
     [...] (sum of exp over the top `budget` / sum of exp over the row)."""
     n = log_mass.shape[-1]
-    if log_mass.dtype != torch.float32 or not 1 <= budget <= n:
-        raise ValueError(f"top_share_triton: budget={budget} is not allowed for fp32 rows of {n} (got "
-                         f"{log_mass.dtype}): expected 1 <= budget <= {n}")
+    if log_mass.dtype != torch.float32:
+        raise ValueError(f"top_share_triton: log_mass.dtype={log_mass.dtype} is not allowed: expected float32")
+    if not 1 <= budget <= n:
+        raise ValueError(f"top_share_triton: budget={budget} is not allowed: expected 1 <= budget <= {n} (the row length)")
     rows = log_mass.contiguous().view(-1, n)
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=log_mass.device)
     head, tail = row_split(n)

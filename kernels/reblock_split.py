@@ -192,8 +192,8 @@ def split_directions_triton(z: torch.Tensor, rows: torch.Tensor, landmarks: torc
 
     z fp16/fp32 [G, N, r] (features in token order, used in fp32), rows int32 [G, nodes, width]
     (token ids of every node's slots, any strides), landmarks int64 [nodes, m] (the slots whose
-    tokens are the landmarks). One program per (tree, node) gathers its landmarks' features itself and does
-    what `backend/reblock.split_directions` does with `landmark_features` (top principal
+    tokens are the landmarks). One program per (tree, node) gathers its landmarks' features
+    itself and does what `backend/reblock.split_directions` does with `landmark_features` (top principal
     direction by `squarings` squarings of the normalised centred covariance, then `steps`
     balanced 2-means steps whose median is a radix select), with fp32 products in a different
     order, so the directions agree up to rounding.
@@ -220,8 +220,8 @@ def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Ten
     """Split every node of a level and place its token ids in the next level.
 
     z fp16/fp32 [G, N, r] (features in token order, used in fp32), rows int32 [G, nodes, width]
-    (token ids, tokens first in every node), direction fp32 [G, nodes, r]; tokens, left int32 [nodes] (tokens per
-    node; the left child's capacity). Returns int32 [G, 2 * nodes, out_width]: child 0 of node i
+    (token ids, tokens first in every node), direction fp32 [G, nodes, r]; tokens, left int32
+    [nodes] (tokens per node; the left child's capacity). Returns int32 [G, 2 * nodes, out_width]: child 0 of node i
     takes the `left` smallest projections (ties by slot), child 1 the rest, both in slot order;
     slots past a child's tokens are 0.
     """

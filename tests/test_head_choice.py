@@ -108,6 +108,8 @@ def test_top_share_kernel_matches_torch(n, budget):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
     with pytest.raises(ValueError, match=f"budget={n + 1} is not allowed"):
         block_mass.top_share_triton(lm, n + 1)
+    with pytest.raises(ValueError, match="log_mass.dtype=torch.float64 is not allowed"):
+        block_mass.top_share_triton(lm.double(), budget)
 
 
 def test_block_log_mass_kernel_names_bad_sizes():
