@@ -21,11 +21,10 @@ from .cache import BoundedCache
 from .layout import SequenceLayout
 from .pooling import POOL_HEADS, accum_dtype, fused_planner
 from .routing import region_budget
-from .tiling import assemble, snake_tiles
+from .tiling import assemble, golden_positions, snake_tiles
 
 TUBES = ((1, 2), (2, 4))  # (bH, bW) patches: tubes of block_size / (bH * bW) frames
 PROBES = 64  # sampled target-video queries per head
-GOLDEN = 0.6180339887498949  # probe positions: fractional parts of j * GOLDEN (no video-row aliasing)
 
 _STATICS: BoundedCache[tuple[torch.Tensor, torch.Tensor]] = BoundedCache(8)  # a few shapes per session
 
@@ -38,8 +37,7 @@ def tube_perms(layout: SequenceLayout, block_size: int, device: torch.device) ->
 def probe_rows(layout: SequenceLayout, count: int = PROBES) -> torch.Tensor:
     """`count` model-order rows spread over the target video (int64, deterministic)."""
     target = layout.target
-    j = torch.frac(0.5 + GOLDEN * torch.arange(count, dtype=torch.float64))
-    return target.start + (j * target.length).long()
+    return target.start + golden_positions(count, target.length)
 
 
 def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ from .config import REBLOCK_LAYOUTS
 from .head_choice import choose_tubes
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 from .pooling import accum_dtype, fused_planner
-from .tiling import Tiling, chunk_tiles
+from .tiling import Tiling, chunk_tiles, golden_positions
 
 MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
 RIDGE = 1e-3  # ridge added to the second moment, relative to trace / d
@@ -56,8 +56,6 @@ FEATURE_DIMS = 16  # principal directions of the normalised features kept for th
 BASIS_ITERATIONS = 4  # subspace iterations for those directions
 LANDMARKS = 32  # members per node used to find its split direction (at least) ...
 LEVEL_LANDMARKS = 2048  # ... and per level of one tree, so the first, widest splits get more
-GOLDEN = 0.6180339887498949  # landmark positions: fractional parts of j * GOLDEN (no aliasing
-# with periodic token patterns such as video rows)
 SQUARINGS = 4  # split direction: a column of (C / tr C) ** (2 ** SQUARINGS) ...
 REFINE_STEPS = 3  # ... refined by balanced 2-means steps on the landmarks
 CUDA_GRAPHS = True  # on the GPU, replay the partition as a CUDA graph (its ~50 small ops per
@@ -133,8 +131,7 @@ def build_schedule(length: int, block_size: int, device: torch.device) -> Schedu
         offset = torch.stack([torch.zeros_like(left), left], 1).view(nodes, 2, 1)
         carry = (offset + torch.arange(c_w)).clamp(max=w - 1)  # in range; padding is never read
         m = max(LANDMARKS, min(w, LEVEL_LANDMARKS // nodes))
-        j = torch.frac(0.5 + GOLDEN * torch.arange(m, dtype=torch.float64))
-        marks = (j * tok.view(-1, 1)).long()  # empty node: slot 0
+        marks = golden_positions(m, tok.view(-1, 1))  # spread over each node's tokens; empty node: slot 0
         t = torch.arange(w)
         kth = int(left.max())
         fill = torch.where(t < (tok + kth - left).view(-1, 1), float("-inf"), float("inf"))

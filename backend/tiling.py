@@ -19,6 +19,8 @@ import torch
 
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, Segment, SequenceLayout
 
+GOLDEN = 0.6180339887498949  # the golden ratio minus one
+
 CUBE_TILES = {64: (4, 4, 4), 128: (4, 4, 8)}
 
 
@@ -48,6 +50,14 @@ class Tiling:
         if not spans:
             return (0, 0)
         return (spans[0][0], spans[-1][1])
+
+
+def golden_positions(count: int, length: int | torch.Tensor) -> torch.Tensor:
+    """`count` positions spread over [0, length) (int64; `length` may be a column of lengths):
+    the fractional parts of 0.5 + j * (golden ratio - 1), which never alias with periodic token
+    patterns such as video rows. Deterministic."""
+    j = torch.frac(0.5 + GOLDEN * torch.arange(count, dtype=torch.float64))
+    return (j * length).long()
 
 
 def cube_tiles(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
