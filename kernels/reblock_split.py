@@ -98,12 +98,13 @@ def _place(RowsOut, gn, out_width, slot, go_left, before, ids, live):
 @triton.jit
 def _bracketed_kth_key(keys, cand, tok, left, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr,
                        CAP: tl.constexpr):
-    """`kth_largest_key_in_memory(keys, tok, left)` in about two passes instead of 32: the keys
-    of SAMPLE evenly spaced slots bracket the left-th largest key (MARGIN sample ranks on either
-    side of its expected rank); one pass counts the keys above the bracket and copies those
-    inside it to `cand`; if the k-th key lies inside and at most CAP keys do, it is selected
-    among them in registers. Otherwise (ties, a skewed node) the full selection runs. Exact
-    either way: the result is the same key."""
+    """`kth_largest_key_in_memory(keys, tok, left)` in about two passes instead of 32, and how
+    many keys lie above it: the keys of SAMPLE evenly spaced slots bracket the left-th largest
+    key (MARGIN sample ranks on either side of its expected rank); one pass counts the keys above
+    the bracket and copies those inside it to `cand`; if the k-th key lies inside and at most CAP
+    keys do, it is selected among them in registers, which also count the keys above it.
+    Otherwise (ties, a skewed node) the full selection and a counting pass run. Exact either
+    way: the result is the same key and count."""
     n = tl.maximum(tok, 1)
     s = tl.arange(0, SAMPLE)
     sample = tl.load(keys + (s.to(tl.int64) * n) // SAMPLE, mask=tok > 0, other=0).to(tl.uint32, bitcast=True)
@@ -125,11 +126,18 @@ def _bracketed_kth_key(keys, cand, tok, left, BLOCK: tl.constexpr, SAMPLE: tl.co
         inside += tl.sum(inb.to(tl.int32), 0)
     if (above < left) & (above + inside >= left) & (inside <= CAP):
         c = tl.arange(0, CAP)
-        few = tl.load(cand + c, mask=c < inside, other=0).to(tl.uint32, bitcast=True)
-        thresh = kth_largest_key(few, c < inside, left - above)
+        held = c < inside
+        few = tl.load(cand + c, mask=held, other=0).to(tl.uint32, bitcast=True)
+        thresh = kth_largest_key(few, held, left - above)
+        above += tl.sum((held & (few > thresh)).to(tl.int32), 0)  # keys below the bracket are below it too
     else:
         thresh = kth_largest_key_in_memory(keys, tok, left, BLOCK)
-    return thresh
+        above = 0
+        for start in range(0, tok, BLOCK):
+            live = start + offs < tok
+            key = tl.load(keys + start + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+            above += tl.sum((live & (key > thresh)).to(tl.int32), 0)
+    return thresh, above
 
 
 @triton.jit
@@ -165,13 +173,8 @@ def _split_level(Z, Dir, Rows, Tokens, Left, Keys, Cand, RowsOut, N, nodes, widt
         _place(RowsOut, gn, out_width, offs, go_left, tl.cumsum(go_left.to(tl.int32), 0), ids, live)
     else:
         keys = Keys + gn * width  # written by _node_keys
-        thresh = _bracketed_kth_key(keys, Cand + gn * CAP, tok, left, BLOCK, SAMPLE, MARGIN, CAP)
-        above_total = 0
-        for start in range(0, tok, BLOCK):
-            live = start + offs < tok
-            key = tl.load(keys + start + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
-            above_total += tl.sum((live & (key > thresh)).to(tl.int32), 0)
-        room = left - above_total  # ties at the threshold that still go left, the first in slot order
+        thresh, above = _bracketed_kth_key(keys, Cand + gn * CAP, tok, left, BLOCK, SAMPLE, MARGIN, CAP)
+        room = left - above  # ties at the threshold that still go left, the first in slot order
         ties_seen = 0
         left_seen = 0
         for start in range(0, tok, BLOCK):
