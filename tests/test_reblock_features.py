@@ -2,8 +2,8 @@
 
 `metric_features` is run on the same inputs with and without the Triton kernel; both store the
 features in fp16 (`reblock.feature_dtype`). fp32 inputs: the kernel's products are full fp32
-("ieee"), in another summation order, so features (unit scale) agree before rounding to 1e-5
-and after it to one fp16 step (5e-4) where a value lies at a rounding boundary. 16-bit inputs: both paths multiply 16-bit values with fp32 accumulation,
+("ieee"), in another summation order, so features (unit scale) agree before rounding to 1e-5,
+and after it to 1e-5 or one fp16 step where a value lies at a rounding boundary. 16-bit inputs: both paths multiply 16-bit values with fp32 accumulation,
 but the torch path rounds the [N, D + r] product to the input dtype before the norm, so they
 agree to about that resolution (fp16: 2e-3). The interpreter of Triton 3.7.1 gets bf16 dots
 wrong, so the 16-bit case is fp16 here; bf16 on the GPU is checked by
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("interpreter")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # the inf row, on purpose
-@pytest.mark.parametrize("dtype,D,N,tol", [(torch.float32, 32, 300, 5e-4), (torch.float16, 64, 517, 2e-3),
-                                           (torch.float32, 24, 70, 5e-4)])
+@pytest.mark.parametrize("dtype,D,N,tol", [(torch.float32, 32, 300, 1e-5), (torch.float16, 64, 517, 2e-3),
+                                           (torch.float32, 24, 70, 1e-5)])
 def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     g = torch.Generator().manual_seed(D + N)
     spread = torch.linspace(3.0, 0.3, D)  # distinct principal directions: a well-defined basis on both paths
@@ -39,7 +39,9 @@ def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     got = reblock.metric_features(x, other)
     assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock.FEATURE_DIMS)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
+    lo, hi = torch.minimum(got, want), torch.maximum(got, want)
+    adjacent = torch.nextafter(lo, hi) == hi  # one fp16 step apart: a value at a rounding boundary
+    assert ((hi.float() - lo.float() <= tol) | adjacent).all()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
