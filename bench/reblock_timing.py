@@ -7,19 +7,19 @@ stages (metric features, tree partition), `build_plan` with reblock vs cube tili
 the Triton kernel runs, the sparse attention kernel at ratio 0.1 (the 15% budget is measured
 against it). It also checks that the tiling makes no host synchronisation (CUDA sync debug
 mode) and gives the same bits twice, how much of the fused levels' tiling equals the torch
-levels' (the kernels' fused multiply-adds round differently, so near-ties may differ), times the per-head
-choice between the tree and the tubes (`backend/head_choice.py`) on its own, reports
-host enqueue time (launch-bound or not), and times the tiling with and without the partition's
-CUDA graph and the partition with and without the fused levels. Every `*_queued` time is the
-device time with the launches queued behind a busy GPU (`timing.queued_ms`), as inside a model's
-forward pass where the host runs ahead; the plain times include the gaps while the host
-enqueues. Inputs are random bf16 (the cost depends on shapes only).
+levels' (the kernels' fused multiply-adds round differently, so near-ties may differ), times
+the per-head choice between the tree and the tubes (`backend/head_choice.py`) on its own, and
+the tiling with and without the partition's CUDA graph and the partition with and without the
+fused levels. Every `*_queued` time is the device time with the launches queued behind a busy
+GPU (`timing.queued_ms`), as inside a model's forward pass where the host runs ahead; the plain
+times include the gaps while the host enqueues. The longest host enqueue time of every queued
+call is reported too (`queued_host_enqueue_ms`: below the 100 ms lead, no call blocked the
+host). Inputs are random bf16 (the cost depends on shapes only).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from unittest import mock
 
 import torch
@@ -31,18 +31,6 @@ from ..backend import reblock
 from ..backend.head_choice import choose_tubes
 from ..kernels import run_block_sparse
 from .timing import queued_ms, time_call
-
-
-def host_ms(fn, reps: int = 5) -> float:
-    """Milliseconds the host spends enqueuing one call (median), the device drained before each."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -106,13 +94,14 @@ def main() -> None:
     with mock.patch.object(reblock, "fused_planner", lambda *xs: False):  # every level on the torch path
         torch_levels = reblock.partition(z, schedule)
     res["checks"]["fused_levels_agree_with_torch_levels"] = float((reblock.partition(z, schedule) == torch_levels).double().mean())
-    t = {}
+    t, host = {}, {}
     for graphs in (True, False):
         reblock.CUDA_GRAPHS = graphs
         suffix = "" if graphs else "_eager"
         for mode in ("q_reuse_k", "independent"):
-            t[f"tiling_{mode}{suffix}"] = time_call(lambda: reblock.reblock_tiling(q, k, layout, 64, mode), dev, 3, 10)
-            t[f"tiling_{mode}{suffix}_host"] = host_ms(lambda: reblock.reblock_tiling(q, k, layout, 64, mode))
+            name, fn = f"tiling_{mode}{suffix}", (lambda: reblock.reblock_tiling(q, k, layout, 64, mode))
+            t[name] = time_call(fn, dev, 3, 10)
+            t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
     reblock.CUDA_GRAPHS = True
     t["features"] = time_call(lambda: reblock.metric_features(ks, qs), dev, 3, 10)
     t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64), dev, 3, 10)
@@ -140,13 +129,11 @@ def main() -> None:
     for tiling, cfg in configs.items():
         t[f"plan_{tiling}"] = time_call(lambda: build_plan(q, k, v, layout, cfg), dev, 2, 5)
     tree = reblock.reblock_tiling(q, k, layout, 64, tubes=False).k_perm.unsqueeze(0)
-    queued = {"tiling_q_reuse_k": lambda: reblock.reblock_tiling(q, k, layout, 64),
-              "tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False),
+    queued = {"tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False),
               "head_choice": lambda: choose_tubes(q, k, tree, layout, 64, a.region_blocks[-1], 0.1),
               "features": lambda: reblock.metric_features(ks, qs),
               "partition_graph": lambda: reblock.run_partition(z, schedule, 64),
               **{f"plan_{tiling}": (lambda cfg=cfg: build_plan(q, k, v, layout, cfg)) for tiling, cfg in configs.items()}}
-    host = {}
     for name, fn in queued.items():
         t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
     res["queued_host_enqueue_ms"] = host
