@@ -8,7 +8,7 @@ value per (probe, block). The torch path would hold the [heads, probes, keys] lo
 per tiling at the 10 s H3 shape); this writes only [heads, probes, blocks].
 
 Top share: per row of log-masses, the share of the row's mass in its `budget` heaviest blocks,
-one program per row with a radix select (`radix_select.top_k_mask`); torch's TopK, log-sum-exp
+one program per row with a radix select (`radix_select.top_k_mask_pair`); torch's TopK, log-sum-exp
 and exponentials of the same [3, heads, probes, blocks] tensor cost 0.6 ms at the 10 s shape.
 
 Importing this module imports Triton: the backend imports it only on demand.
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .configs import dot_precision
-from .radix_select import row_split, top_k_mask, top_k_mask_pair
+from .radix_select import row_split, top_k_mask_pair
 
 BLOCKS = 4  # key blocks per program: the probes are loaded once for all of them
 
@@ -57,19 +57,14 @@ def _top_share(LogMass, Out, n, budget, HEAD: tl.constexpr, TAIL: tl.constexpr):
     offs = tl.arange(0, HEAD)
     live = offs < n
     x = tl.load(LogMass + row * n + offs, mask=live, other=float("-inf"))
-    if TAIL == 0:
-        pick = top_k_mask(x, live, budget)
-        w = tl.exp(x - tl.max(x, 0))  # 0 on padding
-        top, total = tl.sum(tl.where(pick, w, 0.0), 0), tl.sum(w, 0)
-    else:  # lanes HEAD.. of the row in a short second vector (radix_select.row_split)
-        tail = HEAD + tl.arange(0, TAIL)
-        live_t = tail < n
-        y = tl.load(LogMass + row * n + tail, mask=live_t, other=float("-inf"))
-        pick, pick_t = top_k_mask_pair(x, live, y, live_t, budget)
-        m = tl.maximum(tl.max(x, 0), tl.max(y, 0))
-        w, w_t = tl.exp(x - m), tl.exp(y - m)
-        top = tl.sum(tl.where(pick, w, 0.0), 0) + tl.sum(tl.where(pick_t, w_t, 0.0), 0)
-        total = tl.sum(w, 0) + tl.sum(w_t, 0)
+    tail = HEAD + tl.arange(0, TAIL)  # lanes HEAD.. of the row in a short second vector (radix_select.row_split)
+    live_t = tail < n
+    y = tl.load(LogMass + row * n + tail, mask=live_t, other=float("-inf"))
+    pick, pick_t = top_k_mask_pair(x, live, y, live_t, budget)
+    m = tl.maximum(tl.max(x, 0), tl.max(y, 0))
+    w, w_t = tl.exp(x - m), tl.exp(y - m)  # 0 on padding
+    top = tl.sum(tl.where(pick, w, 0.0), 0) + tl.sum(tl.where(pick_t, w_t, 0.0), 0)
+    total = tl.sum(w, 0) + tl.sum(w_t, 0)
     tl.store(Out + row, top / total)
 
 

@@ -3,7 +3,7 @@
 `backend/routing.select_blocks` sorts every row of pooled scores to keep the `budget` largest
 (ties toward the lower block index) and sorts the picks again into ascending order. Here one
 program holds a row of a group's scores in registers and picks its `budget` largest by a radix
-select (`radix_select.top_k_mask`: exact, ties toward the lower index, no sort); the picks are
+select (`radix_select.top_k_mask_pair`: exact, ties toward the lower index, no sort); the picks are
 written in ascending order at their prefix-sum positions, so the selection is exactly that of
 the stable sort (tested against it).
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .radix_select import row_split, top_k_mask, top_k_mask_pair
+from .radix_select import row_split, top_k_mask_pair
 
 
 @triton.jit
@@ -31,15 +31,12 @@ def _select_group(Scores, DenseHi, Out, J, R, lo, n, budget, col0, HEAD: tl.cons
             tl.store(out_row + start + offs, -1, mask=start + offs < budget)
     else:
         x = tl.load(Scores + row * J + lo + offs, mask=live, other=0.0)
-        if TAIL == 0:
-            pick = top_k_mask(x, live, budget)
-        else:  # lanes HEAD.. of the row in a short second vector
-            tail = HEAD + tl.arange(0, TAIL)
-            live_t = tail < n
-            y = tl.load(Scores + row * J + lo + tail, mask=live_t, other=0.0)
-            pick, pick_t = top_k_mask_pair(x, live, y, live_t, budget)
-            pos_t = tl.sum(pick.to(tl.int32), 0) + tl.cumsum(pick_t.to(tl.int32), 0) - 1
-            tl.store(out_row + pos_t, (lo + tail).to(tl.int32), mask=pick_t)
+        tail = HEAD + tl.arange(0, TAIL)  # lanes HEAD.. of the row in a short second vector
+        live_t = tail < n
+        y = tl.load(Scores + row * J + lo + tail, mask=live_t, other=0.0)
+        pick, pick_t = top_k_mask_pair(x, live, y, live_t, budget)
+        pos_t = tl.sum(pick.to(tl.int32), 0) + tl.cumsum(pick_t.to(tl.int32), 0) - 1
+        tl.store(out_row + pos_t, (lo + tail).to(tl.int32), mask=pick_t)
         pos = tl.cumsum(pick.to(tl.int32), 0) - 1
         tl.store(out_row + pos, (lo + offs).to(tl.int32), mask=pick)
 

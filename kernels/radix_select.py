@@ -6,9 +6,10 @@ stores and re-reads in chunks), ties toward the lower position, with no sort.
 Floats are mapped to order-preserving unsigned keys and the k-th largest key is built one bit
 at a time from the top: 32 counting passes, each one compare and one reduction over the vector.
 (8-bit passes with a 256-bin `tl.histogram` were slower on the H200: docs/performance-notes.md.)
-A row whose length is not a power of two can be held as a power-of-two head and a short tail
-(`row_split`, `top_k_mask_pair`), so the passes cover about n lanes instead of n padded to the
-next power of two.
+The selection runs over two vectors: a row whose length is not a power of two can be held as a
+power-of-two head and a short tail (`row_split`, `top_k_mask_pair`), so the passes cover about
+n lanes instead of n padded to the next power of two; the one-vector forms pass one dead lane
+as the second.
 """
 import triton
 import triton.language as tl
@@ -16,11 +17,12 @@ import triton.language as tl
 
 def row_split(n: int) -> tuple[int, int]:
     """(head, tail) lanes holding a row of n scores: half of n's next power of two plus the
-    next power of two (at least 16) of the rest where that is fewer lanes, else one vector."""
+    next power of two (at least 16) of the rest where that is fewer lanes, else all of it in the
+    head and one dead tail lane (so a kernel has one path for both)."""
     npad = triton.next_power_of_2(n)
     head = npad // 2
     tail = max(16, triton.next_power_of_2(n - head)) if n > head else 0
-    return (head, tail) if head >= 16 and head + tail < npad else (npad, 0)
+    return (head, tail) if head >= 16 and head + tail < npad else (npad, 1)
 
 
 @triton.jit
@@ -38,15 +40,29 @@ def with_bit(thresh, bit):
 
 
 @triton.jit
-def kth_largest_key(key, live, k):
-    """The k-th largest of the uint32 keys where `live` (k >= 1 and at most the live count; k = 0
-    gives the largest possible key, so that nothing lies above it)."""
+def dead_lane():
+    """A second vector of one dead lane (value 0, live False), for the one-vector forms."""
+    return tl.zeros([1], tl.float32), tl.zeros([1], tl.int1)
+
+
+@triton.jit
+def kth_largest_key_pair(key, live, key_t, live_t, k):
+    """The k-th largest of the uint32 keys of two vectors where `live` / `live_t` (k >= 1 and at
+    most the live count; k = 0 gives the largest possible key, so that nothing lies above it)."""
     thresh = tl.zeros([], tl.uint32)
     for i in range(32):  # the largest t with at least k keys >= t, bit 31 first (a loop: 32
         # unrolled copies over a wide vector take Triton many seconds to compile)
         cand = with_bit(thresh, 31 - i)
-        thresh = tl.where(tl.sum((live & (key >= cand)).to(tl.int32), 0) >= k, cand, thresh)
+        count = tl.sum((live & (key >= cand)).to(tl.int32), 0) + tl.sum((live_t & (key_t >= cand)).to(tl.int32), 0)
+        thresh = tl.where(count >= k, cand, thresh)
     return thresh
+
+
+@triton.jit
+def kth_largest_key(key, live, k):
+    """`kth_largest_key_pair` of one vector."""
+    y, dead = dead_lane()
+    return kth_largest_key_pair(key, live, float_key(y), dead, k)
 
 
 @triton.jit
@@ -67,32 +83,25 @@ def kth_largest_key_in_memory(Keys, n, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def top_k_mask(x, live, k):
-    """Mask of the k largest fp32 values of x among the `live` lanes, ties toward the lower lane:
-    every value above the k-th largest, then the first lanes equal to it, as many as fit."""
-    key = tl.where(live, float_key(x), 0)
-    thresh = kth_largest_key(key, live, k)
-    above = live & (key > thresh)
-    tie = live & (key == thresh)
-    room = k - tl.sum(above.to(tl.int32), 0)
-    return above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
-
-
-@triton.jit
 def top_k_mask_pair(x, live, y, live_y, k):
-    """`top_k_mask` of the lanes of x followed by those of y, as two masks: a row of n values held
-    as a power-of-two head and a short tail costs passes over about n lanes, not over n padded to
-    the next power of two (1,134 key blocks: 1,152 lanes instead of 2,048)."""
+    """Masks of the k largest fp32 values among the `live` lanes of x followed by the `live_y`
+    lanes of y, ties toward the lower lane: every value above the k-th largest, then the first
+    lanes equal to it, as many as fit. A row of n values held as a power-of-two head and a short
+    tail (`row_split`) costs passes over about n lanes, not over n padded to the next power of
+    two (1,134 key blocks: 1,152 lanes instead of 2,048)."""
     key = tl.where(live, float_key(x), 0)
     key_y = tl.where(live_y, float_key(y), 0)
-    thresh = tl.zeros([], tl.uint32)
-    for i in range(32):  # as kth_largest_key, counting over both vectors
-        cand = with_bit(thresh, 31 - i)
-        count = tl.sum((live & (key >= cand)).to(tl.int32), 0) + tl.sum((live_y & (key_y >= cand)).to(tl.int32), 0)
-        thresh = tl.where(count >= k, cand, thresh)
+    thresh = kth_largest_key_pair(key, live, key_y, live_y, k)
     above, above_y = live & (key > thresh), live_y & (key_y > thresh)
     tie, tie_y = live & (key == thresh), live_y & (key_y == thresh)
     room = k - tl.sum(above.to(tl.int32), 0) - tl.sum(above_y.to(tl.int32), 0)
     pick = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= room))
     room_y = room - tl.sum(tie.to(tl.int32), 0)
     return pick, above_y | (tie_y & (tl.cumsum(tie_y.to(tl.int32), 0) <= room_y))
+
+
+@triton.jit
+def top_k_mask(x, live, k):
+    """`top_k_mask_pair` of one vector."""
+    y, dead = dead_lane()
+    return top_k_mask_pair(x, live, y, dead, k)[0]

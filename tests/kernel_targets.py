@@ -59,14 +59,14 @@ def planner(capability: int) -> dict:
                               {"DP": 128, "TILE": block_scores.TILE, "PRECISION": "tf32x3"}, capability, 4, 3),
         **{f"select {head}+{tail}": compile_for(
             block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"}, set(),
-            {"HEAD": head, "TAIL": tail}, capability, max(1, head // 1024), 3) for head, tail in ((2048, 0), (1024, 128))},
+            {"HEAD": head, "TAIL": tail}, capability, max(1, head // 1024), 3) for head, tail in ((2048, 1), (1024, 128))},
         **{f"gram{' normalised' * norm}": compile_for(
             reblock_features._gram, {"A": "*bf16", "L": "*bf16", "Out": "*fp32"}, set(),
             {"DP": 128, "BLOCK": reblock_features.GRAM_ROWS, "SPLITS": reblock_features.SPLITS, "NORMALISE": norm,
              "PRECISION": "tf32"}, capability, 8, 3) for norm in (False, True)},
         **{f"top share {head}+{tail}": compile_for(
             block_mass._top_share, {"LogMass": "*fp32", "Out": "*fp32"}, set(), {"HEAD": head, "TAIL": tail},
-            capability, max(1, head // 1024), 3) for head, tail in ((2048, 0), (1024, 128))},
+            capability, max(1, head // 1024), 3) for head, tail in ((2048, 1), (1024, 128))},
         "features": compile_for(reblock_features._metric_project, {"X": "*bf16", "L": "*bf16", "P": "*bf16",
                                                                    "Out": "*fp16"}, set(),
                                 {"R": 16, "DP": 128, "BLOCK": reblock_features.BLOCK_M, "TILES": reblock_features.TILES,
