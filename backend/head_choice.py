@@ -21,7 +21,7 @@ from .cache import BoundedCache
 from .layout import SequenceLayout
 from .pooling import POOL_HEADS, accum_dtype, fused_planner
 from .routing import region_budget
-from .tiling import assemble, golden_positions, snake_tiles
+from .tiling import golden_positions, snake_perm
 
 TUBES = ((1, 2), (2, 4))  # (bH, bW) patches: tubes of block_size / (bH * bW) frames
 PROBES = 64  # sampled target-video queries per head
@@ -44,8 +44,7 @@ def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device
     """The tube permutations and the probe rows, built on the host once per shape and kept on the
     device (a copy from the host per call would wait for the GPU to drain)."""
     def build() -> tuple[torch.Tensor, torch.Tensor]:
-        perms = [assemble(layout, block_size, lambda grid, patch=patch: snake_tiles(grid, patch, block_size))[0]
-                 for patch in TUBES]
+        perms = [snake_perm(layout, block_size, patch) for patch in TUBES]
         return torch.stack(perms).to(device), probe_rows(layout).to(device)
 
     return _STATICS.get((layout.signature(), block_size, str(device)), build)

@@ -105,6 +105,12 @@ def snake_tiles(grid: tuple[int, int, int], patch: tuple[int, int], block_size: 
     return torch.where(chunks >= 0, rows[chunks.clamp(min=0)], chunks), lengths
 
 
+def snake_perm(layout: SequenceLayout, block_size: int, patch: tuple[int, int]) -> torch.Tensor:
+    """One permutation (int32 [J * block_size]) of the whole layout with every video region cut
+    into `snake_tiles` of `patch` and context in 1D chunks: the same blocks as the reblock tree's."""
+    return assemble(layout, block_size, lambda grid: snake_tiles(grid, patch, block_size))[0]
+
+
 def chunk_tiles(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1D chunks of `block_size` rows; the last one carries the remainder."""
     n = -(-length // block_size)

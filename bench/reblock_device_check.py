@@ -21,12 +21,13 @@ import torch
 
 from ..backend.config import SparseConfig
 from ..backend.layout import TARGET_VIDEO, SequenceLayout
-from ..backend.metrics import plan_mass_metrics, sample_rows
-from ..backend.planner import build_plan, make_tiling
+from ..backend.metrics import sample_rows
+from ..backend.planner import make_tiling
 from ..backend.head_choice import block_log_mass, probe_rows, tube_perms
 from ..backend.reblock import metric_features, reblock_tiling
 from ..backend.scenes import make_scene
 from ..backend.tiling import Tiling
+from .tiling_ceiling import head_recall
 
 TilingFn = Callable[[torch.Tensor, torch.Tensor, SequenceLayout, int], Tiling]
 
@@ -34,14 +35,6 @@ TilingFn = Callable[[torch.Tensor, torch.Tensor, SequenceLayout, int], Tiling]
 def on_device(t: Tiling, device: torch.device) -> Tiling:
     return Tiling(t.block_size, t.q_perm.to(device), t.k_perm.to(device), t.block_len.to(device),
                   t.regions, t.region_blocks)
-
-
-def head_recall(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, tiling: Tiling,
-                rows: torch.Tensor) -> torch.Tensor:
-    """Mean recall per head [H] at ratio 0.1 of the plan routed on `tiling`."""
-    cfg = SparseConfig(topk_ratio=0.1, tiling="reblock", tail="none", min_tokens=0)
-    recall, _ = plan_mass_metrics(q, k, build_plan(q, k, v, layout, cfg, tiling=tiling).kernel, rows)
-    return recall[0].mean(-1).cpu()
 
 
 def picks(t: Tiling, layout: SequenceLayout) -> list[int]:

@@ -29,13 +29,14 @@ import json
 import torch
 
 from ..backend.config import SparseConfig
-from ..backend.layout import TARGET_VIDEO
+from ..backend.layout import TARGET_VIDEO, SequenceLayout
 from ..backend.metrics import block_of_rows, plan_mass_metrics, sample_rows
 from ..backend.planner import build_plan
 from ..backend.reblock import reblock_tiling
 from ..backend.routing import region_budget
 from ..backend.scenes import Scene, make_scene
-from ..backend.tiling import Tiling, assemble, cube_tiling, snake_tiles
+from ..backend.tiling import Tiling, cube_tiling, snake_perm
+from ..kernels.plan import BlockSparsePlan
 
 PATCHES = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (1, 4), (4, 2), (2, 1))  # snake tube patches (bH, bW)
 CUBES = ((4, 4, 4), (8, 2, 4), (16, 2, 2), (2, 4, 8), (1, 8, 8), (8, 4, 2), (32, 1, 2))  # (bT, bH, bW)
@@ -44,21 +45,34 @@ SHIPPED_SET = ("tree", "tube(1, 2)", "tube(2, 4)")  # the shipped choice's candi
 STAGES = ("token oracle", "best blocks per query", "best blocks per query block", "routed")
 
 
+def routed_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, tiling: Tiling,
+                ratio: float = 0.1) -> BlockSparsePlan:
+    """The kernel plan routed on `tiling` at `ratio`, without tail summaries (recall counts only
+    exactly computed keys)."""
+    cfg = SparseConfig(topk_ratio=ratio, tail="none", min_tokens=0)
+    return build_plan(q, k, v, layout, cfg, tiling=tiling).kernel
+
+
+def head_recall(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, tiling: Tiling,
+                rows: torch.Tensor, ratio: float = 0.1) -> torch.Tensor:
+    """Mean attention-mass recall per head [H] (float64, CPU) of query `rows` under `routed_plan`."""
+    recall, _ = plan_mass_metrics(q, k, routed_plan(q, k, v, layout, tiling, ratio), rows)
+    return recall[0].mean(-1).double().cpu()
+
+
 def per_head_recalls(sc: Scene, ratio: float = 0.1) -> dict[str, torch.Tensor]:
     """Recall [H] of 64 sampled target-video queries per head, for every tiling named above."""
     q, k, v, layout = sc.q, sc.k, sc.v, sc.layout
     H = q.shape[1]
     rows = sample_rows(layout, 64, 0)["video"]
-    cfg = SparseConfig(topk_ratio=ratio, tail="none", min_tokens=0)
 
     def recall(t: Tiling) -> torch.Tensor:
-        r, _ = plan_mass_metrics(q, k, build_plan(q, k, v, layout, cfg, tiling=t).kernel, rows)
-        return r[0].mean(-1).double().cpu()
+        return head_recall(q, k, v, layout, t, rows, ratio)
 
     tree = reblock_tiling(q, k, layout, 64, ratio=ratio, tubes=False)
     family = {"tree": tree.k_perm}
     for patch in PATCHES:
-        perm = assemble(layout, 64, lambda grid, p=patch: snake_tiles(grid, p, 64))[0]
+        perm = snake_perm(layout, 64, patch)
         family[f"tube{patch}"] = perm.to(q.device).view(1, 1, -1).expand(1, H, -1).contiguous()
 
     def paired(q_perm: torch.Tensor, k_perm: torch.Tensor) -> Tiling:
@@ -94,7 +108,7 @@ def recall_losses(sc: Scene, tiling: Tiling, ratio: float = 0.1) -> dict[str, to
     q, k, v, layout = sc.q, sc.k, sc.v, sc.layout
     _, H, S, D = q.shape
     bs = tiling.block_size
-    plan = build_plan(q, k, v, layout, SparseConfig(topk_ratio=ratio, tail="none", min_tokens=0), tiling=tiling).kernel
+    plan = routed_plan(q, k, v, layout, tiling, ratio)
     allowed = plan.allowed_mask()[0]  # [H, J, J]
     lo, hi = tiling.blocks_of(TARGET_VIDEO)
     video = next(seg for seg in layout.regions() if seg.region == TARGET_VIDEO)
