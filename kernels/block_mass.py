@@ -27,7 +27,7 @@ from .radix_select import row_split, top_k_mask_pair
 BLOCKS = 4  # key blocks per program: the probes are loaded once for all of them
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_blocks', 'sk_g'])
 def _block_log_mass(Q, K, Perm, Out, n_blocks, D, scale, sq_g, sq_p, sk_g, sk_s, sp_g, P: tl.constexpr,
                     DP: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, PRECISION: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
@@ -51,7 +51,7 @@ def _block_log_mass(Q, K, Perm, Out, n_blocks, D, scale, sq_g, sq_p, sk_g, sk_s,
                  mask=j < n_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n', 'budget'])
 def _top_share(LogMass, Out, n, budget, HEAD: tl.constexpr, TAIL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HEAD)

@@ -16,7 +16,7 @@ import triton.language as tl
 TILE = 64  # query and key blocks per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['J'])
 def _pooled_scores(Q, K, Out, J, D, scale, DP: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
     g = tl.program_id(2).to(tl.int64)
     i = tl.program_id(0) * TILE + tl.arange(0, TILE)

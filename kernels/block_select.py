@@ -18,7 +18,7 @@ import triton.language as tl
 from .radix_select import row_split, top_k_mask_pair
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['J', 'R', 'lo', 'n', 'budget', 'col0'])
 def _select_group(Scores, DenseHi, Out, J, R, lo, n, budget, col0, HEAD: tl.constexpr, TAIL: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1)

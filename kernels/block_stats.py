@@ -39,7 +39,7 @@ def _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask):
     return tl.load(ptr, mask=(rows >= 0)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['H', 'J', 'sx_b', 'sx_h', 'sp_b', 'sp_h'])
 def _block_sums(X, Perm, BlockLen, Out,
                 sx_b, sx_h, sx_s, sx_d, sp_b, sp_h, H, J, D,
                 BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -54,7 +54,7 @@ def _block_sums(X, Perm, BlockLen, Out,
     tl.store(Out + (bh.to(tl.int64) * J + j) * D + offs_d, tl.sum(x, 0), mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['H', 'J', 'sk_b', 'sk_h', 'sv_b', 'sv_h', 'sp_b', 'sp_h'])
 def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
                      sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, H, J, D, scale,
                      BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

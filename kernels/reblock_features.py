@@ -33,7 +33,7 @@ GRAM_ROWS = 64  # sampled rows per product step ...
 SPLITS = 4  # ... and programs per head (one per head left most SMs idle)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n', 'sa_g', 'sa_n'])
 def _gram(A, L, Out, n, D, sa_g, sa_n, DP: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
           NORMALISE: tl.constexpr, PRECISION: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
@@ -54,7 +54,7 @@ def _gram(A, L, Out, n, D, sa_g, sa_n, DP: tl.constexpr, BLOCK: tl.constexpr, SP
     tl.store(out + d[:, None] * D + d[None, :], acc / n, mask=dmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'sx_g', 'sx_n'])
 def _metric_project(X, L, P, Out, N, D, sx_g, sx_n, R: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                     TILES: tl.constexpr, PRECISION: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)

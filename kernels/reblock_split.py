@@ -46,7 +46,8 @@ def _landmark_rows(Z, Rows, Landmarks, g, node, i, j, N, m, r, sr_g, sr_n):
                    other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'nodes', 'm', 'sr_g', 'sr_n'],
+            do_not_specialize_on_alignment=['Landmarks'])
 def _split_directions(Z, Rows, Landmarks, Out, N, nodes, m, r, sr_g, sr_n, RP: tl.constexpr, MP: tl.constexpr,
                       CH: tl.constexpr, SQUARINGS: tl.constexpr, STEPS: tl.constexpr):
     gn = tl.program_id(0).to(tl.int64)
@@ -140,7 +141,8 @@ def _bracketed_kth_key(keys, cand, tok, left, BLOCK: tl.constexpr, SAMPLE: tl.co
     return thresh, above
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'nodes', 'width'],
+            do_not_specialize_on_alignment=['Tokens'])
 def _node_keys(Z, Dir, Rows, Tokens, Keys, N, nodes, width, BLOCK: tl.constexpr, R: tl.constexpr):
     """Keys (float_key of minus the projection) of one BLOCK of a wide node's slots: the wide
     nodes' projections in parallel over many programs (one program per node ran the root at
@@ -155,7 +157,8 @@ def _node_keys(Z, Dir, Rows, Tokens, Keys, N, nodes, width, BLOCK: tl.constexpr,
     tl.store(Keys + gn * width + offs, key.to(tl.int32, bitcast=True), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'nodes', 'width', 'out_width'],
+            do_not_specialize_on_alignment=['Tokens', 'Left'])
 def _split_level(Z, Dir, Rows, Tokens, Left, Keys, Cand, RowsOut, N, nodes, width, out_width,
                  R: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr, SAMPLE: tl.constexpr,
                  MARGIN: tl.constexpr, CAP: tl.constexpr):
