@@ -67,11 +67,18 @@ def resolve_backend(config: SparseConfig, device: torch.device) -> str:
 
 
 def exact_density(plan: Plan, seq_len: int) -> float:
-    """Fraction of all (query, key) token pairs computed exactly, averaged over batch and heads."""
+    """Fraction of all (query, key) token pairs computed exactly, averaged over batch and heads.
+
+    Counted from the index tables in O(B x H x J x R) (the dense prefix through a prefix sum of
+    the block lengths), never from J x J masks; reading the result synchronises once.
+    """
     kp = plan.kernel
     n = kp.block_len.to(torch.float64)
-    pairs = (kp.allowed_mask().to(torch.float64) * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2))
-    return float(pairs.mean() / float(seq_len) ** 2)
+    prefix = torch.cat([n.new_zeros(1), n.cumsum(0)])
+    R = kp.q2k_idx.shape[-1]
+    picked = (torch.arange(R, device=n.device) < kp.q2k_num.unsqueeze(-1)) & (kp.q2k_idx >= 0)
+    keys = prefix[kp.dense_hi.long()] + torch.where(picked, n[kp.q2k_idx.long().clamp(min=0)], 0.0).sum(-1)
+    return float((keys * n).sum(-1).mean() / float(seq_len) ** 2)
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,

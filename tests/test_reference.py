@@ -201,6 +201,20 @@ def test_info_reports_density_budgets_and_plan():
     assert info.plan.kernel.q2k_idx.dtype == torch.int32
 
 
+@pytest.mark.parametrize("tiling,scope,ratio", [("cube", "joint-video", 0.25), ("reblock", "target-video", 0.1),
+                                                ("reblock", "joint-video", 1.0)])
+def test_density_counts_the_exact_pairs_of_the_masks(tiling, scope, ratio):
+    """The O(J x R) count equals the pairs of the J x J allowed mask weighted by block lengths."""
+    lay = layout_awkward()
+    q, k, v = qkv(lay, seed=12)
+    _, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=ratio, tiling=tiling, sparse_scope=scope,
+                                                          backend="torch"), return_info=True)
+    kp = info.plan.kernel
+    n = kp.block_len.double()
+    pairs = (kp.allowed_mask().double() * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2)).mean()
+    assert info.density == pytest.approx(float(pairs) / lay.total ** 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda q, k, v: (q[:, :, :-1], k[:, :, :-1], v[:, :, :-1]), "does not match the layout"),
     (lambda q, k, v: (q[..., :24], k[..., :24], v[..., :24]), "head_dim=24"),
