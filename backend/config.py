@@ -17,6 +17,7 @@ REBLOCK_LAYOUTS = ("q_reuse_k", "independent")
 TAILS = ("reweight", "mean", "none", "coarse")
 BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", "triton", "torch")
+DENSE_ATTENTIONS = ("fastest", "comfyui")
 
 
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
@@ -64,6 +65,8 @@ class SparseConfig:
     dense_layers: layer indices that always run dense; min_tokens: shorter sequences run dense.
     block_size: tokens per block (64 or 128). strict: raise instead of falling back to dense.
     backend: `auto` (Triton on CUDA, torch otherwise), `triton` or `torch`.
+    dense_attention: blocks that run dense use the fastest exact kernel of the GPU, measured
+        (`fastest`), or ComfyUI's own attention path (`comfyui`).
     """
 
     topk_ratio: float = 0.2
@@ -79,6 +82,7 @@ class SparseConfig:
     block_size: int = 64
     strict: bool = False
     backend: str = "auto"
+    dense_attention: str = "fastest"
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, str):
@@ -93,6 +97,7 @@ class SparseConfig:
             ("reblock_layout", REBLOCK_LAYOUTS),
             ("tail", TAILS),
             ("backend", BACKENDS),
+            ("dense_attention", DENSE_ATTENTIONS),
         ):
             value = getattr(self, name)
             if value not in choices:

@@ -17,8 +17,10 @@ attention gets into the block depends on the upstream signature:
   as KJNodes' low-VRAM attention).
 
 Either way the hook receives the block's attention input and produces Q/K/V itself from the
-layer's weights (`backend/producer.py`); it is not an ``optimized_attention_override``, so other
-nodes' overrides still run in dense blocks and nothing can recurse.
+layer's weights (`backend/producer.py`); it is not an ``optimized_attention_override``, so nothing
+can recurse. The calls it does not take (dense blocks) get, on a copy of their
+``transformer_options``, an override that runs ComfyUI's Q/K/V on the fastest exact dense kernel
+(`kernels/dense.py`), unless the config keeps ComfyUI's path or another node's override is set.
 
 The packed-sequence layout comes from the block args (``args["layout"]``, current upstream),
 ``transformer_options["minimax_h3_layout"]``, or a DIFFUSION_MODEL wrapper that reads
@@ -37,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..kernels.dense import dense_attention
 from .attention import DTYPES, HEAD_DIMS, resolve_backend, sparse_attention
 from .cache import BoundedCache
 from .config import SparseConfig
@@ -152,6 +155,10 @@ class BlockHook(ABC):
                 return self.layouts.of(packed)
         return None
 
+    def dense_args(self, args: dict) -> dict:
+        """The block args of a call this hook does not take (unchanged here)."""
+        return args
+
     def on_pre_run(self, patcher: Any = None) -> None:
         self.tracker.finish()
 
@@ -228,7 +235,7 @@ class BlockReplacement:
             return inner(args)
         token = self.hook.decide(self.layer, self.attn, args)
         if token is None:
-            return inner(args)
+            return inner(self.hook.dense_args(args))
         args = dict(args)
         if self.via_args:
             if current is not None:
@@ -316,6 +323,30 @@ def head_groups(heads: int, chunks: Any) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+class DenseOverride:
+    """``optimized_attention_override`` of the blocks our node runs dense: the fastest exact kernel.
+
+    ComfyUI calls it with its own attention function and arguments; a call it does not serve (a
+    mask, another attention precision) goes on to that function unchanged.
+    """
+
+    def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+                 mask: Any = None, attn_precision: Any = None, skip_reshape: bool = False,
+                 skip_output_reshape: bool = False, **kwargs: Any) -> torch.Tensor:
+        if mask is not None or attn_precision is not None or kwargs.get("enable_gqa") or q.dtype not in DTYPES:
+            return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                        skip_output_reshape=skip_output_reshape, **kwargs)
+        if not skip_reshape:  # [B, S, H * D] -> [B, H, S, D]
+            q, k, v = (t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
+        out = dense_attention(q, k, v)
+        if skip_output_reshape:
+            return out
+        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+DENSE_OVERRIDE = DenseOverride()
+
+
 def unwrap_input(x: Any) -> torch.Tensor:
     """KJNodes' low-VRAM block forward hands the attention input in a one-item list to free it early."""
     return x.pop() if isinstance(x, list) else x
@@ -370,6 +401,18 @@ class SparseAttentionHook(BlockHook):
                 return (ctx.step, layout)
         self.tracker.note_block(ctx.step, sparse=False)
         return None
+
+    def dense_args(self, args: dict) -> dict:
+        """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
+        unless another node's override already decides the dense attention."""
+        to = args.get("transformer_options", {})
+        if self.config.dense_attention != "fastest" or to.get("optimized_attention_override") is DENSE_OVERRIDE:
+            return args
+        if to.get("optimized_attention_override") is not None:
+            self.tracker.log_once("another node's optimized_attention_override runs the dense blocks "
+                                  "(dense_attention='fastest' does not replace it)")
+            return args
+        return dict(args, transformer_options=dict(to, optimized_attention_override=DENSE_OVERRIDE))
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend.config import (REBLOCK_LAYOUTS, SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES,
+from ..backend.config import (DENSE_ATTENTIONS, REBLOCK_LAYOUTS, SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES,
                               SparseConfig, parse_layer_list)
 
 SPARSE_NODE_ID = "AdaptiveSparseAttentionH3"
@@ -84,6 +84,10 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     Widget("strict", "boolean", _D.strict, advanced=True,
            tooltip="On: anything that cannot run sparse (head size, dtype, device, unknown layout) stops with "
                    "an error. Off: that block runs dense and the reason is logged once per run."),
+    Widget("dense_attention", "combo", _D.dense_attention, options=DENSE_ATTENTIONS, advanced=True,
+           tooltip="fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest "
+                   "exact attention kernel of this GPU, measured once per shape (the same result up to bf16 "
+                   "rounding). comfyui: they use ComfyUI's own attention path."),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (

@@ -1,0 +1,104 @@
+"""Dense blocks on the fastest exact kernel: the measured choice, its cache and the override.
+
+The candidates themselves need a GPU (bench/e2e.py measures them); here the choice logic runs
+with fake timings, and the override is held to an independent float64 softmax attention.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from adaptive_sparse_attention import SparseConfig
+from adaptive_sparse_attention.backend.h3_patch import DENSE_OVERRIDE, BlockReplacement, SparseAttentionHook
+from adaptive_sparse_attention.kernels import dense
+
+
+def test_fastest_takes_the_quickest_agreeing_candidate():
+    outputs = {"cudnn": torch.ones(4), "flash": torch.ones(4) * (1 + 1e-3), "efficient": torch.ones(4) * 1.5}
+    times = iter([3.0, 2.0, 1.0])
+    assert dense.fastest(dense.CANDIDATES, outputs.__getitem__, lambda fn: next(times)) == "flash"
+
+
+def test_fastest_skips_candidates_that_cannot_run_and_breaks_ties_by_order():
+    def run(name):
+        if name == "cudnn":
+            raise RuntimeError("No available kernel")
+        return torch.ones(3)
+
+    assert dense.fastest(dense.CANDIDATES, run, lambda fn: 1.0) == "flash"
+
+    def never(name):
+        raise RuntimeError("No available kernel")
+
+    assert dense.fastest(dense.CANDIDATES, never, lambda fn: 1.0) is None
+
+
+def test_cached_choice_measures_once_per_key_and_machine(tmp_path, monkeypatch):
+    path = tmp_path / "choices.json"
+    monkeypatch.setenv(dense.CACHE_ENV, str(path))
+    monkeypatch.setattr(dense, "_choices", {})
+    measured = []
+    assert dense.cached_choice("gpu|bf16|D128", lambda: measured.append(1) or "cudnn") == "cudnn"
+    assert dense.cached_choice("gpu|bf16|D128", lambda: measured.append(1) or "flash") == "cudnn"
+    assert json.loads(path.read_text()) == {"gpu|bf16|D128": "cudnn"}
+    monkeypatch.setattr(dense, "_choices", {})  # a new process reads the file instead of measuring
+    assert dense.cached_choice("gpu|bf16|D128", lambda: measured.append(1) or "flash") == "cudnn"
+    assert measured == [1]
+    path.write_text('{"gpu|bf16|D128": "no-such-kernel"}')  # a damaged entry is measured again
+    monkeypatch.setattr(dense, "_choices", {})
+    assert dense.cached_choice("gpu|bf16|D128", lambda: "efficient") == "efficient"
+
+
+def test_cpu_runs_sdpa_default():
+    q = torch.randn(1, 2, 5, 8)
+    assert dense.dense_choice(q, q, q) is None
+
+
+def exact_attention(q, k, v):
+    """Softmax attention in float64, [B, H, S, D]."""
+    w = torch.softmax(q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
+    return w @ v.double()
+
+
+@pytest.mark.parametrize("skip_reshape", [True, False])
+@pytest.mark.parametrize("skip_output_reshape", [True, False])
+def test_override_computes_exact_attention_in_comfyui_shapes(skip_reshape, skip_output_reshape):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 37, 16, generator=g) for _ in range(3))
+    ref = exact_attention(q, k, v)
+    args = (q, k, v) if skip_reshape else tuple(t.transpose(1, 2).reshape(1, 37, 48) for t in (q, k, v))
+
+    def comfy_attention(*a, **kw):
+        raise AssertionError("the override serves this call itself")
+
+    out = DENSE_OVERRIDE(comfy_attention, *args, 3, skip_reshape=skip_reshape,
+                         skip_output_reshape=skip_output_reshape, transformer_options={}, _inside_attn_wrapper=True)
+    if not skip_output_reshape:
+        out = out.view(1, 37, 3, 16).transpose(1, 2)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-6)  # fp32 SDPA against float64
+
+
+def test_override_hands_masked_calls_to_comfyui():
+    calls = []
+    q = torch.randn(1, 2, 4, 8)
+    DENSE_OVERRIDE(lambda *a, **kw: calls.append(kw) or q, q, q, q, 2, mask=torch.zeros(4, 4), skip_reshape=True,
+                   transformer_options={}, _inside_attn_wrapper=True)
+    assert calls and calls[0]["mask"] is not None and calls[0]["_inside_attn_wrapper"]
+
+
+@pytest.mark.parametrize("setting,other,expected", [
+    ("fastest", None, DENSE_OVERRIDE), ("comfyui", None, None), ("fastest", "theirs", "theirs")])
+def test_dense_blocks_get_the_override(setting, other, expected):
+    hook = SparseAttentionHook(SparseConfig(warmup_mode="dense", dense_attention=setting))
+    attn = torch.nn.Module()
+    replacement = BlockReplacement(hook, 0, attn, via_args=True, previous=None)
+    to = {"sigmas": torch.tensor([1.0]), "sample_sigmas": torch.tensor([1.0, 0.0])}
+    if other is not None:
+        to["optimized_attention_override"] = other
+    seen = []
+    args = {"img": torch.zeros(3, 4), "transformer_options": to}
+    replacement(args, {"original_block": lambda a: seen.append(a["transformer_options"]) or a})
+    assert seen[0].get("optimized_attention_override") is expected
+    assert to.get("optimized_attention_override") is other  # the caller's options are not changed
