@@ -46,6 +46,7 @@ from .config import SparseConfig
 from .layout import SequenceLayout
 from .producer import produce_qkv
 from .schedule import RunTracker, schedule_reason
+from .warmup import prepare_kernels
 
 log = logging.getLogger("adaptive_sparse_attention")
 
@@ -394,13 +395,22 @@ class SparseAttentionHook(BlockHook):
                     raise RuntimeError(f"{self.title} (strict): {message}")
                 self.tracker.log_once(message)
             else:
-                resolve_backend(self.config, x.device)  # strict raises here when Triton is asked for and missing
+                self.prepare(attn, x, layout)  # strict raises here when Triton is asked for and missing
                 if to.get("optimized_attention_override") is not None:
                     self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                           "only; sparse blocks run adaptive sparse attention")
                 return (ctx.step, layout)
+        elif schedule_reason(self.config, layer, None, None, x.shape[0]) is None:  # a warmup step of a sparse layer
+            layout = self.layout(args, ctx)
+            if self.unsupported(attn, x, layout) is None:
+                self.prepare(attn, x, layout)
         self.tracker.note_block(ctx.step, sparse=False)
         return None
+
+    def prepare(self, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout) -> None:
+        """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
+        if resolve_backend(self.config, x.device) == "triton":
+            prepare_kernels(layout, self.config, x.dtype, x.device, attn.head_dim)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),

@@ -39,7 +39,10 @@ by position are served better by tubes; backend/head_choice.py).
 from __future__ import annotations
 
 import logging
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -388,10 +391,25 @@ def capture_or_none(z: torch.Tensor, schedule: Schedule) -> CapturedPartition | 
         return None
 
 
+_eager = threading.local()
+
+
+@contextmanager
+def eager_partition() -> Iterator[None]:
+    """Run partitions eagerly in this thread (no CUDA graph is captured or replayed): for calls
+    whose shapes are never seen again, such as the kernel warm-up."""
+    saved = getattr(_eager, "on", False)
+    _eager.on = True
+    try:
+        yield
+    finally:
+        _eager.on = saved
+
+
 def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int) -> torch.Tensor:
     """`partition`, replayed from a cached CUDA graph on the GPU (eager elsewhere, while the
     caller is itself capturing, or where capture failed)."""
-    if not (CUDA_GRAPHS and z.is_cuda) or torch.cuda.is_current_stream_capturing():
+    if not (CUDA_GRAPHS and z.is_cuda) or getattr(_eager, "on", False) or torch.cuda.is_current_stream_capturing():
         return partition(z, schedule)
     key = (tuple(z.shape), z.dtype, str(z.device), block_size)
     with torch.cuda.device(z.device):

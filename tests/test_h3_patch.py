@@ -304,3 +304,18 @@ def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
     with pytest.raises(ValueError, match="heads"):
         producer.produce_qkv(args["img"], attn.qkv_proj.weight, None, 3, 32, attn.q_norm.weight,
                              attn.k_norm.weight, 1e-5, None, (2, 2))
+
+
+def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
+    """The first block call of a layout compiles the sparse kernels, before any sparse step."""
+    prepared = []
+    monkeypatch.setattr(h3_patch, "resolve_backend", lambda config, device: "triton")
+    monkeypatch.setattr(h3_patch, "prepare_kernels", lambda *a: prepared.append(a))
+    model = model_of(True, seed=12)
+    args = block_args(model.blocks[0], PACKED, seed=13, new=True)
+    args["transformer_options"] = options(step=0)
+    hook = SparseAttentionHook(config(warmup_mode="fidelity", dense_layers="1"))
+    run_model(model, hook, args, True)
+    assert hook.tracker.stats.sparse_blocks == 0  # a warmup step
+    (layout, cfg, dtype, device, head_dim), = prepared  # layer 0 only: layer 1 is always dense
+    assert layout == layout_of(PACKED) and cfg is hook.config and head_dim == model.blocks[0].attn.head_dim

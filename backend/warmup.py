@@ -1,0 +1,59 @@
+"""Kernel preparation ahead of the first sparse step: compile once, announce it, keep it out of steps.
+
+The Triton kernels specialise only on what a clip length cannot change (dtype, head size, block
+size, config) and on the power-of-two bucket of row widths, so one call with the real layout but
+a single head compiles every kernel the sparse steps will launch, at a small fraction of a step's
+memory and time. The node runs it at the first block call of a layout (a dense warmup step in the
+default schedule); Triton keeps what it compiled in its on-disk cache for later processes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .attention import sparse_attention
+from .cache import BoundedCache
+from .config import SparseConfig
+from .layout import SequenceLayout
+from .reblock import eager_partition
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+_prepared: BoundedCache[float] = BoundedCache(16)
+
+
+def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+                    head_dim: int) -> float | None:
+    """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
+
+    Args:
+        layout: the packed-sequence layout the sparse steps will see.
+        config: their configuration.
+        dtype, device, head_dim: of their Q/K/V.
+    Returns:
+        Seconds spent, or None when nothing was to do (already prepared, or not on CUDA).
+    """
+    if device.type != "cuda":
+        return None
+    key = (layout.signature(), config, dtype, str(device), head_dim)
+    if key in _prepared.entries:
+        return None
+
+    def run() -> float:
+        log.info("adaptive sparse attention: preparing kernels for %d tokens (%s, head_dim %d); the first use on "
+                 "a machine compiles them, later runs load them from Triton's cache", layout.total,
+                 str(dtype).removeprefix("torch."), head_dim)
+        start = time.perf_counter()
+        g = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
+                   for _ in range(3))
+        with eager_partition():
+            sparse_attention(q, k, v, layout, config)
+        torch.cuda.synchronize(device)  # once per layout: the time is reported
+        seconds = time.perf_counter() - start
+        log.info("adaptive sparse attention: kernels ready in %.1f s", seconds)
+        return seconds
+
+    return _prepared.get(key, run)
