@@ -1,4 +1,4 @@
-"""Command line: `python -m adaptive_sparse_attention demo | bench | evaluate FILE`.
+"""Command line: `python -m adaptive_sparse_attention demo | bench | evaluate FILE | e2e`.
 
 - demo: the main job on a fresh machine: a small synthetic H3-like scene, dense vs sparse at a
   few ratios and tail modes, one table (density, attention-mass recall, relative L2 error vs
@@ -6,10 +6,13 @@
 - bench: a preset (cpu-small, h3-5s, h3-10s, h3-14s) x methods x ratios; writes a markdown
   table, JSON and plots to --out and prints the table.
 - evaluate: the same metrics on a capture file written by the "Capture H3 Attention" node.
+- e2e: the whole KSampler run in real ComfyUI (COMFYUI_PATH) with and without our node
+  (bench/e2e.py).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -94,6 +97,27 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in rows) else 0
 
 
+def cmd_e2e(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .e2e import default_work, markdown, run_benchmark, split_markdown
+
+    if not args.comfyui or not os.path.isfile(os.path.join(args.comfyui, "main.py")):
+        print(f"e2e: --comfyui (or COMFYUI_PATH) must point at a ComfyUI checkout, got {args.comfyui!r}",
+              file=sys.stderr)
+        return 2
+    work = Path(args.work) if args.work else default_work()
+    out = Path(args.out) if args.out else work / "e2e.json"
+    result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
+                           out, lambda s: print(s, file=sys.stderr))
+    print(markdown(result))
+    if result["op"]:
+        print()
+        print(split_markdown(result))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m adaptive_sparse_attention",
                                      description="Adaptive block-sparse attention for MiniMax-H3: demo, benchmark, evaluation.")
@@ -126,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rows", type=int, default=128, help="sampled query rows per row group (default 128)")
     common(ev, "0.1,0.2")
     ev.set_defaults(func=cmd_evaluate)
+
+    e2e = sub.add_parser("e2e", help="the whole KSampler run in real ComfyUI with and without our node")
+    e2e.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", ""),
+                     help="ComfyUI checkout (default: COMFYUI_PATH)")
+    e2e.add_argument("--scale", default="h3", choices=("h3", "tiny"),
+                     help="h3: full-width MiniMax-H3 at 1344x768 (GPU); tiny: a tiny model (CPU check)")
+    e2e.add_argument("--blocks", type=int, default=6, help="DiT blocks of the random model (H3 has 50)")
+    e2e.add_argument("--steps", type=int, default=19)
+    e2e.add_argument("--cfg", type=float, default=3.0)
+    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s)")
+    e2e.add_argument("--work", help="folder for the model, caches and output (default: a new temporary one)")
+    e2e.add_argument("--out", help="JSON results (default: WORK/e2e.json)")
+    e2e.set_defaults(func=cmd_e2e)
     return parser
 
 

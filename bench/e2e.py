@@ -1,0 +1,356 @@
+"""End to end in real ComfyUI: the whole KSampler run of one graph with and without our node.
+
+The benchmark builds a random-weight MiniMax-H3 with ComfyUI's own model code, saves it where
+UNETLoader finds it, loads ComfyUI's nodes and this pack through ComfyUI's custom-node loader,
+and executes API-format graphs with ComfyUI's `PromptExecutor`:
+
+    UNETLoader -> [Adaptive Sparse Attention] -> timer -> KSampler (euler, cfg > 1) -> sink
+
+The timer (bench/e2e_nodes.py) records every diffusion-model call with CUDA events. Per run it
+reports the whole run, dense calls, the first sparse call and steady sparse calls, peak GPU
+memory and the final latent's relative L2 against the graph without our node. Runs in order:
+our node first with an empty Triton cache and no saved dense-kernel choice (cold), then warm,
+then `speed` mode, then a new clip length. On CUDA it also times the isolated op at the same
+shape (plan, kernel, dense SDPA backends) to split a steady block.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import e2e_nodes
+
+REPO = Path(__file__).resolve().parent.parent
+SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+).*sparse attention time ([\d.]+) s")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Model width and clip shapes of one benchmark scale."""
+
+    model: dict
+    width: int
+    height: int
+    frames: dict[str, int]  # clip name -> frame count
+    text_tokens: int
+    text_dim: int
+    widgets: dict = field(default_factory=dict)  # widget values that differ from the node's defaults
+
+
+FULL = dict(hidden_size=5376, token_refiner_num_layers=2, num_attention_heads=56, attention_head_dim=128,
+            ffn_hidden_size=14336, text_dim=5120)
+TINY = dict(hidden_size=64, token_refiner_num_layers=1, num_attention_heads=2, attention_head_dim=32,
+            ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
+            time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
+SCALES = {
+    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "new-length": 226}, 256, 5120),
+    "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56}, 7, 48, {"min_tokens": 0}),
+}
+
+
+class ServerStub:
+    """What PromptExecutor needs of ComfyUI's PromptServer when no client listens."""
+
+    client_id = None
+    last_node_id = None
+
+    def send_sync(self, event: str, data: dict, sid: Any = None) -> None:
+        pass
+
+
+class LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def load_comfyui(comfyui: str, work: Path, cpu: bool):
+    """ComfyUI's `nodes` and `execution` in this process, with this pack and the bench nodes loaded."""
+    sys.path.insert(0, comfyui)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = cpu
+    comfy.cli_args.args.disable_api_nodes = True
+    import folder_paths
+
+    custom = work / "custom_nodes"
+    custom.mkdir(parents=True, exist_ok=True)
+    if not (custom / "adaptive_sparse_attention").exists():
+        os.symlink(REPO, custom / "adaptive_sparse_attention")
+    # the bench nodes' module is this process's own (its STATE is read here after each run)
+    (custom / "asa_bench_nodes.py").write_text(
+        "from adaptive_sparse_attention.bench.e2e_nodes import NODE_CLASS_MAPPINGS  # noqa: F401\n")
+    folder_paths.folder_names_and_paths["custom_nodes"] = ([str(custom)], set())
+    (work / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    folder_paths.add_model_folder_path("diffusion_models", str(work / "models" / "diffusion_models"), is_default=True)
+    folder_paths.set_output_directory(str(work / "output"))
+    import execution
+    import nodes
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
+    for name in ("AdaptiveSparseAttentionH3", "ASABenchTimer", "EmptyMiniMaxH3LatentAV"):
+        if name not in nodes.NODE_CLASS_MAPPINGS:
+            raise RuntimeError(f"e2e: ComfyUI did not load node {name!r} (see the log above)")
+    return nodes, execution
+
+
+def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device) -> None:
+    """A random-weight H3 of `blocks` DiT blocks in bf16 (fp32 where the model keeps fp32)."""
+    import comfy.ops
+    import safetensors.torch
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+
+    with torch.device(device):
+        net = MiniMaxH3Model(**model, num_layers=blocks, dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
+    g = torch.Generator(device).manual_seed(0)
+    sd = {}
+    for key, p in net.state_dict().items():
+        if key.endswith("norm.weight") or p.dim() < 2:
+            t = torch.ones_like(p) if key.endswith("norm.weight") else torch.randn(p.shape, generator=g, device=device,
+                                                                                 dtype=p.dtype) * 0.02
+        else:
+            t = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * p.shape[-1] ** -0.5
+        sd[key] = t.cpu()
+    n = model.get("rope_inv_freq_len", 16)
+    sd["rope.inv_freq"] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
+    safetensors.torch.save_file(sd, str(path))
+    del net, sd
+
+
+def graph(ckpt: str, scale: Scale, frames: int, steps: int, cfg: float, widgets: dict | None, label: str) -> dict:
+    """API-format prompt: UNETLoader -> [our node] -> timer -> KSampler -> sink."""
+    model = ["1", 0]
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}}}
+    if widgets is not None:
+        prompt["2"] = {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": model, **widgets}}
+        model = ["2", 0]
+    prompt.update({
+        "3": {"class_type": "ASABenchTimer", "inputs": {"model": model, "label": label}},
+        "4": {"class_type": "ASABenchConditioning", "inputs": {"seed": 1, "tokens": scale.text_tokens, "dim": scale.text_dim}},
+        "5": {"class_type": "ASABenchConditioning", "inputs": {"seed": 2, "tokens": scale.text_tokens, "dim": scale.text_dim}},
+        "6": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": scale.width, "height": scale.height,
+                                                                 "length": frames}},
+        "7": {"class_type": "KSampler", "inputs": {"model": ["3", 0], "seed": 7, "steps": steps, "cfg": cfg,
+                                                   "sampler_name": "euler", "scheduler": "simple", "positive": ["4", 0],
+                                                   "negative": ["5", 0], "latent_image": ["6", 0], "denoise": 1.0}},
+        "8": {"class_type": "ASABenchSink", "inputs": {"samples": ["7", 0], "label": label}},
+    })
+    return prompt
+
+
+def node_widgets(scale: Scale, **changes: Any) -> dict:
+    """The sparse node's widget values: its defaults, the scale's changes, then `changes`."""
+    from ..nodes.widgets import SPARSE_WIDGETS
+
+    values = {w.name: w.default for w in SPARSE_WIDGETS}
+    values.update(scale.widgets)
+    values.update(changes)
+    return values
+
+
+def summarise(name: str, calls: list[float], total_s: float, peak: float | None, dense_calls: int | None,
+              latent: torch.Tensor, reference: torch.Tensor | None, log_lines: list[str]) -> dict:
+    """One run's row. `dense_calls`: how many leading calls ran dense under our node (None: no node)."""
+    row: dict[str, Any] = {"run": name, "run_s": total_s, "calls": len(calls), "call_ms": calls,
+                           "median_call_ms": sorted(calls)[len(calls) // 2] if calls else None,
+                           "first_call_ms": calls[0] if calls else None}
+    dense = len(calls) if dense_calls is None else dense_calls
+    if dense:
+        row["dense_call_ms"] = sorted(calls[:dense])[dense // 2]
+    sparse = calls[dense:]
+    if sparse:
+        row["first_sparse_ms"] = sparse[0]
+        steady = sparse[2:] or sparse  # past the first step's two calls
+        row["steady_sparse_ms"] = sorted(steady)[len(steady) // 2]
+    if peak is not None:
+        row["peak_gib"] = peak
+    if reference is not None:
+        row["rel_l2"] = float((latent - reference).norm() / reference.norm())
+    for line in log_lines:
+        if m := SUMMARY.search(line):
+            row.update(dense_blocks=int(m[1]), sparse_blocks=int(m[2]), density=float(m[3]),
+                       attention_s=float(m[4]))
+        if m := re.search(r"kernels ready in ([\d.]+) s", line):
+            row["prepare_s"] = float(m[1])
+    return row
+
+
+def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
+    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
+    from .. import SequenceLayout, sparse_attention
+    from ..kernels.dense import sdpa
+
+    from comfy.ldm.minimax.model import PackedLayout
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    latent = EmptyMiniMaxH3LatentAV.execute(width=scale.width, height=scale.height, length=frames).result[0]
+    video, audio = latent["samples"].unbind()
+    layout = SequenceLayout.from_packed(PackedLayout(scale.text_tokens, *video.shape[2:], audio.shape[-1]))
+    H, D = scale.model["num_attention_heads"], scale.model["attention_head_dim"]
+    g = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(1, H, layout.total, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
+
+    def median_ms(fn) -> float:
+        fn()
+        spans = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            spans.append(a.elapsed_time(b))
+        return sorted(spans)[reps // 2]
+
+    out = {"tokens": layout.total, "op_ms": median_ms(lambda: sparse_attention(q, k, v, layout, config))}
+    plan, kernel = [], []
+    for _ in range(reps):
+        info = sparse_attention(q, k, v, layout, config, return_info=True, timings=True)[1]
+        plan.append(info.timings_ms["plan"])
+        kernel.append(info.timings_ms["kernel"])
+    out["plan_ms"], out["kernel_ms"] = sorted(plan)[reps // 2], sorted(kernel)[reps // 2]
+    for name in ("cudnn", "flash"):
+        out[f"dense_{name}_ms"] = median_ms(lambda: sdpa(q, k, v, name))
+    return out
+
+
+def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
+                  clips: list[str], out: Path | None = None, echo=print) -> dict:
+    """Every run of the benchmark; returns (and with `out`, writes after each run) the results."""
+    scale = SCALES[scale_name]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton_cache"))  # empty: the first sparse use is cold
+    os.environ.setdefault("ADAPTIVE_SPARSE_DENSE_CACHE", str(work / "dense_kernels.json"))
+    lines = LogLines()
+    logging.getLogger("adaptive_sparse_attention").addHandler(lines)
+    logging.getLogger("adaptive_sparse_attention").setLevel(logging.INFO)
+    nodes, execution = load_comfyui(comfyui, work, cpu=not cuda)
+    ckpt = f"h3_random_{scale_name}_{blocks}blocks.safetensors"
+    start = time.perf_counter()
+    save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device)
+    result: dict[str, Any] = {"scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
+                              "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                              "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}
+    executor = execution.PromptExecutor(ServerStub(), cache_type=execution.CacheType.CLASSIC,
+                                        cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
+    from ..backend.schedule import warmup_steps
+    from ..nodes.widgets import config_from_widgets
+
+    references: dict[str, torch.Tensor] = {}
+    counter = iter(range(1_000_000))
+
+    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps) -> dict:
+        lines.lines.clear()
+        e2e_nodes.STATE["calls"].clear()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        label = f"{name}-{next(counter)}"
+        t0 = time.perf_counter()
+        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label), label, {}, ["8"])
+        if not executor.success:
+            raise RuntimeError(f"e2e: run {name} failed: {executor.status_messages[-1:]}")
+        total = time.perf_counter() - t0
+        calls = e2e_nodes.call_ms()
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+        dense = None
+        if widgets is not None:
+            config = config_from_widgets(widgets)
+            dense = len(calls) if config.warmup_mode == "dense" else (
+                warmup_steps(config, n_steps) * len(calls) // n_steps)
+        latent = e2e_nodes.STATE["latent"]
+        row = summarise(name, calls, total, peak, dense, latent, references.get(clip) if widgets else None,
+                        lines.lines)
+        row["clip"], row["frames"] = clip, scale.frames[clip]
+        if widgets is None and n_steps == steps:
+            references[clip] = latent
+        echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
+             "".join(f", {k} {row[k]:.4g}" for k in ("dense_call_ms", "first_sparse_ms", "steady_sparse_ms",
+                                                      "peak_gib", "rel_l2", "prepare_s") if k in row))
+        result["runs"].append(row)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1))
+        return row
+
+    main = clips[0]
+    run("load", main, None, n_steps=1)  # loads the model onto the device; not reported
+    result["runs"].clear()
+    run("comfyui", main, None)
+    run("ours-cold", main, node_widgets(scale))
+    run("ours", main, node_widgets(scale))
+    run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
+    if "new-length" in scale.frames:
+        run("ours-new-length", "new-length", node_widgets(scale))
+    for clip in clips[1:]:
+        run("comfyui", clip, None)
+        run("ours", clip, node_widgets(scale))
+        run("ours-ratio-1", clip, node_widgets(scale, topk_ratio=1.0))
+    if cuda:
+        for clip in clips:
+            result["op"][clip] = isolated_op(scale, scale.frames[clip], config_from_widgets(node_widgets(scale)),
+                                             device)
+            echo(f"e2e op [{clip}]: {result['op'][clip]}")
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1))
+    logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
+    return result
+
+
+def default_work() -> Path:
+    return Path(tempfile.mkdtemp(prefix="asa_e2e_"))
+
+
+def markdown(result: dict) -> str:
+    """The runs as a markdown table, with each run's speed-up over the graph without our node."""
+    base = {r["clip"]: r for r in result["runs"] if r["run"] == "comfyui"}
+
+    def f(x: Any, digits: int = 0) -> str:
+        return "-" if x is None else f"{x:,.{digits}f}"
+
+    head = ("| run | clip | run s | vs ComfyUI | dense call ms | first call ms | first sparse ms | steady sparse ms "
+            "| median call ms | peak GiB | density | latent rel L2 |\n|" + "---|" * 12)
+    rows = [head]
+    for r in result["runs"]:
+        ref = base.get(r["clip"])
+        speed = ref["run_s"] / r["run_s"] if ref else None
+        rows.append(f"| {r['run']} | {r['clip']} ({r['frames']} frames) | {f(r['run_s'], 1)} | "
+                    f"{f(speed, 2) + 'x' if speed else '-'} | {f(r.get('dense_call_ms'))} | {f(r.get('first_call_ms'))} | "
+                    f"{f(r.get('first_sparse_ms'))} | {f(r.get('steady_sparse_ms'))} | {f(r.get('median_call_ms'))} | "
+                    f"{f(r.get('peak_gib'), 2)} | {f(r.get('density'), 3)} | {f(r.get('rel_l2'), 4)} |")
+    return "\n".join(rows)
+
+
+def split_markdown(result: dict) -> str:
+    """Where a steady sparse block's time goes: our attention in the graph against the op alone."""
+    rows = ["| clip | steady sparse call ms / block | our attention in graph ms / block | op alone ms (plan + kernel) "
+            "| rest of block ms | ComfyUI dense call ms / block | dense FA2 / cuDNN alone ms | block vs op + rest |",
+            "|" + "---|" * 8]
+    n = result["blocks"]
+    for clip, op in result["op"].items():
+        ours = next((r for r in result["runs"] if r["run"] == "ours" and r["clip"] == clip), None)
+        dense = next((r for r in result["runs"] if r["run"] == "comfyui" and r["clip"] == clip), None)
+        if not ours or not dense or not ours.get("sparse_blocks"):
+            continue
+        block = ours["steady_sparse_ms"] / n
+        in_graph = ours["attention_s"] * 1e3 / ours["sparse_blocks"]
+        rest = dense["median_call_ms"] / n - op["dense_flash_ms"]  # ComfyUI's dense block minus its attention
+        rows.append(f"| {clip} | {block:.1f} | {in_graph:.1f} | {op['op_ms']:.1f} ({op['plan_ms']:.1f} + "
+                    f"{op['kernel_ms']:.1f}) | {rest:.1f} | {dense['median_call_ms'] / n:.1f} | "
+                    f"{op['dense_flash_ms']:.1f} / {op['dense_cudnn_ms']:.1f} | {block / (op['op_ms'] + rest):.2f} |")
+    return "\n".join(rows)

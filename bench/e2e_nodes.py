@@ -1,0 +1,102 @@
+"""Nodes the end-to-end benchmark adds to its graphs (loaded by ComfyUI from a custom-node stub).
+
+Conditioning of random text states, a MODEL pass-through that times every diffusion-model call
+with CUDA events, and an output node that keeps the sampler's latent. Results go into `STATE`,
+which the benchmark reads after each run.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+STATE: dict[str, Any] = {"calls": [], "latent": None}
+
+
+class ASABenchConditioning:
+    """Random text states [1, tokens, dim] (no text encoder needed)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 256}),
+                             "dim": ("INT", {"default": 5120})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed: int, tokens: int, dim: int):
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, tokens, dim, generator=g), {}]],)
+
+
+class CallTimer:
+    """DIFFUSION_MODEL wrapper: start/end events (CUDA) or host times of every model call."""
+
+    def __call__(self, executor, *args, **kwargs):
+        cuda = torch.cuda.is_available()
+        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            start.record()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            else:
+                end = time.perf_counter()
+            STATE["calls"].append((start, end))
+
+
+class ASABenchTimer:
+    """Times every model call of the sampler that uses this MODEL; `label` only forces a re-run."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "label": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "wrap"
+    CATEGORY = "testing"
+
+    def wrap(self, model, label: str):
+        import comfy.patcher_extension as pe
+
+        m = model.clone()
+        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "asa_bench_timer", CallTimer())
+        return (m,)
+
+
+class ASABenchSink:
+    """Keeps the sampled latent (video and audio streams flattened into one vector)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "label": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "sink"
+    CATEGORY = "testing"
+
+    def sink(self, samples, label: str):
+        t = samples["samples"]
+        parts = t.unbind() if getattr(t, "is_nested", False) else [t]
+        STATE["latent"] = torch.cat([p.flatten().float().cpu() for p in parts])
+        return {}
+
+
+def call_ms() -> list[float]:
+    """Milliseconds of every recorded model call (synchronises once), then forgets them."""
+    calls, STATE["calls"] = STATE["calls"], []
+    if calls and isinstance(calls[0][0], float):
+        return [(b - a) * 1e3 for a, b in calls]
+    if calls:
+        calls[-1][1].synchronize()
+    return [a.elapsed_time(b) for a, b in calls]
+
+
+NODE_CLASS_MAPPINGS = {"ASABenchConditioning": ASABenchConditioning, "ASABenchTimer": ASABenchTimer,
+                       "ASABenchSink": ASABenchSink}
