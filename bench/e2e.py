@@ -10,7 +10,8 @@ The timer (bench/e2e_nodes.py) records every diffusion-model call with CUDA even
 reports the whole run, dense calls, the first sparse call and steady sparse calls, peak GPU
 memory and the final latent's relative L2 against the graph without our node. Runs in order:
 our node first with an empty Triton cache and no saved dense-kernel choice (cold), then warm,
-then `speed` mode, then a new clip length. On CUDA it also times the isolated op at the same
+`speed` mode, ratio 0.1, every step dense on our dense kernel (its latent error is the rounding
+floor of two exact kernels), then two new clip lengths. On CUDA it also times the isolated op at the same
 shape (plan, kernel, dense SDPA backends) to split a steady block.
 """
 from __future__ import annotations
@@ -55,8 +56,9 @@ TINY = dict(hidden_size=64, token_refiner_num_layers=1, num_attention_heads=2, a
             ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
             time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
 SCALES = {
-    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "new-length": 226}, 256, 5120),
-    "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56}, 7, 48, {"min_tokens": 0}),
+    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "new-length": 226, "new-length-2": 260},
+                256, 5120),
+    "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56, "new-length-2": 73}, 7, 48, {"min_tokens": 0}),
 }
 
 
@@ -295,8 +297,11 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     run("ours-cold", main, node_widgets(scale))
     run("ours", main, node_widgets(scale))
     run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
-    if "new-length" in scale.frames:
-        run("ours-new-length", "new-length", node_widgets(scale))
+    run("ours-ratio-0.1", main, node_widgets(scale, topk_ratio=0.1))
+    run("ours-all-dense", main, node_widgets(scale, warmup_mode="dense"))  # our dense kernel; the rounding floor
+    for clip in ("new-length", "new-length-2"):
+        if clip in scale.frames:
+            run("ours-new-length", clip, node_widgets(scale))
     for clip in clips[1:]:
         run("comfyui", clip, None)
         run("ours", clip, node_widgets(scale))
