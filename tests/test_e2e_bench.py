@@ -1,0 +1,58 @@
+"""The end-to-end benchmark's bookkeeping (CPU), and one tiny run in real ComfyUI when COMFYUI_PATH is set."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptive_sparse_attention.bench import e2e
+from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS, config_from_widgets
+
+COMFYUI = os.environ.get("COMFYUI_PATH", "")
+
+
+def test_graph_puts_our_node_between_loader_and_timer():
+    widgets = e2e.node_widgets(e2e.SCALES["h3"], topk_ratio=0.1)
+    assert config_from_widgets(widgets).topk_ratio == 0.1 and set(widgets) == {w.name for w in SPARSE_WIDGETS}
+    ours = e2e.graph("m.safetensors", e2e.SCALES["h3"], 243, 19, 3.0, widgets, "a")
+    plain = e2e.graph("m.safetensors", e2e.SCALES["h3"], 243, 19, 3.0, None, "b")
+    assert ours["2"]["class_type"] == "AdaptiveSparseAttentionH3" and ours["3"]["inputs"]["model"] == ["2", 0]
+    assert "2" not in plain and plain["3"]["inputs"]["model"] == ["1", 0]
+    assert ours["7"]["inputs"]["cfg"] == 3.0 and ours["6"]["inputs"]["length"] == 243
+
+
+def test_summary_splits_dense_first_and_steady_calls():
+    calls = [900.0, 880.0, 300.0, 200.0, 100.0, 110.0, 105.0]
+    reference = torch.ones(8)
+    line = ("adaptive sparse attention: steps 1 dense / 3 sparse; blocks 4 dense / 12 sparse; mean density 0.250 "
+            "in sparse blocks (0.4 over all blocks); sparse attention time 1.50 s")
+    row = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference * 1.01, reference,
+                        [line, "adaptive sparse attention: kernels ready in 3.2 s"])
+    assert (row["dense_call_ms"], row["first_sparse_ms"], row["steady_sparse_ms"]) == (900.0, 300.0, 105.0)
+    assert row["rel_l2"] == pytest.approx(0.01) and row["prepare_s"] == 3.2
+    assert (row["dense_blocks"], row["sparse_blocks"], row["density"], row["attention_s"]) == (4, 12, 0.25, 1.5)
+    plain = e2e.summarise("comfyui", calls, 5.0, None, None, reference, None, [])
+    assert "first_sparse_ms" not in plain and plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
+    table = e2e.markdown({"blocks": 1, "runs": [dict(plain, clip="10s", frames=39), dict(row, clip="10s", frames=39)]})
+    assert "| ours | 10s (39 frames) | 4.0 | 1.25x |" in table
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
+                    reason="set COMFYUI_PATH to a ComfyUI checkout to run the benchmark in it")
+def test_tiny_run_in_real_comfyui(tmp_path: Path):
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    proc = subprocess.run([sys.executable, "-m", "adaptive_sparse_attention", "e2e", "--comfyui", COMFYUI,
+                           "--scale", "tiny", "--blocks", "1", "--steps", "2", "--clips", "10s",
+                           "--work", str(tmp_path), "--out", str(out)], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {(r["run"], r["clip"]): r for r in json.loads(out.read_text())["runs"]}
+    assert runs[("ours", "10s")]["calls"] == 4 and runs[("ours-all-dense", "10s")]["density"] == 1.0
+    assert 0 < runs[("ours", "10s")]["rel_l2"] < 0.1 and runs[("ours", "10s")]["sparse_blocks"] == 2
+    assert "| comfyui | 10s (39 frames)" in proc.stdout
