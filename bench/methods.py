@@ -56,8 +56,16 @@ class Prepared:
         return (self.output or self.call)()
 
 
-def sol_available() -> bool:
-    return importlib.util.find_spec("comfy_kitchen") is not None
+def sol_unavailable_reason() -> str | None:
+    """Why comfy-kitchen's `sol_attn` cannot run here (ComfyUI pins releases that predate it), or None."""
+    if importlib.util.find_spec("comfy_kitchen") is None:
+        return "comfy-kitchen is not installed (pip install comfy-kitchen packaging)"
+    import comfy_kitchen
+
+    if not hasattr(comfy_kitchen, "sol_attn"):
+        return (f"comfy-kitchen {getattr(comfy_kitchen, '__version__', '(unknown version)')} has no sol_attn "
+                "(it came in 0.2.40)")
+    return None
 
 
 def split_spec(spec: str) -> tuple[str, list[float] | None]:
@@ -109,8 +117,9 @@ def expand_methods(specs: list[str]) -> list[str]:
 def unavailable_reason(spec: str, device: torch.device, head_dim: int) -> str | None:
     """Why `spec` cannot run here (missing optional code or hardware), or None."""
     if spec.startswith("sol:"):
-        if not sol_available():
-            return "comfy-kitchen is not installed (pip install comfy-kitchen packaging)"
+        reason = sol_unavailable_reason()
+        if reason is not None:
+            return reason
         if head_dim != 128:
             return f"comfy-kitchen sol_attn needs head_dim 128, this input has {head_dim}"
     if spec.startswith("flex:") and device.type != "cuda":
