@@ -30,8 +30,26 @@ class SparseInfo:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> None:
-    """Raise ValueError naming the offending input when q, k, v cannot run sparse."""
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                 config: SparseConfig | None = None, coarse_gate: torch.Tensor | None = None) -> None:
+    """Raise TypeError (wrong kind of object) or ValueError (wrong shape, dtype, device) naming the
+    offending argument and its value when `sparse_attention` cannot run on these inputs.
+
+    Everything is decided from metadata: nothing is computed, copied or synchronised.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"sparse_attention: {name} must be a torch.Tensor [B, H, S, D], got {type(t).__name__}")
+    if not isinstance(layout, SequenceLayout):
+        raise TypeError(f"sparse_attention: layout must be a SequenceLayout (SequenceLayout.from_segments(...)), "
+                        f"got {type(layout).__name__}")
+    if config is not None and not isinstance(config, SparseConfig):
+        raise TypeError(f"sparse_attention: config must be a SparseConfig or None (SparseConfig(**values) for a "
+                        f"dict), got {type(config).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"sparse_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
@@ -42,12 +60,30 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequ
         raise ValueError(f"sparse_attention: q, k, v must have the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("sparse_attention: q, k, v must share one dtype and one device")
+        raise ValueError(f"sparse_attention: q, k, v must share one dtype and one device, got q {_describe(q)}, "
+                         f"k {_describe(k)}, v {_describe(v)}")
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"sparse_attention: head_dim={q.shape[-1]} is not supported: expected one of {HEAD_DIMS}")
     if q.shape[2] != layout.total:
         raise ValueError(f"sparse_attention: sequence length {q.shape[2]} does not match the layout's "
                          f"{layout.total} rows ({layout!r})")
+    if coarse_gate is not None:
+        check_gate(coarse_gate, q)
+
+
+def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
+    """The coarse gate must be a real tensor on q's device that broadcasts to q's shape [B, H, S, D]
+    without changing it (e.g. [H, 1, 1])."""
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError(f"sparse_attention: coarse_gate must be a torch.Tensor broadcastable to {tuple(q.shape)}, "
+                        f"got {type(gate).__name__}")
+    try:
+        fits = torch.broadcast_shapes(gate.shape, q.shape) == q.shape
+    except RuntimeError:
+        fits = False
+    if not fits or not (gate.is_floating_point() or gate.dtype == torch.bool) or gate.device != q.device:
+        raise ValueError(f"sparse_attention: coarse_gate {_describe(gate)} is not allowed: expected a real tensor on "
+                         f"{q.device} broadcastable to the output {tuple(q.shape)} (e.g. [H, 1, 1])")
 
 
 def resolve_backend(config: SparseConfig, device: torch.device) -> str:
@@ -85,7 +121,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     `timings` synchronises the device to report plan and kernel milliseconds.
     """
     config = SparseConfig() if config is None else config
-    check_inputs(q, k, v, layout)
+    check_inputs(q, k, v, layout, config, coarse_gate)
     backend = resolve_backend(config, q.device)
     marks = [_now(q, timings)]
     plan = build_plan(q, k, v, layout, config)
