@@ -72,17 +72,14 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequ
 
 
 def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
-    """The coarse gate must be a real tensor on q's device that broadcasts to q's shape [B, H, S, D]
-    without changing it (e.g. [H, 1, 1])."""
+    """Raise unless the coarse gate is a floating tensor on q's device that broadcasts to q's shape
+    [B, H, S, D] without changing it (e.g. [H, 1, 1])."""
     if not isinstance(gate, torch.Tensor):
         raise TypeError(f"sparse_attention: coarse_gate must be a torch.Tensor broadcastable to {tuple(q.shape)}, "
                         f"got {type(gate).__name__}")
-    try:
-        fits = torch.broadcast_shapes(gate.shape, q.shape) == q.shape
-    except RuntimeError:
-        fits = False
-    if not fits or not (gate.is_floating_point() or gate.dtype == torch.bool) or gate.device != q.device:
-        raise ValueError(f"sparse_attention: coarse_gate {_describe(gate)} is not allowed: expected a real tensor on "
+    fits = gate.dim() <= q.dim() and all(g in (1, n) for g, n in zip(reversed(gate.shape), reversed(q.shape)))
+    if not fits or not gate.is_floating_point() or gate.device != q.device:
+        raise ValueError(f"sparse_attention: coarse_gate {_describe(gate)} is not allowed: expected a floating tensor on "
                          f"{q.device} broadcastable to the output {tuple(q.shape)} (e.g. [H, 1, 1])")
 
 

@@ -208,6 +208,8 @@ def test_random_gate_shapes_broadcast_or_are_named(monkeypatch):
     ungated, info = sparse_attention(q, q, q, SHORT, cfg, return_info=True)
     for _ in range(24):
         shape = tuple(rng.choice([0, 1, 2, 3, SHORT.total, D]) for _ in range(rng.randint(0, 5)))
+        if math.prod(shape) > 1 << 16:  # keep the test's own tensors small
+            continue
         gate = torch.rand(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(shape)))
         fits = len(shape) <= 4 and all(g in (1, n) for g, n in zip(shape[::-1], q.shape[::-1]))
         if fits:
