@@ -3,7 +3,8 @@
 - Non-finite values (seeded random positions, NaN / +inf / -inf): one in q leaves at most that
   row's query block non-finite; one in k or v loses no more rows than dense attention does
   (which loses the whole (batch, head)), and never touches another batch or head. Every tail,
-  tiling and granularity on the torch backend; a seeded sample of them in the Triton interpreter.
+  tiling and granularity on the torch backend; four cases in the Triton interpreter that take
+  each of them at least once; every case on the GPU (fused planner kernels; skipped without CUDA).
 - Empty batch or heads, and sequences shorter than one block: the right result on every tiling,
   tail and backend (an empty output; dense attention).
 - Wrong kinds of argument: TypeError or ValueError naming the argument and its value, raised
@@ -50,7 +51,7 @@ def config(tail: str, tiling: str, granularity: str, backend: str, rng: random.R
 
 
 def run(q, k, v, layout, cfg, **kwargs):
-    gate = torch.full((q.shape[1], 1, 1), 0.5, dtype=q.dtype) if cfg.tail == "coarse" else None
+    gate = torch.full((q.shape[1], 1, 1), 0.5, dtype=q.dtype, device=q.device) if cfg.tail == "coarse" else None
     return sparse_attention(q, k, v, layout, cfg, coarse_gate=gate, **kwargs)
 
 
@@ -96,11 +97,22 @@ def test_non_finite_inputs_stay_local_on_the_torch_backend(which):
 
 
 def test_non_finite_inputs_stay_local_in_the_triton_interpreter(interpreter):
+    """Four cases that take every tail, tiling and granularity at least once (the interpreter is slow)."""
     rng = random.Random(20)
-    for i, (tail, tiling, granularity) in enumerate(rng.sample(COMBOS, 4)):
-        which = "qkv"[i % 3]
+    for i, tail in enumerate(TAILS):
+        tiling, granularity = TILINGS[i % 2], TAIL_GRANULARITIES[(i // 2 + i) % 2]
+        which = "qkvq"[i]
         (q, k, v), where = poison(2000 + i, (1, 2, SMALL.total, D), which)
         check_locality(q, k, v, which, where, config(tail, tiling, granularity, "triton", rng), SMALL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused planner kernels and the compiled kernel need CUDA")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_non_finite_inputs_stay_local_on_the_gpu(backend):
+    for i, ((tail, tiling, granularity), which) in enumerate(itertools.product(COMBOS, "qkv")):
+        (q, k, v), where = poison(3000 + i, (2, 3, LAYOUT.total, D), which)
+        q, k, v = (x.cuda() for x in (q, k, v))
+        check_locality(q, k, v, which, where, config(tail, tiling, granularity, backend, random.Random(i)))
 
 
 def test_fused_summaries_leave_out_non_finite_rows_like_the_reference(interpreter):
