@@ -49,24 +49,29 @@ def _fail(field: str, value: Any, allowed: str) -> ValueError:
 
 
 def _is_bool(value: Any) -> bool:
-    """Python's or NumPy's bool (told by type, so NumPy need not be imported)."""
+    """Any kind of bool: Python's, NumPy's, a bool tensor or array (told by type and dtype, so
+    NumPy need not be imported)."""
     t = type(value)
-    return isinstance(value, bool) or (t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"))
+    return (isinstance(value, bool) or (t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"))
+            or str(getattr(value, "dtype", "")) in ("torch.bool", "bool"))
 
 
 def _kind(value: Any) -> str:
-    return "bool" if _is_bool(value) else type(value).__name__
+    scalar = tuple(getattr(value, "shape", ())) == ()
+    return "bool" if _is_bool(value) and scalar else type(value).__name__
 
 
-def spans(indices: Iterable[int]) -> str:
-    """Sorted indices as compact spans: (50, 51, 52, 99) -> '50-52, 99'."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
+def spans(runs: Iterable[tuple[int, int]]) -> str:
+    """Inclusive index ranges as text: [(50, 52), (99, 99)] -> '50-52, 99'."""
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def runs_of(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted indices as inclusive runs of consecutive values: (50, 51, 52, 99) -> [(50, 52), (99, 99)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        runs[-1:] = [(runs[-1][0], i)] if runs and runs[-1][1] == i - 1 else runs[-1:] + [(i, i)]
+    return runs
 
 
 def check_indices(indices: tuple[int, ...], field: str, limit: int, what: str) -> None:
@@ -80,7 +85,7 @@ def check_indices(indices: tuple[int, ...], field: str, limit: int, what: str) -
     """
     bad = [i for i in indices if i >= limit]
     if bad:
-        raise ValueError(f"{field}: {'index' if len(bad) == 1 else 'indices'} {spans(bad)} out of range: "
+        raise ValueError(f"{field}: {'index' if len(bad) == 1 else 'indices'} {spans(runs_of(bad))} out of range: "
                          f"expected 0-{limit - 1} ({what})")
 
 
@@ -120,8 +125,7 @@ def parse_layer_list(text: str, field: str = "SparseConfig.dense_layers", limit:
         ranges.append((lo, hi))
     bad = sorted((max(lo, limit), hi) for lo, hi in ranges if hi >= limit)
     if bad:
-        named = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in bad)
-        raise ValueError(f"{field}={show(text)} is not allowed: {named} out of range: expected indices "
+        raise ValueError(f"{field}={show(text)} is not allowed: {spans(bad)} out of range: expected indices "
                          f"0-{limit - 1} ({what})")
     return tuple(sorted({i for lo, hi in ranges for i in range(lo, hi + 1)}))
 
@@ -137,7 +141,7 @@ def as_index(field: str, value: Any, lo: int, hi: int, allowed: str) -> int:
         raise _fail(field, value, f"{allowed}, got {_kind(value)}") from None
     if not lo <= i <= hi:
         raise _fail(field, value, allowed)
-    return i
+    return int(i)
 
 
 Rule = Callable[[str, Any], Any]
@@ -182,8 +186,8 @@ def choice_rule(choices: tuple[Any, ...]) -> Rule:
 
 
 def bool_rule(field: str, value: Any) -> bool:
-    """True or False (Python's or NumPy's bool; 0 and 1 are not flags)."""
-    if not _is_bool(value):
+    """True or False: a bool scalar of any kind (0 and 1 are not flags)."""
+    if not _is_bool(value) or tuple(getattr(value, "shape", ())) != ():
         raise _fail(field, value, f"True or False, got {_kind(value)}")
     return bool(value)
 

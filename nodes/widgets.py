@@ -2,6 +2,8 @@
 
 The sparse node's widgets map one to one onto `SparseConfig` fields; their defaults, ranges and
 choices come from `SparseConfig` and `backend/config.py`, so the node cannot drift from the engine.
+The checks the nodes run on widget values (bounded index lists, the capture prefix, layers the
+model has) live here too, so they are tested without ComfyUI.
 """
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def out_of_type_values(seed: int) -> list:
     return [None, [], {}, (), set(), object(), b"64", 1j, float("nan"), float("inf"), -float("inf"), 10 ** 400,
             -(10 ** 400), True, False, np.bool_(True), np.int64(rng.randint(-5, 200)), np.float32(rng.random()),
             np.float64(rng.uniform(-2, 2)), np.str_("mean"), torch.tensor(1.5), torch.tensor(rng.randint(0, 130)),
-            torch.ones(3), rng.randint(-(10 ** 6), 10 ** 6), rng.uniform(-10, 10), float(rng.choice([64, 128])),
+            torch.tensor(True), torch.ones(3, dtype=torch.bool), np.zeros(2, dtype=bool), torch.ones(3), rng.randint(-(10 ** 6), 10 ** 6), rng.uniform(-10, 10), float(rng.choice([64, 128])),
             rng.choice(random_strings(seed, 8)), (1, rng.randint(0, 5000)), [0, np.int64(3)], ["1"], (0.5,),
             range(10 ** 12), range(3), {"a": 1}, "0-2,49"]
 
