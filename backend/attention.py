@@ -30,8 +30,26 @@ class SparseInfo:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> None:
-    """Raise ValueError naming the offending input when q, k, v cannot run sparse."""
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                 config: SparseConfig | None = None, coarse_gate: torch.Tensor | None = None) -> None:
+    """Raise TypeError (wrong kind of object) or ValueError (wrong shape, dtype, device) naming the
+    offending argument and its value when `sparse_attention` cannot run on these inputs.
+
+    Everything is decided from metadata: nothing is computed, copied or synchronised.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"sparse_attention: {name} must be a torch.Tensor [B, H, S, D], got {type(t).__name__}")
+    if not isinstance(layout, SequenceLayout):
+        raise TypeError(f"sparse_attention: layout must be a SequenceLayout (SequenceLayout.from_segments(...)), "
+                        f"got {type(layout).__name__}")
+    if config is not None and not isinstance(config, SparseConfig):
+        raise TypeError(f"sparse_attention: config must be a SparseConfig or None (SparseConfig(**values) for a "
+                        f"dict), got {type(config).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"sparse_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
@@ -42,12 +60,27 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequ
         raise ValueError(f"sparse_attention: q, k, v must have the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("sparse_attention: q, k, v must share one dtype and one device")
+        raise ValueError(f"sparse_attention: q, k, v must share one dtype and one device, got q {_describe(q)}, "
+                         f"k {_describe(k)}, v {_describe(v)}")
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"sparse_attention: head_dim={q.shape[-1]} is not supported: expected one of {HEAD_DIMS}")
     if q.shape[2] != layout.total:
         raise ValueError(f"sparse_attention: sequence length {q.shape[2]} does not match the layout's "
                          f"{layout.total} rows ({layout!r})")
+    if coarse_gate is not None:
+        check_gate(coarse_gate, q)
+
+
+def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
+    """Raise unless the coarse gate is a floating tensor on q's device that broadcasts to q's shape
+    [B, H, S, D] without changing it (e.g. [H, 1, 1])."""
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError(f"sparse_attention: coarse_gate must be a torch.Tensor broadcastable to {tuple(q.shape)}, "
+                        f"got {type(gate).__name__}")
+    fits = gate.dim() <= q.dim() and all(g in (1, n) for g, n in zip(reversed(gate.shape), reversed(q.shape)))
+    if not fits or not gate.is_floating_point() or gate.device != q.device:
+        raise ValueError(f"sparse_attention: coarse_gate {_describe(gate)} is not allowed: expected a floating tensor on "
+                         f"{q.device} broadcastable to the output {tuple(q.shape)} (e.g. [H, 1, 1])")
 
 
 def resolve_backend(config: SparseConfig, device: torch.device) -> str:
@@ -78,7 +111,8 @@ def exact_density(plan: Plan, seq_len: int) -> float:
     R = kp.q2k_idx.shape[-1]
     picked = (torch.arange(R, device=n.device) < kp.q2k_num.unsqueeze(-1)) & (kp.q2k_idx >= 0)
     keys = prefix[kp.dense_hi.long()] + torch.where(picked, n[kp.q2k_idx.long().clamp(min=0)], 0.0).sum(-1)
-    return float((keys * n).sum(-1).mean() / float(seq_len) ** 2)
+    pairs = (keys * n).sum(-1)
+    return float(pairs.mean() / float(seq_len) ** 2) if pairs.numel() else 0.0  # no batch or heads: none
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
@@ -92,7 +126,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     `timings` synchronises the device to report plan and kernel milliseconds.
     """
     config = SparseConfig() if config is None else config
-    check_inputs(q, k, v, layout)
+    check_inputs(q, k, v, layout, config, coarse_gate)
     backend = resolve_backend(config, q.device)
     marks = [_now(q, timings)]
     plan = build_plan(q, k, v, layout, config)

@@ -6,8 +6,11 @@ allowed, so a mistyped workflow fails loudly instead of silently running somethi
 """
 from __future__ import annotations
 
+import numbers
+import operator
+import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable, Iterable
 
 WARMUP_MODES = ("fidelity", "speed", "dense")
 SPARSE_SCOPES = ("target-video", "joint-video")
@@ -19,32 +22,218 @@ BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", "triton", "torch")
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 
+# Bounds of what a (possibly hostile) workflow or script may ask for, checked before any work.
+MAX_LAYERS = 1024  # layer indices are below this when the model is unknown (MiniMax-H3 has 50 blocks)
+MAX_STEPS = 10_000  # denoising step indices are below this
+MAX_LIST_CHARS = 1024  # characters of an index-list widget such as "0-2,49"
+MAX_MIN_TOKENS = 1 << 22  # largest min_tokens
+SHOWN_CHARS = 60  # characters of a bad value quoted in an error message
+
+_INDEX_PART = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?", re.ASCII)
+
+
+def show(value: Any) -> str:
+    """`repr(value)` cut to SHOWN_CHARS characters, so an error never echoes (or builds) a huge input."""
+    if isinstance(value, (str, bytes)) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict, set, frozenset)) and len(value) > 8:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({type(value).__name__})"
+
 
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"SparseConfig.{field}={value!r} is not allowed: expected {allowed}")
+    return ValueError(f"SparseConfig.{field}={show(value)} is not allowed: expected {allowed}")
 
 
-def parse_layer_list(text: str, field: str = "SparseConfig.dense_layers") -> tuple[int, ...]:
-    """Parse a widget string such as ``"0, 1, 48-49"`` into sorted unique indices.
+def _is_bool(value: Any) -> bool:
+    """Any kind of bool: Python's, NumPy's, a bool tensor or array (told by type and dtype, so
+    NumPy need not be imported)."""
+    t = type(value)
+    return (isinstance(value, bool) or (t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"))
+            or str(getattr(value, "dtype", "")) in ("torch.bool", "bool"))
 
-    `field` names the widget in error messages (the capture node parses layers and steps too).
+
+def _kind(value: Any) -> str:
+    scalar = tuple(getattr(value, "shape", ())) == ()
+    return "bool" if _is_bool(value) and scalar else type(value).__name__
+
+
+def spans(runs: Iterable[tuple[int, int]]) -> str:
+    """Inclusive index ranges as text: [(50, 52), (99, 99)] -> '50-52, 99'."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def runs_of(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted indices as inclusive runs of consecutive values: (50, 51, 52, 99) -> [(50, 52), (99, 99)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        runs[-1:] = [(runs[-1][0], i)] if runs and runs[-1][1] == i - 1 else runs[-1:] + [(i, i)]
+    return runs
+
+
+def check_indices(indices: tuple[int, ...], field: str, limit: int, what: str) -> None:
+    """Raise ValueError naming the indices of the sorted tuple `indices` that are >= `limit`.
+
+    Args:
+        indices: sorted non-negative indices.
+        field: the widget or argument, for the message.
+        limit: every index must be below it.
+        what: where `limit` comes from (e.g. "the model has 50 layers"), for the message.
     """
-    layers: set[int] = set()
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
+    bad = [i for i in indices if i >= limit]
+    if bad:
+        raise ValueError(f"{field}: {'index' if len(bad) == 1 else 'indices'} {spans(runs_of(bad))} out of range: "
+                         f"expected 0-{limit - 1} ({what})")
+
+
+def parse_layer_list(text: str, field: str = "SparseConfig.dense_layers", limit: int = MAX_LAYERS,
+                     what: str = f"at most {MAX_LAYERS} layers") -> tuple[int, ...]:
+    """Parse a widget string such as ``"0, 1, 48-49"`` into sorted unique indices below `limit`.
+
+    The text's length and every index are bounded before a range is expanded, so a hostile
+    string is rejected in microseconds; indices at or above `limit` are named in the error.
+
+    Args:
+        text: comma-separated ASCII indices or ranges lo-hi (lo <= hi); empty parts are ignored.
+        field: the widget in error messages (the capture node parses layers and steps too).
+        limit: every index must be below it (the model's layer count, or a fixed maximum).
+        what: where `limit` comes from, for the message.
+    Returns:
+        The sorted unique indices.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{field}={show(text)} is not allowed: expected a string such as '0,1,48-49', "
+                        f"got {_kind(text)}")
+    if len(text) > MAX_LIST_CHARS:
+        raise ValueError(f"{field}={show(text)} is not allowed: expected at most {MAX_LIST_CHARS} characters")
+    ranges = []
+    for part in text.split(","):
+        if not part.strip():
             continue
-        lo, sep, hi = part.partition("-")
+        match = _INDEX_PART.fullmatch(part)
+        if match is None:
+            raise ValueError(f"{field}={show(text)} is not allowed: {show(part.strip())} is not an index or a range: "
+                             "expected comma-separated indices or ranges lo-hi like '0,1,48-49'")
+        lo = int(match.group(1))  # at most MAX_LIST_CHARS digits
+        hi = lo if match.group(2) is None else int(match.group(2))
+        if hi < lo:
+            raise ValueError(f"{field}={show(text)} is not allowed: range {lo}-{hi} has lo > hi: expected ranges "
+                             "lo-hi with lo <= hi")
+        ranges.append((lo, hi))
+    bad = sorted((max(lo, limit), hi) for lo, hi in ranges if hi >= limit)
+    if bad:
+        raise ValueError(f"{field}={show(text)} is not allowed: {spans(bad)} out of range: expected indices "
+                         f"0-{limit - 1} ({what})")
+    return tuple(sorted({i for lo, hi in ranges for i in range(lo, hi + 1)}))
+
+
+def as_index(field: str, value: Any, lo: int, hi: int, allowed: str) -> int:
+    """`value` as an int in [lo, hi]: ints, NumPy integers and one-element integer tensors pass;
+    bools and floats do not (a float where an integer is meant is a mistake, not a rounding)."""
+    if _is_bool(value) or isinstance(value, float):
+        raise _fail(field, value, f"{allowed}, got {_kind(value)}")
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise _fail(field, value, f"{allowed}, got {_kind(value)}") from None
+    if not lo <= i <= hi:
+        raise _fail(field, value, allowed)
+    return int(i)
+
+
+Rule = Callable[[str, Any], Any]
+
+
+def number_rule(lo: float, hi: float) -> Rule:
+    """A real number in [lo, hi] (int, float, NumPy scalar; not a bool), normalised to float."""
+    allowed = f"a number in [{lo}, {hi}]"
+
+    def rule(field: str, value: Any) -> float:
+        if _is_bool(value) or not isinstance(value, numbers.Real):
+            raise _fail(field, value, f"{allowed}, got {_kind(value)}")
+        if not lo <= value <= hi:  # NaN fails too; compared before float() so a huge int cannot overflow
+            raise _fail(field, value, allowed)
+        return float(value)
+
+    return rule
+
+
+def int_rule(lo: int, hi: int) -> Rule:
+    """An integer in [lo, hi], normalised to int."""
+    return lambda field, value: as_index(field, value, lo, hi, f"an integer in [{lo}, {hi}]")
+
+
+def choice_rule(choices: tuple[Any, ...]) -> Rule:
+    """One of `choices` (all str or all int), normalised to the choices' type."""
+    allowed = "one of " + ", ".join(repr(c) for c in choices)
+
+    def rule(field: str, value: Any) -> Any:
+        if isinstance(choices[0], int):
+            i = as_index(field, value, min(choices), max(choices), allowed)
+            if i not in choices:
+                raise _fail(field, value, allowed)
+            return i
+        if not isinstance(value, str):
+            raise _fail(field, value, f"{allowed}, got {_kind(value)}")
+        if value not in choices:
+            raise _fail(field, value, allowed)
+        return str(value)
+
+    return rule
+
+
+def bool_rule(field: str, value: Any) -> bool:
+    """True or False: a bool scalar of any kind (0 and 1 are not flags)."""
+    if not _is_bool(value) or tuple(getattr(value, "shape", ())) != ():
+        raise _fail(field, value, f"True or False, got {_kind(value)}")
+    return bool(value)
+
+
+def layers_rule(field: str, value: Any) -> tuple[int, ...]:
+    """Layer indices below MAX_LAYERS from a widget string or a tuple/list/set/range of integers,
+    normalised to a sorted tuple of unique ints."""
+    if isinstance(value, str):
+        return parse_layer_list(value, f"SparseConfig.{field}")
+    allowed = (f"a tuple of non-negative layer indices below {MAX_LAYERS} or a string such as '0-2,49'")
+    if not isinstance(value, (tuple, list, range, set, frozenset)):
+        raise _fail(field, value, f"{allowed}, got {_kind(value)}")
+    if len(value) > MAX_LAYERS:
+        raise _fail(field, value, f"{allowed}, at most {MAX_LAYERS} of them")
+    indices = set()
+    for item in value:
         try:
-            a = int(lo)
-            b = int(hi) if sep else a
-        except ValueError:
-            raise ValueError(f"{field}={text!r} is not allowed: expected comma-separated indices or ranges "
-                             "like '0,1,48-49'") from None
-        if a < 0 or b < a:
-            raise ValueError(f"{field}={text!r} is not allowed: expected non-negative indices and ranges lo-hi "
-                             "with lo <= hi")
-        layers.update(range(a, b + 1))
-    return tuple(sorted(layers))
+            i = None if _is_bool(item) or isinstance(item, float) else operator.index(item)
+        except TypeError:
+            i = None
+        if i is None or i < 0:
+            raise _fail(field, value, f"{allowed}; {show(item)} is not one")
+        indices.add(i)
+    result = tuple(sorted(indices))
+    check_indices(result, f"SparseConfig.{field}", MAX_LAYERS, f"at most {MAX_LAYERS} layers")
+    return result
+
+
+# One rule per field: SparseConfig checks that every field has one, so a new field cannot go unvalidated.
+RULES: dict[str, Rule] = {
+    "topk_ratio": number_rule(0.01, 1.0),
+    "warmup_mode": choice_rule(WARMUP_MODES),
+    "warmup_ratio": number_rule(0.0, 1.0),
+    "sparse_scope": choice_rule(SPARSE_SCOPES),
+    "tail_granularity": choice_rule(TAIL_GRANULARITIES),
+    "tiling": choice_rule(TILINGS),
+    "reblock_layout": choice_rule(REBLOCK_LAYOUTS),
+    "tail": choice_rule(TAILS),
+    "dense_layers": layers_rule,
+    "min_tokens": int_rule(0, MAX_MIN_TOKENS),
+    "block_size": choice_rule(BLOCK_SIZES),
+    "strict": bool_rule,
+    "backend": choice_rule(BACKENDS),
+    "dense_attention": choice_rule(DENSE_ATTENTIONS),
+}
 
 
 @dataclass(frozen=True)
@@ -85,41 +274,11 @@ class SparseConfig:
     dense_attention: str = "fastest"
 
     def __post_init__(self) -> None:
-        if isinstance(self.dense_layers, str):
-            object.__setattr__(self, "dense_layers", parse_layer_list(self.dense_layers))
-        self._check_number("topk_ratio", 0.01, 1.0)
-        self._check_number("warmup_ratio", 0.0, 1.0)
-        for name, choices in (
-            ("warmup_mode", WARMUP_MODES),
-            ("sparse_scope", SPARSE_SCOPES),
-            ("tail_granularity", TAIL_GRANULARITIES),
-            ("tiling", TILINGS),
-            ("reblock_layout", REBLOCK_LAYOUTS),
-            ("tail", TAILS),
-            ("backend", BACKENDS),
-            ("dense_attention", DENSE_ATTENTIONS),
-        ):
-            value = getattr(self, name)
-            if value not in choices:
-                raise _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
-        if self.block_size not in BLOCK_SIZES or isinstance(self.block_size, bool):
-            raise _fail("block_size", self.block_size, "64 or 128")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise _fail("min_tokens", self.min_tokens, "an integer >= 0")
-        if not isinstance(self.strict, bool):
-            raise _fail("strict", self.strict, "True or False")
-        layers = self.dense_layers
-        if not isinstance(layers, tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
-        ):
-            raise _fail("dense_layers", layers, "a tuple of non-negative layer indices")
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
-
-    def _check_number(self, name: str, lo: float, hi: float) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            raise _fail(name, value, f"a number in [{lo}, {hi}]")
-        object.__setattr__(self, name, float(value))
+        for f in fields(self):
+            rule = RULES.get(f.name)
+            if rule is None:
+                raise TypeError(f"SparseConfig.{f.name} has no validation rule in backend/config.py RULES")
+            object.__setattr__(self, f.name, rule(f.name, getattr(self, f.name)))
 
     def replace(self, **changes: Any) -> "SparseConfig":
         """A copy with some fields changed (validated again)."""

@@ -50,13 +50,14 @@ def _segment(index: int, raw: Any) -> Segment:
     if not isinstance(raw, (tuple, list)) or len(raw) not in (3, 4):
         raise ValueError(f"{where}: expected (start, stop, kind) or (start, stop, kind, (T, H, W))")
     start, stop, kind = raw[0], raw[1], raw[2]
-    grid = tuple(raw[3]) if len(raw) == 4 and raw[3] is not None else None
+    grid = raw[3] if len(raw) == 4 else None
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop)) or not 0 <= start < stop:
         raise ValueError(f"{where}: start and stop must be integers with 0 <= start < stop")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
     if grid is not None:
-        if len(grid) != 3 or not all(isinstance(g, int) and g > 0 for g in grid):
+        grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+        if len(grid) != 3 or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid):
             raise ValueError(f"{where}: grid must be three positive integers (T, H, W), got {grid!r}")
         if grid[0] * grid[1] * grid[2] != stop - start:
             raise ValueError(
@@ -72,6 +73,9 @@ class SequenceLayout:
     """Validated segments of one packed sequence and the regions derived from them."""
 
     def __init__(self, segments: Sequence[Segment]):
+        if not isinstance(segments, (tuple, list)) or not all(isinstance(s, Segment) for s in segments):
+            raise TypeError("SequenceLayout(segments) takes a list of Segment; build a layout from tuples with "
+                            f"SequenceLayout.from_segments, got {type(segments).__name__}")
         self.segments: tuple[Segment, ...] = tuple(segments)
         if not self.segments:
             raise ValueError("SequenceLayout needs at least one segment")
@@ -94,6 +98,9 @@ class SequenceLayout:
     @classmethod
     def from_segments(cls, segments: Iterable[Any]) -> "SequenceLayout":
         """Build from ``(start, stop, kind[, (T, H, W)])`` tuples in token order."""
+        if isinstance(segments, (str, bytes, dict)) or not isinstance(segments, Iterable):
+            raise TypeError("SequenceLayout.from_segments takes a list of (start, stop, kind[, (T, H, W)]) tuples, "
+                            f"got {type(segments).__name__}")
         return cls([_segment(i, raw) for i, raw in enumerate(segments)])
 
     @classmethod

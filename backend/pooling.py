@@ -38,19 +38,23 @@ def block_rows(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, h0: int, h1:
 def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """Per-block means over valid rows [B, H, J, D]; pooling divides by each block's true length.
 
-    Rows are summed in the accumulation dtype without materialising an upcast copy."""
+    Rows are summed in the accumulation dtype without materialising an upcast copy. Non-finite
+    entries of a mean (a NaN or inf row in the block) become 0, on the device: everything pooled
+    from the means (scores, TopK, anchors, block summaries) stays finite, so one bad row cannot
+    spread beyond the rows that read it directly. Finite means are unchanged."""
     B, H, _, D = x.shape
     acc = accum_dtype(x)
     n = tiling.block_len.to(acc).view(1, 1, -1, 1)
     if fused_planner(x):
         from ..kernels.block_stats import block_sums_triton
 
-        return block_sums_triton(x, perm, tiling.block_len, tiling.block_size) / n
-    out = x.new_empty(B, H, tiling.num_blocks, D, dtype=acc)
-    for h0 in range(0, H, POOL_HEADS):
-        h1 = min(H, h0 + POOL_HEADS)
-        rows = pack(x[:, h0:h1], head_slice(perm, h0, h1))
-        out[:, h0:h1] = rows.view(B, h1 - h0, tiling.num_blocks, tiling.block_size, D).sum(3, dtype=acc) / n
-    return out
+        out = block_sums_triton(x, perm, tiling.block_len, tiling.block_size) / n
+    else:
+        out = x.new_empty(B, H, tiling.num_blocks, D, dtype=acc)
+        for h0 in range(0, H, POOL_HEADS):
+            h1 = min(H, h0 + POOL_HEADS)
+            rows = pack(x[:, h0:h1], head_slice(perm, h0, h1))
+            out[:, h0:h1] = rows.view(B, h1 - h0, tiling.num_blocks, tiling.block_size, D).sum(3, dtype=acc) / n
+    return out.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 

@@ -452,6 +452,9 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
     check_inputs(q, k, layout, block_size, layout_mode)
     B, H, _, D = q.shape
     static = cached_static(layout, block_size, q.device)
+    if B * H == 0:  # an empty batch or no heads: nothing to lay out, every tiling is the same empty one
+        empty = torch.empty(B, H, static.block_len.numel() * block_size, dtype=torch.int32, device=q.device)
+        return Tiling(block_size, empty, empty, static.block_len, tuple(layout.regions()), static.region_blocks)
     sides = 2 if layout_mode == "independent" else 1
     pieces = []
     for seg, part in zip(layout.regions(), static.parts):

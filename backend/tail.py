@@ -9,6 +9,11 @@
   after normalisation, scaled by a gate (zero when the model has none).
 Summaries are built in fp32 (fp64 for fp64 inputs). With `block` granularity, the summaries
 of a query block are reduced once, at its mean query, to one log-mass and one value.
+
+Non-finite inputs stay local: block means are finite (`pooling.block_means`), so the anchor and
+the mean summaries are; a row with a non-finite key is left out of its block's reweighted
+summary, key and value (a block without a finite key gets bias -inf: no summary), so one bad
+key cannot reach every query through the summaries.
 """
 from __future__ import annotations
 
@@ -61,13 +66,16 @@ def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor:
         h1 = min(H, h0 + POOL_HEADS)
         a = anchor[:, h0:h1].to(acc)
         kk = block_rows(k, tiling.k_perm, tiling, h0, h1)
+        good = valid & torch.isfinite(kk).all(-1)  # a non-finite key row is left out of its block's summary
+        kk = kk.masked_fill(~good.unsqueeze(-1), 0.0)
         logits = torch.einsum("bhjsd,bhd->bhjs", kk, a) * scale
-        logits = logits.masked_fill(~valid, float("-inf"))
-        lse = torch.logsumexp(logits, -1)
-        w = torch.exp(logits - lse.unsqueeze(-1))
+        logits = logits.masked_fill(~good, float("-inf"))
+        lse = torch.logsumexp(logits, -1)  # -inf for a block without a finite key: its bias drops it
+        w = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
         stored = torch.einsum("bhjs,bhjsd->bhjd", w, kk).to(k.dtype)
         key[:, h0:h1] = stored
-        value[:, h0:h1] = torch.einsum("bhjs,bhjsd->bhjd", w, block_rows(v, tiling.k_perm, tiling, h0, h1)).to(v.dtype)
+        vv = block_rows(v, tiling.k_perm, tiling, h0, h1).masked_fill(~good.unsqueeze(-1), 0.0)
+        value[:, h0:h1] = torch.einsum("bhjs,bhjsd->bhjd", w, vv).to(v.dtype)
         bias[:, h0:h1] = lse - torch.einsum("bhjd,bhd->bhj", stored.to(acc), a) * scale
     return key, value, bias
 

@@ -5,10 +5,11 @@ those rows of the input straight from model order (no permuted or upcast copy in
 reduces them in fp32. The block sums feed the block means (routing, coarse tail); the summary
 kernel builds a block's tail summary in one pass over its K and V rows:
 
-- with an anchor a: weights softmax(a.k / sqrt(D)) over the block's valid rows; key sum w k
-  stored in K's dtype, value sum w v, bias logsumexp - a.key / sqrt(D) against the stored
-  (rounded) key, the definition of `backend/tail.reweight_summaries`;
-- without: mean key and value and bias log(n), as `backend/tail.mean_summaries`.
+- with an anchor a: weights softmax(a.k / sqrt(D)) over the block's valid rows with a finite key
+  (rows with a non-finite key are left out, their values too);
+  key sum w k stored in K's dtype, value sum w v, bias logsumexp - a.key / sqrt(D) against the
+  stored (rounded) key (-inf without finite keys), the definition of `backend/tail.reweight_summaries`;
+- without: mean key and value (non-finite entries 0) and bias log(n), as `backend/tail.mean_summaries`.
 
 The torch code in `backend/` stays the reference (CPU, float64). Importing this module imports
 Triton: the backend imports it only on demand.
@@ -70,19 +71,29 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
     valid = tl.arange(0, BLOCK_S) < n
     kb = _gather_rows(K, rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, dmask)
     if REWEIGHT:
+        # a non-finite key row is left out (NaN and +-inf fail |x| < inf); no finite key: no summary
+        good = valid & (tl.sum(tl.where(tl.abs(kb) < float("inf"), 0, 1), 1) == 0)
+        kb = tl.where(good[:, None], kb, 0.0)
         a = tl.load(Anchor + bh.to(tl.int64) * D + offs_d, mask=dmask, other=0.0)
-        logit = tl.where(valid, tl.sum(kb * a[None, :], 1) * scale, float("-inf"))
+        logit = tl.where(good, tl.sum(kb * a[None, :], 1) * scale, float("-inf"))
         m = tl.max(logit, 0)
-        p = tl.exp(logit - m)
-        norm = tl.sum(p, 0)
-        lse = m + tl.log(norm)
+        p = tl.exp(logit - tl.where(m > float("-inf"), m, 0.0))
+        total = tl.sum(p, 0)
+        norm = tl.where(total > 0.0, total, 1.0)
+        lse = tl.where(total > 0.0, m + tl.log(norm), float("-inf"))
     else:
         p = tl.where(valid, 1.0, 0.0)
         norm = n.to(tl.float32)
-    key = tl.div_rn(tl.sum(p[:, None] * kb, 0), norm).to(Key.dtype.element_ty)
-    tl.store(Key + row * D + offs_d, key, mask=dmask)
+    key = tl.div_rn(tl.sum(p[:, None] * kb, 0), norm)
     vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask)
+    if REWEIGHT:
+        vb = tl.where(good[:, None], vb, 0.0)  # the left-out rows' values too (0 * inf would be NaN)
     value = tl.div_rn(tl.sum(p[:, None] * vb, 0), norm)
+    if not REWEIGHT:  # non-finite means become 0, as `pooling.block_means` makes them
+        key = tl.where(tl.abs(key) < float("inf"), key, 0.0)
+        value = tl.where(tl.abs(value) < float("inf"), value, 0.0)
+    key = key.to(Key.dtype.element_ty)
+    tl.store(Key + row * D + offs_d, key, mask=dmask)
     tl.store(Value + row * D + offs_d, value.to(Value.dtype.element_ty), mask=dmask)
     if REWEIGHT:
         bias = lse - tl.sum(key.to(tl.float32) * a, 0) * scale

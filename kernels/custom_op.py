@@ -37,7 +37,15 @@ def _fake(q, k, v, q_perm, k_perm, block_len, dense_hi, q2k_idx, q2k_num,
 
 def block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
                     scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call the custom op with the tensors of `plan` (scale defaults to head_dim ** -0.5)."""
+    """Call the custom op with the tensors of `plan` (scale defaults to head_dim ** -0.5).
+
+    The kernel is forward only: inputs that require grad (with grad mode on) are refused here,
+    before anything runs, instead of returning outputs whose backward fails later."""
+    needs_grad = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
+    if needs_grad and torch.is_grad_enabled():
+        raise ValueError(f"backend='triton': {', '.join(needs_grad)} require grad, but the fused Triton kernel has no "
+                         "backward: call it under torch.no_grad() or torch.inference_mode(), detach the inputs, or use "
+                         "backend='torch' (the differentiable reference)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return block_sparse_attention(q, k, v, plan.q_perm, plan.k_perm, plan.block_len, plan.dense_hi,
                                   plan.q2k_idx, plan.q2k_num, plan.tail_k, plan.tail_v, plan.tail_bias,

@@ -19,7 +19,8 @@ from ..backend.h3_patch import BlockHook, install, linear_weights, on_device, un
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from .schema import io_input
-from .widgets import CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_WIDGETS, CATEGORY, capture_selection
+from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_WIDGETS, CATEGORY, capture_selection, check_prefix,
+                      model_layer_count, validation_answer)
 
 log = logging.getLogger("adaptive_sparse_attention")
 
@@ -111,9 +112,23 @@ class CaptureH3Attention(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, layers: str | None = None, steps: str | None = None,
+                        filename_prefix: str | None = None) -> bool | str:
+        """Refuse malformed or unbounded widget strings when the prompt is queued (values linked from
+        another node are None here and are checked in `execute`)."""
+        def check() -> None:
+            if layers is not None and steps is not None:
+                capture_selection(layers, steps)
+            if filename_prefix is not None:
+                check_prefix(filename_prefix)
+
+        return validation_answer(check)
+
+    @classmethod
     def execute(cls, model, layers: str, steps: str, filename_prefix: str) -> io.NodeOutput:
         import folder_paths
 
-        chosen_layers, chosen_steps = capture_selection(layers, steps)
+        chosen_layers, chosen_steps = capture_selection(layers, steps, model_layer_count(model))
+        check_prefix(filename_prefix)
         hook = CaptureHook(chosen_layers, chosen_steps, filename_prefix, folder_paths.get_output_directory())
         return io.NodeOutput(install(model, hook))

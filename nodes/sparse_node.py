@@ -5,7 +5,9 @@ from comfy_api.latest import io
 
 from ..backend.h3_patch import apply_sparse_attention
 from .schema import io_input
-from .widgets import CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_WIDGETS, config_from_widgets
+from ..backend.config import parse_layer_list
+from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_WIDGETS, check_dense_layers,
+                      config_from_widgets, model_layer_count, validation_answer)
 
 
 class AdaptiveSparseAttentionH3(io.ComfyNode):
@@ -26,5 +28,16 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, dense_layers: str | None = None) -> bool | str:
+        """Refuse a malformed or unbounded dense_layers when the prompt is queued (ComfyUI checks the
+        ranges and choices of the other widgets; a value linked from another node is None here and
+        is checked in `execute`)."""
+        if dense_layers is None:
+            return True
+        return validation_answer(lambda: parse_layer_list(dense_layers, f"{SPARSE_NODE_NAME}.dense_layers"))
+
+    @classmethod
     def execute(cls, model, **widgets) -> io.NodeOutput:
-        return io.NodeOutput(apply_sparse_attention(model, config_from_widgets(widgets)))
+        config = config_from_widgets(widgets)
+        check_dense_layers(config, model_layer_count(model))
+        return io.NodeOutput(apply_sparse_attention(model, config))

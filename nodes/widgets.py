@@ -2,14 +2,17 @@
 
 The sparse node's widgets map one to one onto `SparseConfig` fields; their defaults, ranges and
 choices come from `SparseConfig` and `backend/config.py`, so the node cannot drift from the engine.
+The checks the nodes run on widget values (bounded index lists, the capture prefix, layers the
+model has) live here too, so they are tested without ComfyUI.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from ..backend.config import (DENSE_ATTENTIONS, REBLOCK_LAYOUTS, SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES,
-                              SparseConfig, parse_layer_list)
+from ..backend.config import (DENSE_ATTENTIONS, MAX_LAYERS, MAX_MIN_TOKENS, MAX_STEPS, REBLOCK_LAYOUTS,
+                              SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES, SparseConfig,
+                              check_indices, parse_layer_list, show)
 
 SPARSE_NODE_ID = "AdaptiveSparseAttentionH3"
 SPARSE_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3)"
@@ -77,7 +80,7 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
                    "branch)."),
     Widget("dense_layers", "string", ",".join(map(str, _D.dense_layers)), advanced=True,
            tooltip="Layers that always run dense, e.g. '0,1' or '0-2,49'. Empty: none."),
-    Widget("min_tokens", "int", _D.min_tokens, min=0, max=1 << 22, step=1, advanced=True,
+    Widget("min_tokens", "int", _D.min_tokens, min=0, max=MAX_MIN_TOKENS, step=1, advanced=True,
            tooltip="Sequences shorter than this run dense (sparse attention only pays off on long videos)."),
     Widget("block_size", "int", _D.block_size, min=64, max=128, step=64, advanced=True,
            tooltip="Tokens per attention block: 64 (finer selection) or 128."),
@@ -108,10 +111,61 @@ def config_from_widgets(values: dict[str, Any]) -> SparseConfig:
     return SparseConfig(**{w.name: values[w.name] for w in SPARSE_WIDGETS})
 
 
-def capture_selection(layers: str, steps: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Layer and step indices of the capture node's widgets."""
-    chosen = (parse_layer_list(layers, f"{CAPTURE_NODE_NAME}.layers"), parse_layer_list(steps, f"{CAPTURE_NODE_NAME}.steps"))
-    for name, picked in zip(("layers", "steps"), chosen):
+MAX_PREFIX_CHARS = 200  # characters of the capture node's filename_prefix
+
+
+def layer_bound(num_layers: int | None) -> tuple[int, str]:
+    """(limit, where it comes from) for layer indices: the model's block count, else MAX_LAYERS."""
+    if num_layers is None:
+        return MAX_LAYERS, f"at most {MAX_LAYERS} layers"
+    return num_layers, f"the model has {num_layers} layers"
+
+
+def model_layer_count(model: Any) -> int | None:
+    """Number of DiT blocks of a ComfyUI MODEL (ModelPatcher), or None when it has no block list
+    (the H3 check of the patch then says what is wrong)."""
+    get = getattr(model, "get_model_object", None)
+    try:
+        blocks = getattr(get("diffusion_model"), "blocks", None) if callable(get) else None
+    except (AttributeError, KeyError):
+        return None
+    return len(blocks) if blocks is not None and hasattr(blocks, "__len__") else None
+
+
+def check_dense_layers(config: SparseConfig, num_layers: int | None) -> None:
+    """Raise ValueError naming the dense_layers the model does not have."""
+    check_indices(config.dense_layers, f"{SPARSE_NODE_NAME}.dense_layers", *layer_bound(num_layers))
+
+
+def capture_selection(layers: str, steps: str, num_layers: int | None = None
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Layer and step indices of the capture node's widgets, layers below the model's block count
+    (MAX_LAYERS when unknown) and steps below MAX_STEPS."""
+    chosen = (parse_layer_list(layers, f"{CAPTURE_NODE_NAME}.layers", *layer_bound(num_layers)),
+              parse_layer_list(steps, f"{CAPTURE_NODE_NAME}.steps", MAX_STEPS, f"at most {MAX_STEPS} steps"))
+    for name, text, picked in zip(("layers", "steps"), (layers, steps), chosen):
         if not picked:
-            raise ValueError(f"{CAPTURE_NODE_NAME}.{name} is empty: expected indices such as '0,24,49'")
+            raise ValueError(f"{CAPTURE_NODE_NAME}.{name}={show(text)} is empty: expected indices such as '0,24,49'")
     return chosen
+
+
+def check_prefix(prefix: str) -> str:
+    """The capture node's filename_prefix when it is a short printable string (the output-folder
+    containment is checked where the folder is known)."""
+    field = f"{CAPTURE_NODE_NAME}.filename_prefix"
+    if not isinstance(prefix, str):
+        raise TypeError(f"{field}={show(prefix)} is not allowed: expected a string, got {type(prefix).__name__}")
+    if not prefix.strip() or len(prefix) > MAX_PREFIX_CHARS or not prefix.isprintable():
+        raise ValueError(f"{field}={show(prefix)} is not allowed: expected 1-{MAX_PREFIX_CHARS} printable characters "
+                         "such as 'h3_attention/capture'")
+    return prefix
+
+
+def validation_answer(check: Callable[[], Any]) -> bool | str:
+    """What a node's `validate_inputs` returns to ComfyUI: True, or the message of the ValueError
+    or TypeError `check` raised. ComfyUI then refuses the prompt before anything runs."""
+    try:
+        check()
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return True

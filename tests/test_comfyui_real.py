@@ -257,11 +257,11 @@ def server(comfy, tmp_path_factory):
         shutil.rmtree(custom, ignore_errors=True)
 
 
-def test_server_prompt_runs_the_sparse_path(server):
-    url, log_path = server
-    prompt = {
+def sparse_prompt(**changes) -> dict:
+    """API prompt: loader -> our node (SPARSE plus `changes`) -> KSampler -> sink."""
+    return {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": CKPT, "weight_dtype": "default"}},
-        "2": {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": ["1", 0], **SPARSE}},
+        "2": {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": ["1", 0], **SPARSE, **changes}},
         "3": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": LATENT},
         "4": {"class_type": "ASATestConditioning", "inputs": {"seed": 1, "tokens": 7, "dim": 48}},
         "5": {"class_type": "ASATestConditioning", "inputs": {"seed": 2, "tokens": 7, "dim": 48}},
@@ -270,15 +270,23 @@ def test_server_prompt_runs_the_sparse_path(server):
                                                    "negative": ["5", 0], "latent_image": ["3", 0], "denoise": 1.0}},
         "7": {"class_type": "ASATestSink", "inputs": {"samples": ["6", 0]}},
     }
+
+
+def run_prompt(url: str, log_path: Path, prompt: dict, seconds: float = 240) -> dict:
+    """Queue `prompt` and wait for its history entry."""
     prompt_id = get_json(url + "/prompt", {"prompt": prompt})["prompt_id"]
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         history = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
         if history and history.get("status", {}).get("completed") is not None:
-            break
-        time.sleep(1)
-    else:
-        pytest.fail("the prompt did not finish in 240 s:\n" + log_path.read_text()[-3000:])
+            return history
+        time.sleep(0.5)
+    pytest.fail(f"the prompt did not finish in {seconds} s:\n" + log_path.read_text()[-3000:])
+
+
+def test_server_prompt_runs_the_sparse_path(server):
+    url, log_path = server
+    history = run_prompt(url, log_path, sparse_prompt())
     assert history["status"]["status_str"] == "success", json.dumps(history["status"])[:3000]
     assert history["outputs"]["7"]["finite"] == [True, True]
     found = [tuple(map(int, m.groups())) for m in SUMMARY.finditer(log_path.read_text())]
@@ -348,3 +356,50 @@ def test_workflows_pass_server_validation_except_missing_files(server):
         assert problems and all((kind, name) in missing_files for _, kind, name, _ in problems), (path.name, problems)
         checked += 1
     assert checked >= 3
+
+
+def capture_prompt(**widgets) -> dict:
+    """sparse_prompt with the capture node between the loader and the sampler instead."""
+    prompt = sparse_prompt()
+    prompt["8"] = {"class_type": "CaptureH3Attention", "inputs": {
+        "model": ["1", 0], **{"layers": "0", "steps": "1", "filename_prefix": "caps/hostile", **widgets}}}
+    prompt["6"]["inputs"]["model"] = ["8", 0]
+    return prompt
+
+
+def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
+    """A shared workflow with hostile widget strings: refused at /prompt by our validate_inputs
+    (malformed or unbounded strings) or when our node runs (values ComfyUI lets through, such as
+    NaN from JSON, and layers the model does not have), each time with a message naming the
+    widget; afterwards the server still answers and runs a good prompt."""
+    url, log_path = server
+    at_the_door = [  # (prompt, widget, text in the message)
+        (sparse_prompt(dense_layers="0-99999999999999999999"), "dense_layers", "out of range: expected indices 0-1023"),
+        (sparse_prompt(dense_layers="0-2," * 2000), "dense_layers", "at most 1024 characters"),
+        (sparse_prompt(dense_layers="0;rm -rf /"), "dense_layers", "is not an index or a range"),
+        (capture_prompt(layers="1-" + "9" * 500), "layers", "out of range"),
+        (capture_prompt(steps="1e9"), "steps", "is not an index or a range"),
+        (capture_prompt(filename_prefix="a\x00b"), "filename_prefix", "printable characters"),
+    ]
+    for prompt, widget, text in at_the_door:
+        start = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            get_json(url + "/prompt", {"prompt": prompt})
+        assert time.monotonic() - start < 5
+        body = json.loads(err.value.read())
+        details = [e.get("details", "") for errors in body["node_errors"].values() for e in errors["errors"]]
+        assert any(f".{widget}=" in d and text in d for d in details), (widget, details)
+    when_run = [
+        (sparse_prompt(topk_ratio=float("nan")), "SparseConfig.topk_ratio=nan is not allowed"),
+        (sparse_prompt(dense_layers="0,1,2-5"), "dense_layers: indices 2-5 out of range: expected 0-1 (the model has 2"),
+        (capture_prompt(layers="0-7"), "layers='0-7' is not allowed: 2-7 out of range: expected indices 0-1"),
+        (capture_prompt(filename_prefix="../../outside"), "must name a file inside the output folder"),
+    ]
+    for prompt, text in when_run:
+        history = run_prompt(url, log_path, prompt, seconds=60)
+        assert history["status"]["status_str"] == "error"
+        errors = [m[1] for m in history["status"]["messages"] if m[0] == "execution_error"]
+        assert errors and text in errors[0]["exception_message"], errors
+        assert errors[0]["exception_type"] in ("ValueError", "TypeError")
+    get_json(url + "/system_stats")
+    assert run_prompt(url, log_path, sparse_prompt(topk_ratio=0.5))["status"]["status_str"] == "success"
