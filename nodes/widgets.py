@@ -13,6 +13,8 @@ from ..backend.config import (REBLOCK_LAYOUTS, SPARSE_SCOPES, TAIL_GRANULARITIES
 
 SPARSE_NODE_ID = "AdaptiveSparseAttentionH3"
 SPARSE_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3)"
+RAYLIGHT_NODE_ID = "AdaptiveSparseAttentionH3Raylight"
+RAYLIGHT_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3, Raylight)"
 CAPTURE_NODE_ID = "CaptureH3Attention"
 CAPTURE_NODE_NAME = "Capture H3 Attention"
 CATEGORY = "model_patches/attention"
