@@ -138,3 +138,12 @@ def usp_forward(model: torch.nn.Module, args: dict):
         dist.all_gather(parts, h.contiguous())
         return torch.cat(parts)[:rows]
     return forward
+
+
+def set_inner_attention(model_patcher: Any, processor: Any) -> Any:
+    """Raylight's registry.set_inner_attention: a clone whose transformer_options hold the processor."""
+    clone = model_patcher.clone()
+    options = clone.model_options.copy()
+    options["transformer_options"] = {**options.get("transformer_options", {}), INNER_ATTENTION_KEY: processor}
+    clone.model_options = options
+    return clone
