@@ -121,7 +121,8 @@ def usp_forward(model: torch.nn.Module, args: dict):
         h, rope = pad_rows(args["img"].clone(), 0, world), pad_rows(args["rope_freqs"], 1, world)
         s = h.shape[0] // world
         lo, hi = rank * s, (rank + 1) * s
-        segments = [(max(a, lo) - lo, min(b, hi) - lo, row) for a, b, row in args["mod_segments"] if max(a, lo) < min(b, hi)]
+        segments = [(max(a, lo) - lo, min(b, hi) - lo, row) for a, b, row in args["mod_segments"]
+                    if max(a, lo) < min(b, hi)]
         h, rope = h[lo:hi], rope[:, lo:hi]
         replace = transformer_options.get("patches_replace", {}).get("dit", {})
         for i, block in enumerate(model.blocks):
