@@ -16,6 +16,8 @@ from ..backend.config import (DENSE_ATTENTIONS, MAX_LAYERS, MAX_MIN_TOKENS, MAX_
 
 SPARSE_NODE_ID = "AdaptiveSparseAttentionH3"
 SPARSE_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3)"
+RAYLIGHT_NODE_ID = "AdaptiveSparseAttentionH3Raylight"
+RAYLIGHT_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3, Raylight)"
 CAPTURE_NODE_ID = "CaptureH3Attention"
 CAPTURE_NODE_NAME = "Capture H3 Attention"
 CATEGORY = "model_patches/attention"
