@@ -5,7 +5,8 @@ from comfy_api.latest import io
 
 from ..backend.h3_patch import apply_sparse_attention
 from .schema import io_input
-from .widgets import CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_WIDGETS, config_from_widgets
+from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,
+                      config_from_widgets)
 
 
 class AdaptiveSparseAttentionH3(io.ComfyNode):
@@ -17,6 +18,7 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
             node_id=SPARSE_NODE_ID,
             display_name=SPARSE_NODE_NAME,
             category=CATEGORY,
+            search_aliases=list(SPARSE_SEARCH_ALIASES),
             description=("Replaces dense attention in MiniMax-H3's DiT blocks with adaptive block-sparse attention: "
                          "exact attention on the key blocks that matter for each query block, summaries for the "
                          "rest, text and audio kept exact. Place it between the model loader (and any LoRA or "

@@ -16,6 +16,10 @@ SPARSE_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3)"
 CAPTURE_NODE_ID = "CaptureH3Attention"
 CAPTURE_NODE_NAME = "Capture H3 Attention"
 CATEGORY = "model_patches/attention"
+# extra words the node search matches (method and product names users look for)
+SPARSE_SEARCH_ALIASES = ("sparse attention", "block sparse attention", "adaptive sparse", "sol", "sol attention",
+                         "vsa", "video sparse attention", "spark", "reblock", "minimax h3", "h3 attention")
+CAPTURE_SEARCH_ALIASES = ("capture attention", "save qkv", "attention dump", "h3 attention inputs")
 
 
 @dataclass(frozen=True)
