@@ -293,6 +293,9 @@ def test_workflow_node_types_exist_in_object_info(server):
     from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
 
     assert list(ours) == ["model"] + [w.name for w in SPARSE_WIDGETS]
+    from adaptive_sparse_attention.nodes.widgets import SPARSE_SEARCH_ALIASES
+
+    assert info["AdaptiveSparseAttentionH3"]["search_aliases"] == list(SPARSE_SEARCH_ALIASES)
     third_party = {"MiniMaxLowVRAMAttention", "MiniMaxChunkFeedForward"}  # ComfyUI-KJNodes
     kj_installed = KJNODES and os.path.isfile(os.path.join(KJNODES, "__init__.py"))
     missing = {}
@@ -348,3 +351,14 @@ def test_workflows_pass_server_validation_except_missing_files(server):
         assert problems and all((kind, name) in missing_files for _, kind, name, _ in problems), (path.name, problems)
         checked += 1
     assert checked >= 3
+
+
+def test_bundled_workflows_are_listed_and_served_as_templates(server):
+    """Each file of workflows/ is listed once under the pack's folder name and served unchanged."""
+    url, _ = server
+    expected = sorted(p.stem for p in (REPO / "workflows").glob("*.json"))
+    listed = get_json(url + "/api/workflow_templates")["adaptive_sparse_attention"]
+    assert sorted(listed) == expected, listed
+    for name in expected:
+        served = get_json(f"{url}/api/workflow_templates/adaptive_sparse_attention/{name}.json")
+        assert served == json.loads((REPO / "workflows" / f"{name}.json").read_text(encoding="utf-8"))
