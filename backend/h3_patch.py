@@ -4,7 +4,8 @@ Every block i gets a ``("dit", "double_block", i)`` replacement (the patch point
 offers; H3 sets no block index, so i is bound here). The replacement decides, per call, whether
 a hook takes over the block's attention; the rest of the block (adaLN modulation, norms, gated
 residuals, MLP) always runs as the model's own code, through ``extra["original_block"]`` (or the
-replacement that was registered before ours, which is chained, not dropped). How the hook's
+replacement that was registered before ours, which is chained, not dropped; ComfyUI's core
+"Model Sparse Attention" node is refused in either order, see `refuse_core_sparse`). How the hook's
 attention gets into the block depends on the upstream signature:
 
 - current upstream (``DiTBlock.forward(..., attention=None)``; block args carry ``"layout"`` and
@@ -154,6 +155,8 @@ class BlockHook(ABC):
 
     def on_pre_run(self, patcher: Any = None) -> None:
         self.tracker.finish()
+        if patcher is not None:  # a node applied after this one may have replaced its block patches
+            refuse_core_sparse(patcher.model_options, self.title, "after")
 
     def on_cleanup(self, patcher: Any = None) -> None:
         self.tracker.finish()
@@ -261,15 +264,47 @@ def block_hooks(diffusion_model: Any, hook: BlockHook, previous_replacements: di
     return replacements, patches
 
 
+# ComfyUI's own "Model Sparse Attention" node (BlockSparseAttention) registers its block patches
+# from this module with set_model_patch_replace, replacing whatever was there and never calling it
+CORE_SPARSE_MODULE = "comfy_extras.nodes_sparse_attention"
+CORE_SPARSE_NODE = "ComfyUI's 'Model Sparse Attention' node (BlockSparseAttention)"
+
+
+def double_block_patches(model_options: dict) -> dict[int, Callable]:
+    """Block index -> the ("dit", "double_block", i) replacement registered in `model_options`."""
+    dit = model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    return {key[1]: fn for key, fn in dit.items() if len(key) == 2 and key[0] == "double_block"}
+
+
+def core_sparse_blocks(model_options: dict) -> list[int]:
+    """Blocks whose replacement comes from ComfyUI's core sparse node."""
+    return sorted(i for i, fn in double_block_patches(model_options).items()
+                  if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE)
+
+
+def refuse_core_sparse(model_options: dict, title: str, order: str) -> None:
+    """Raise when ComfyUI's core sparse node patched the blocks too (in `order` to this node).
+
+    Both replace the attention of the same blocks and the core node drops earlier block patches,
+    so composing them would silently lose one; the user is told to keep one of them.
+    """
+    blocks = core_sparse_blocks(model_options)
+    if blocks:
+        raise ValueError(
+            f"{title}: {CORE_SPARSE_NODE} is applied {order} this node on the same model ({len(blocks)} H3 blocks). "
+            "Both replace the attention of the same blocks and the core node discards other block patches, so one "
+            "of them would silently not run. Keep one of the two nodes (remove or bypass the other).")
+
+
 def install(model_patcher: Any, hook: BlockHook) -> Any:
     """A clone of `model_patcher` whose H3 blocks run `hook` (plus its wrapper and callbacks)."""
     import comfy.patcher_extension as pe
 
     diffusion_model = model_patcher.get_model_object("diffusion_model")
     check_h3(diffusion_model)
+    refuse_core_sparse(model_patcher.model_options, hook.title, "before")
     m = model_patcher.clone()
-    dit = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    previous = {key[1]: fn for key, fn in dit.items() if len(key) == 2 and key[0] == "double_block"}
+    previous = double_block_patches(m.model_options)
     replacements, patches = block_hooks(diffusion_model, hook, previous, m.object_patches)
     for i, fn in replacements.items():
         m.set_model_patch_replace(fn, "dit", "double_block", i)
