@@ -403,7 +403,7 @@ class SparseAttentionHook(BlockHook):
                     self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                           "only; sparse blocks run adaptive sparse attention")
                 return (ctx.step, layout)
-        self.tracker.note_block(ctx.step, sparse=False)
+        self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason or problem)
         return None
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
@@ -428,8 +428,16 @@ class SparseAttentionHook(BlockHook):
                 del q, k, v, o
         del x
         self.tracker.stop_timer(timer)
-        self.tracker.note_block(step, sparse=True, density=density)
+        self.tracker.note_block(step, sparse=True, density=density, layer=layer)
         return attn.out_proj(out.view(out.shape[0], heads * dim))
+
+
+def hooks_of(model_patcher: Any) -> list[BlockHook]:
+    """The hooks this pack installed on `model_patcher` (found through their DIFFUSION_MODEL wrappers)."""
+    import comfy.patcher_extension as pe
+
+    wrappers = getattr(model_patcher, "wrappers", {}).get(pe.WrappersMP.DIFFUSION_MODEL, {})
+    return [fn.__self__ for fns in wrappers.values() for fn in fns if isinstance(getattr(fn, "__self__", None), BlockHook)]
 
 
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:

@@ -9,10 +9,11 @@ async def extension() -> Any:
     from comfy_api.latest import ComfyExtension
 
     from .capture_node import CaptureH3Attention
+    from .report_node import SparseAttentionReport
     from .sparse_node import AdaptiveSparseAttentionH3
 
     class AdaptiveSparseAttentionExtension(ComfyExtension):
         async def get_node_list(self) -> list:
-            return [AdaptiveSparseAttentionH3, CaptureH3Attention]
+            return [AdaptiveSparseAttentionH3, CaptureH3Attention, SparseAttentionReport]
 
     return AdaptiveSparseAttentionExtension()

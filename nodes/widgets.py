@@ -20,6 +20,9 @@ CATEGORY = "model_patches/attention"
 SPARSE_SEARCH_ALIASES = ("sparse attention", "block sparse attention", "adaptive sparse", "sol", "sol attention",
                          "vsa", "video sparse attention", "spark", "reblock", "minimax h3", "h3 attention")
 CAPTURE_SEARCH_ALIASES = ("capture attention", "save qkv", "attention dump", "h3 attention inputs")
+REPORT_NODE_ID = "SparseAttentionReportH3"
+REPORT_NODE_NAME = "Sparse Attention Report"
+REPORT_SEARCH_ALIASES = ("sparse attention report", "attention stats", "density", "sparse status")
 
 
 @dataclass(frozen=True)

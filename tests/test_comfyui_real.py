@@ -269,6 +269,7 @@ def test_server_prompt_runs_the_sparse_path(server):
                                                    "sampler_name": "euler", "scheduler": "simple", "positive": ["4", 0],
                                                    "negative": ["5", 0], "latent_image": ["3", 0], "denoise": 1.0}},
         "7": {"class_type": "ASATestSink", "inputs": {"samples": ["6", 0]}},
+        "8": {"class_type": "SparseAttentionReportH3", "inputs": {"samples": ["6", 0], "model": ["2", 0]}},
     }
     prompt_id = get_json(url + "/prompt", {"prompt": prompt})["prompt_id"]
     deadline = time.monotonic() + 240
@@ -281,6 +282,10 @@ def test_server_prompt_runs_the_sparse_path(server):
         pytest.fail("the prompt did not finish in 240 s:\n" + log_path.read_text()[-3000:])
     assert history["status"]["status_str"] == "success", json.dumps(history["status"])[:3000]
     assert history["outputs"]["7"]["finite"] == [True, True]
+    report = history["outputs"]["8"]["text"][0]  # what the report node shows, read through the API
+    assert report.startswith("Sparse steps (0-based): 1-3; dense-only steps: 0\nBlock calls: 12 sparse, 4 dense; "
+                             "layers that ran sparse: 0-1; layers always dense: none\n"), report
+    assert report.endswith("Why blocks ran dense:\n  warmup (step 1 of 4): 4 block calls"), report
     found = [tuple(map(int, m.groups())) for m in SUMMARY.finditer(log_path.read_text())]
     assert found == [(1, 3, 4, 12)], log_path.read_text()[-3000:]
 
@@ -288,7 +293,8 @@ def test_server_prompt_runs_the_sparse_path(server):
 def test_workflow_node_types_exist_in_object_info(server):
     url, _ = server
     info = get_json(url + "/object_info", timeout=60)
-    assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention"} <= set(info)
+    assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention", "SparseAttentionReportH3"} <= set(info)
+    assert info["SparseAttentionReportH3"]["output_node"] is True
     ours = info["AdaptiveSparseAttentionH3"]["input"]["required"]
     from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
 
