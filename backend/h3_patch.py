@@ -363,6 +363,7 @@ class SparseAttentionHook(BlockHook):
 
     def __init__(self, config: SparseConfig):
         self.config = config
+        self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
 
     @property
@@ -415,18 +416,20 @@ class SparseAttentionHook(BlockHook):
         timer = self.tracker.start_timer(x)
         density_key = layout.signature()
         density = self.tracker.densities.get(density_key)
+        gate = coarse_gate(attn, x, self.config)
         with linear_weights(attn.qkv_proj, x) as (weight, bias):
             qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
             for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
                 q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                g = None if gate is None else gate[:, h0:h1]
                 if density is None:  # measured once per shape and run: it needs a host sync
-                    o, info = sparse_attention(q, k, v, layout, self.config, return_info=True)
+                    o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
                     density = self.tracker.densities[density_key] = info.density
                 else:
-                    o = sparse_attention(q, k, v, layout, self.config)
+                    o = sparse_attention(q, k, v, layout, self.config, coarse_gate=g)
                 out[:, h0:h1] = o[0].transpose(0, 1)
-                del q, k, v, o
-        del x
+                del q, k, v, o, g
+        del x, gate
         self.tracker.stop_timer(timer)
         self.tracker.note_block(step, sparse=True, density=density, layer=layer)
         return attn.out_proj(out.view(out.shape[0], heads * dim))
@@ -440,6 +443,44 @@ def hooks_of(model_patcher: Any) -> list[BlockHook]:
     return [fn.__self__ for fns in wrappers.values() for fn in fns if isinstance(getattr(fn, "__self__", None), BlockHook)]
 
 
+def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) -> torch.Tensor | None:
+    """The learned gate of the coarse branch for block input x, [1, H, S, D], or None.
+
+    Blocks of distilled FastH3 (VSA) checkpoints carry ``attn.to_gate_compress``, a bias-free
+    Linear(hidden, H * D) of the attention input; the attention output is then
+    O_sparse + g * C with C the coarse branch (seed 000, 6.7). Only ``tail="coarse"`` uses it.
+    """
+    layer = getattr(attn, "to_gate_compress", None)
+    if config.tail != "coarse" or layer is None:
+        return None
+    with linear_weights(layer, x) as (weight, bias):
+        g = torch.nn.functional.linear(x, weight, bias)
+    return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
+
+
+def gate_notice(diffusion_model: Any, config: SparseConfig) -> str | None:
+    """What tail="coarse" does on this model, when that is not the model's own gated coarse term."""
+    if config.tail != "coarse":
+        return None
+    gated = sum(getattr(b.attn, "to_gate_compress", None) is not None for b in diffusion_model.blocks)
+    if gated == 0:
+        return ("tail='coarse': the model's blocks have no to_gate_compress gate (only distilled FastH3 checkpoints "
+                "carry one), so the coarse term is zero and unselected blocks get no stand-in, as with tail='none'")
+    if gated < len(diffusion_model.blocks):
+        return (f"tail='coarse': {len(diffusion_model.blocks) - gated} of {len(diffusion_model.blocks)} blocks have "
+                "no to_gate_compress gate; their coarse term is zero")
+    if config.tail_granularity == "query":
+        return ("tail='coarse' with tail_granularity='query' scores the coarse branch per query; the gate was trained "
+                "with the block-broadcast term (tail_granularity='block')")
+    return None
+
+
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
     """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
-    return install(model_patcher, SparseAttentionHook(config))
+    hook = SparseAttentionHook(config)
+    patched = install(model_patcher, hook)
+    notice = gate_notice(model_patcher.get_model_object("diffusion_model"), config)
+    if notice is not None:
+        log.warning("%s: %s", hook.title, notice)
+        hook.notices.append(notice)
+    return patched

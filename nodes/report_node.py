@@ -20,7 +20,8 @@ def report_text(model) -> str:
     if not hooks:
         return (f"This MODEL has no {SPARSE_NODE_NAME} node: connect the model that node outputs "
                 "(the one the sampler uses).")
-    return "\n\n".join(format_report(h.tracker.last_report) for h in hooks)
+    return "\n\n".join("\n".join([format_report(h.tracker.last_report)] + [f"Note: {n}" for n in h.notices])
+                       for h in hooks)
 
 
 class SparseAttentionReport(io.ComfyNode):

@@ -80,8 +80,8 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
                    "query and key layouts."),
     Widget("tail", "combo", _D.tail, options=TAILS, advanced=True,
            tooltip="What stands in for unselected blocks: reweight (anchor-weighted summaries with a mass "
-                   "correction), mean (plain mean summaries), none (drop them), coarse (a separate coarse "
-                   "branch)."),
+                   "correction), mean (plain mean summaries), none (drop them), coarse (the coarse branch scaled "
+                   "by the model's learned gate; only distilled FastH3 checkpoints carry one, else it adds nothing)."),
     Widget("dense_layers", "string", ",".join(map(str, _D.dense_layers)), advanced=True,
            tooltip="Layers that always run dense, e.g. '0,1' or '0-2,49'. Empty: none."),
     Widget("min_tokens", "int", _D.min_tokens, min=0, max=1 << 22, step=1, advanced=True,
