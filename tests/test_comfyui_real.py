@@ -45,13 +45,14 @@ SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-vide
               min_tokens=0, block_size=64, strict=True)
 
 
-def save_tiny_h3(path: Path) -> None:
-    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it."""
+def save_tiny_h3(path: Path, **extra) -> None:
+    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it (`extra`:
+    more constructor arguments, e.g. current upstream's gate_compress=True)."""
     import comfy.ops
     import safetensors.torch
     from comfy.ldm.minimax.model import MiniMaxH3Model
 
-    model = MiniMaxH3Model(**TINY, operations=comfy.ops.disable_weight_init)
+    model = MiniMaxH3Model(**TINY, **extra, operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(0)
     sd = {}
     for key, p in model.state_dict().items():
