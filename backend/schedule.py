@@ -67,6 +67,8 @@ class RunStats:
     attention_ms: float = 0.0  # our attention in sparse blocks
     layers: dict[int, list[int]] = field(default_factory=dict)  # layer -> [dense calls, sparse calls]
     dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
+    timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
+    timed_dense_ms: float = 0.0
 
 
 class RunTracker:
@@ -79,6 +81,7 @@ class RunTracker:
         self.stats = RunStats()
         self.densities: dict[tuple, float] = {}  # per layout signature, measured once per run
         self.last_report: dict | None = None  # `report()` of the last run that ran any block
+        self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def step_of(self, transformer_options: dict) -> tuple[int | None, int | None]:
@@ -116,6 +119,12 @@ class RunTracker:
         else:
             s.dense_blocks += 1
             s.dense_steps.add(key)
+
+    def note_timing(self, key: tuple, sparse_ms: float, dense_ms: float) -> None:
+        """Record one call timed against dense attention for layout signature `key`."""
+        self.timed.add(key)
+        self.stats.timed_sparse_ms += sparse_ms
+        self.stats.timed_dense_ms += dense_ms
 
     def start_timer(self, x: torch.Tensor) -> object:
         """Start timing our attention; CUDA events avoid a host synchronisation per block."""
@@ -156,18 +165,20 @@ class RunTracker:
     def report(self) -> dict:
         """What the run did, as plain data (the report node shows it).
 
-        ``est_saved_s`` assumes dense attention costs the same per attended pair as ours, so it is
-        an upper bound: the sparse time divided by the mean density, minus the sparse time.
+        ``est_saved_s`` scales the sparse attention time by the dense/sparse time ratio of the calls
+        timed against torch's dense attention (None when no call was timed); negative when sparse
+        attention was slower.
         """
         s = self.stats
         mean = s.density_sum / s.sparse_blocks if s.sparse_blocks else 1.0
         attention_s = s.attention_ms / 1e3
+        ratio = s.timed_dense_ms / s.timed_sparse_ms if s.timed_sparse_ms > 0 else None
         return {"steps_sparse": sorted(s.sparse_steps), "steps_dense": sorted(s.dense_steps - s.sparse_steps),
                 "blocks_sparse": s.sparse_blocks, "blocks_dense": s.dense_blocks,
                 "layers_sparse": sorted(i for i, (_, n) in s.layers.items() if n),
                 "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
                 "mean_density": mean, "attention_s": attention_s,
-                "est_saved_s": attention_s / mean - attention_s if s.sparse_blocks and mean > 0 else 0.0,
+                "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
                 "dense_reasons": dict(s.dense_reasons)}
 
     def finish(self) -> str | None:
@@ -180,5 +191,6 @@ class RunTracker:
         self.schedule = None
         self.logged.clear()
         self.densities.clear()
+        self.timed.clear()
         self.stats = RunStats()
         return line

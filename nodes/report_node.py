@@ -51,5 +51,5 @@ class SparseAttentionReport(io.ComfyNode):
 
         server, node_id = getattr(PromptServer, "instance", None), getattr(cls.hidden, "unique_id", None)
         if server is not None and node_id is not None:  # a server run (not a direct call): text on the node
-            server.send_progress_text(text, node_id)
+            server.send_progress_text(text, node_id, getattr(server, "client_id", None))  # the queuing client
         return io.NodeOutput(samples, ui=ui.PreviewText(text))

@@ -258,6 +258,34 @@ def server(comfy, tmp_path_factory):
         shutil.rmtree(custom, ignore_errors=True)
 
 
+def queue_and_listen(url: str, prompt: dict, timeout: float = 240.0) -> tuple[str, dict[str, str]]:
+    """Queue `prompt` as a websocket client, as the frontend does; returns its id and the progress
+    text each node sent that client (binary event 3: node id length, node id, UTF-8 text)."""
+    import asyncio
+    import struct
+
+    import aiohttp
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=asa-test") as ws:
+                async with session.post(url + "/prompt", json={"prompt": prompt, "client_id": "asa-test"}) as r:
+                    prompt_id = (await r.json())["prompt_id"]
+                texts = {}
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.BINARY and struct.unpack(">I", msg.data[:4])[0] == 3:
+                        n = struct.unpack(">I", msg.data[4:8])[0]
+                        texts[msg.data[8:8 + n].decode()] = msg.data[8 + n:].decode()
+                    elif msg.type == aiohttp.WSMsgType.TEXT:
+                        event = json.loads(msg.data)
+                        if event["type"] in ("executing", "execution_error") and \
+                                event["data"].get("prompt_id") == prompt_id and event["data"].get("node") is None:
+                            break
+                return prompt_id, texts
+
+    return asyncio.run(asyncio.wait_for(run(), timeout))
+
+
 def test_server_prompt_runs_the_sparse_path(server):
     url, log_path = server
     prompt = {
@@ -272,7 +300,7 @@ def test_server_prompt_runs_the_sparse_path(server):
         "7": {"class_type": "ASATestSink", "inputs": {"samples": ["6", 0]}},
         "8": {"class_type": "SparseAttentionReportH3", "inputs": {"samples": ["6", 0], "model": ["2", 0]}},
     }
-    prompt_id = get_json(url + "/prompt", {"prompt": prompt})["prompt_id"]
+    prompt_id, progress_text = queue_and_listen(url, prompt)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         history = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
@@ -287,6 +315,7 @@ def test_server_prompt_runs_the_sparse_path(server):
     assert report.startswith("Sparse steps (0-based): 1-3; dense-only steps: 0\nBlock calls: 12 sparse, 4 dense; "
                              "layers that ran sparse: 0-1; layers always dense: none\n"), report
     assert report.endswith("Why blocks ran dense:\n  warmup (step 1 of 4): 4 block calls"), report
+    assert progress_text == {"8": report}  # the text the frontend draws on the node
     found = [tuple(map(int, m.groups())) for m in SUMMARY.finditer(log_path.read_text())]
     assert found == [(1, 3, 4, 12)], log_path.read_text()[-3000:]
 
