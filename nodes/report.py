@@ -41,5 +41,5 @@ def format_report(report: dict | None) -> str:
         lines.insert(0, "The sparse path did not run in this sampling run.")
     if report["dense_reasons"]:
         lines.append("Why blocks ran dense:")
-        lines += [f"  {reason}: {n} block calls" for reason, n in sorted(report["dense_reasons"].items())]
+        lines += [f"- {reason}: {n} block calls" for reason, n in sorted(report["dense_reasons"].items())]
     return "\n".join(lines)

@@ -314,7 +314,7 @@ def test_server_prompt_runs_the_sparse_path(server):
     report = history["outputs"]["8"]["text"][0]  # what the report node shows, read through the API
     assert report.startswith("Sparse steps (0-based): 1-3; dense-only steps: 0\nBlock calls: 12 sparse, 4 dense; "
                              "layers that ran sparse: 0-1; layers always dense: none\n"), report
-    assert report.endswith("Why blocks ran dense:\n  warmup (step 1 of 4): 4 block calls"), report
+    assert report.endswith("Why blocks ran dense:\n- warmup (step 1 of 4): 4 block calls"), report
     assert progress_text == {"8": report}  # the text the frontend draws on the node
     found = [tuple(map(int, m.groups())) for m in SUMMARY.finditer(log_path.read_text())]
     assert found == [(1, 3, 4, 12)], log_path.read_text()[-3000:]
@@ -325,6 +325,7 @@ def test_workflow_node_types_exist_in_object_info(server):
     info = get_json(url + "/object_info", timeout=60)
     assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention", "SparseAttentionReportH3"} <= set(info)
     assert info["SparseAttentionReportH3"]["output_node"] is True
+    assert "/extensions/adaptive_sparse_attention/report.js" in get_json(url + "/extensions")  # WEB_DIRECTORY
     ours = info["AdaptiveSparseAttentionH3"]["input"]["required"]
     from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
 

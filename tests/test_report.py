@@ -40,8 +40,8 @@ def test_report_of_a_run_and_its_text():
         "Sparse attention time: 1.50 s; estimated time saved: 4.50 s (vs torch's dense attention, timed on one "
         "call per shape)",
         "Why blocks ran dense:",
-        "  layer 2 is in dense_layers: 3 block calls",
-        "  warmup (step 1 of 4): 3 block calls"]
+        "- layer 2 is in dense_layers: 3 block calls",
+        "- warmup (step 1 of 4): 3 block calls"]
 
 
 def test_report_says_when_nothing_ran_sparse():
