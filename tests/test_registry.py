@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 from adaptive_sparse_attention.nodes.widgets import CAPTURE_SEARCH_ALIASES, SPARSE_SEARCH_ALIASES
 
