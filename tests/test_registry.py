@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
 from adaptive_sparse_attention.nodes.widgets import CAPTURE_SEARCH_ALIASES, SPARSE_SEARCH_ALIASES
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO = Path(__file__).resolve().parent.parent
 COMFYUI = os.environ.get("COMFYUI_PATH", "")
