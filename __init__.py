@@ -9,6 +9,7 @@ from .backend.layout import SequenceLayout
 
 __all__ = ["SparseConfig", "SequenceLayout", "SparseInfo", "sparse_attention", "comfy_entrypoint"]
 __version__ = "0.1.0"
+WEB_DIRECTORY = "./nodes/web"  # frontend extension: sizes the report node to fit its text
 
 
 async def comfy_entrypoint():

@@ -4,7 +4,8 @@ Every block i gets a ``("dit", "double_block", i)`` replacement (the patch point
 offers; H3 sets no block index, so i is bound here). The replacement decides, per call, whether
 a hook takes over the block's attention; the rest of the block (adaLN modulation, norms, gated
 residuals, MLP) always runs as the model's own code, through ``extra["original_block"]`` (or the
-replacement that was registered before ours, which is chained, not dropped). How the hook's
+replacement that was registered before ours, which is chained, not dropped; ComfyUI's core
+"Model Sparse Attention" node is refused in either order, see `refuse_core_sparse`). How the hook's
 attention gets into the block depends on the upstream signature:
 
 - current upstream (``DiTBlock.forward(..., attention=None)``; block args carry ``"layout"`` and
@@ -32,6 +33,7 @@ import inspect
 import itertools
 import logging
 import sys
+import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,6 +164,8 @@ class BlockHook(ABC):
 
     def on_pre_run(self, patcher: Any = None) -> None:
         self.tracker.finish()
+        if patcher is not None:  # a node applied after this one may have replaced its block patches
+            refuse_core_sparse(patcher.model_options, self.title, "after")
 
     def on_cleanup(self, patcher: Any = None) -> None:
         self.tracker.finish()
@@ -269,15 +273,47 @@ def block_hooks(diffusion_model: Any, hook: BlockHook, previous_replacements: di
     return replacements, patches
 
 
+# ComfyUI's own "Model Sparse Attention" node (BlockSparseAttention) registers its block patches
+# from this module with set_model_patch_replace, replacing whatever was there and never calling it
+CORE_SPARSE_MODULE = "comfy_extras.nodes_sparse_attention"
+CORE_SPARSE_NODE = "ComfyUI's 'Model Sparse Attention' node (BlockSparseAttention)"
+
+
+def double_block_patches(model_options: dict) -> dict[int, Callable]:
+    """Block index -> the ("dit", "double_block", i) replacement registered in `model_options`."""
+    dit = model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    return {key[1]: fn for key, fn in dit.items() if len(key) == 2 and key[0] == "double_block"}
+
+
+def core_sparse_blocks(model_options: dict) -> list[int]:
+    """Blocks whose replacement comes from ComfyUI's core sparse node."""
+    return sorted(i for i, fn in double_block_patches(model_options).items()
+                  if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE)
+
+
+def refuse_core_sparse(model_options: dict, title: str, order: str) -> None:
+    """Raise when ComfyUI's core sparse node patched the blocks too (in `order` to this node).
+
+    Both replace the attention of the same blocks and the core node drops earlier block patches,
+    so composing them would silently lose one; the user is told to keep one of them.
+    """
+    blocks = core_sparse_blocks(model_options)
+    if blocks:
+        raise ValueError(
+            f"{title}: {CORE_SPARSE_NODE} is applied {order} this node on the same model ({len(blocks)} H3 blocks). "
+            "Both replace the attention of the same blocks and the core node discards other block patches, so one "
+            "of them would silently not run. Keep one of the two nodes (remove or bypass the other).")
+
+
 def install(model_patcher: Any, hook: BlockHook) -> Any:
     """A clone of `model_patcher` whose H3 blocks run `hook` (plus its wrapper and callbacks)."""
     import comfy.patcher_extension as pe
 
     diffusion_model = model_patcher.get_model_object("diffusion_model")
     check_h3(diffusion_model)
+    refuse_core_sparse(model_patcher.model_options, hook.title, "before")
     m = model_patcher.clone()
-    dit = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    previous = {key[1]: fn for key, fn in dit.items() if len(key) == 2 and key[0] == "double_block"}
+    previous = double_block_patches(m.model_options)
     replacements, patches = block_hooks(diffusion_model, hook, previous, m.object_patches)
     for i, fn in replacements.items():
         m.set_model_patch_replace(fn, "dit", "double_block", i)
@@ -360,6 +396,7 @@ class SparseAttentionHook(BlockHook):
 
     def __init__(self, config: SparseConfig):
         self.config = config
+        self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
 
     @property
@@ -404,7 +441,7 @@ class SparseAttentionHook(BlockHook):
             layout = self.layout(args, ctx)
             if self.unsupported(attn, x, layout) is None:
                 self.prepare(attn, x, layout)
-        self.tracker.note_block(ctx.step, sparse=False)
+        self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason or problem)
         return None
 
     def prepare(self, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout) -> None:
@@ -433,23 +470,95 @@ class SparseAttentionHook(BlockHook):
         timer = self.tracker.start_timer(x)
         density_key = layout.signature()
         density = self.tracker.densities.get(density_key)
+        gate = coarse_gate(attn, x, self.config)
         with linear_weights(attn.qkv_proj, x) as (weight, bias):
             qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
             for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
                 q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                g = None if gate is None else gate[:, h0:h1]
                 if density is None:  # measured once per shape and run: it needs a host sync
-                    o, info = sparse_attention(q, k, v, layout, self.config, return_info=True)
+                    o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
                     density = self.tracker.densities[density_key] = info.density
+                elif density_key not in self.tracker.timed:  # the next call (kernels compiled): vs dense
+                    o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.config, g)
+                    self.tracker.note_timing(density_key, sparse_ms, dense_ms)
                 else:
-                    o = sparse_attention(q, k, v, layout, self.config)
+                    o = sparse_attention(q, k, v, layout, self.config, coarse_gate=g)
                 out[:, h0:h1] = o[0].transpose(0, 1)
-                del q, k, v, o
-        del x
+                del q, k, v, o, g
+        del x, gate
         self.tracker.stop_timer(timer)
-        self.tracker.note_block(step, sparse=True, density=density)
+        self.tracker.note_block(step, sparse=True, density=density, layer=layer)
         return attn.out_proj(out.view(out.shape[0], heads * dim))
+
+
+def hooks_of(model_patcher: Any) -> list[BlockHook]:
+    """The hooks this pack installed on `model_patcher` (found through their DIFFUSION_MODEL wrappers)."""
+    import comfy.patcher_extension as pe
+
+    wrappers = getattr(model_patcher, "wrappers", {}).get(pe.WrappersMP.DIFFUSION_MODEL, {})
+    return [fn.__self__ for fns in wrappers.values() for fn in fns if isinstance(getattr(fn, "__self__", None), BlockHook)]
+
+
+def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) -> torch.Tensor | None:
+    """The learned gate of the coarse branch for block input x, [1, H, S, D], or None.
+
+    Blocks of distilled FastH3 (VSA) checkpoints carry ``attn.to_gate_compress``, a bias-free
+    Linear(hidden, H * D) of the attention input; the attention output is then
+    O_sparse + g * C with C the coarse branch (seed 000, 6.7). Only ``tail="coarse"`` uses it.
+    """
+    layer = getattr(attn, "to_gate_compress", None)
+    if config.tail != "coarse" or layer is None:
+        return None
+    with linear_weights(layer, x) as (weight, bias):
+        g = torch.nn.functional.linear(x, weight, bias)
+    return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
+
+
+def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                        config: SparseConfig, gate: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
+    """One sparse call timed against torch's dense SDPA on the same tensors (for the run report).
+
+    Dense attention runs on the first head only and is scaled by the number of heads, to keep the
+    extra cost to one head's attention. Synchronises the device three times.
+    Returns (sparse output, sparse ms, dense ms for all heads of q).
+    """
+    def now() -> float:
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        return time.perf_counter()
+
+    t0 = now()
+    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate)
+    t1 = now()
+    torch.nn.functional.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])
+    t2 = now()
+    return out, (t1 - t0) * 1e3, (t2 - t1) * 1e3 * q.shape[1]
+
+
+def gate_notice(diffusion_model: Any, config: SparseConfig) -> str | None:
+    """What tail="coarse" does on this model, when that is not the model's own gated coarse term."""
+    if config.tail != "coarse":
+        return None
+    gated = sum(getattr(b.attn, "to_gate_compress", None) is not None for b in diffusion_model.blocks)
+    if gated == 0:
+        return ("tail='coarse': the model's blocks have no to_gate_compress gate (only distilled FastH3 checkpoints "
+                "carry one), so the coarse term is zero and unselected blocks get no stand-in, as with tail='none'")
+    if gated < len(diffusion_model.blocks):
+        return (f"tail='coarse': {len(diffusion_model.blocks) - gated} of {len(diffusion_model.blocks)} blocks have "
+                "no to_gate_compress gate; their coarse term is zero")
+    if config.tail_granularity == "query":
+        return ("tail='coarse' with tail_granularity='query' scores the coarse branch per query; the gate was trained "
+                "with the block-broadcast term (tail_granularity='block')")
+    return None
 
 
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
     """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
-    return install(model_patcher, SparseAttentionHook(config))
+    hook = SparseAttentionHook(config)
+    patched = install(model_patcher, hook)
+    notice = gate_notice(model_patcher.get_model_object("diffusion_model"), config)
+    if notice is not None:
+        log.warning("%s: %s", hook.title, notice)
+        hook.notices.append(notice)
+    return patched

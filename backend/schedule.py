@@ -65,6 +65,10 @@ class RunStats:
     sparse_blocks: int = 0
     density_sum: float = 0.0  # over sparse block calls
     attention_ms: float = 0.0  # our attention in sparse blocks
+    layers: dict[int, list[int]] = field(default_factory=dict)  # layer -> [dense calls, sparse calls]
+    dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
+    timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
+    timed_dense_ms: float = 0.0
 
 
 class RunTracker:
@@ -76,6 +80,8 @@ class RunTracker:
         self.logged: set[str] = set()
         self.stats = RunStats()
         self.densities: dict[tuple, float] = {}  # per layout signature, measured once per run
+        self.last_report: dict | None = None  # `report()` of the last run that ran any block
+        self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def step_of(self, transformer_options: dict) -> tuple[int | None, int | None]:
@@ -98,9 +104,14 @@ class RunTracker:
             self.logged.add(message)
             log.warning("%s: %s", self.name, message)
 
-    def note_block(self, step: int | None, sparse: bool, density: float = 1.0) -> None:
+    def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
+                   reason: str | None = None) -> None:
         s = self.stats
         key = -1 if step is None else step
+        if layer is not None:
+            s.layers.setdefault(layer, [0, 0])[int(sparse)] += 1
+        if not sparse and reason is not None:
+            s.dense_reasons[reason] = s.dense_reasons.get(reason, 0) + 1
         if sparse:
             s.sparse_blocks += 1
             s.sparse_steps.add(key)
@@ -108,6 +119,12 @@ class RunTracker:
         else:
             s.dense_blocks += 1
             s.dense_steps.add(key)
+
+    def note_timing(self, key: tuple, sparse_ms: float, dense_ms: float) -> None:
+        """Record one call timed against dense attention for layout signature `key`."""
+        self.timed.add(key)
+        self.stats.timed_sparse_ms += sparse_ms
+        self.stats.timed_dense_ms += dense_ms
 
     def start_timer(self, x: torch.Tensor) -> object:
         """Start timing our attention; CUDA events avoid a host synchronisation per block."""
@@ -145,14 +162,35 @@ class RunTracker:
                 f"{s.sparse_blocks} sparse; mean density {mean:.3f} in sparse blocks ({overall:.3f} over all "
                 f"blocks); sparse attention time {s.attention_ms / 1e3:.2f} s")
 
+    def report(self) -> dict:
+        """What the run did, as plain data (the report node shows it).
+
+        ``est_saved_s`` scales the sparse attention time by the dense/sparse time ratio of the calls
+        timed against torch's dense attention (None when no call was timed); negative when sparse
+        attention was slower.
+        """
+        s = self.stats
+        mean = s.density_sum / s.sparse_blocks if s.sparse_blocks else 1.0
+        attention_s = s.attention_ms / 1e3
+        ratio = s.timed_dense_ms / s.timed_sparse_ms if s.timed_sparse_ms > 0 else None
+        return {"steps_sparse": sorted(s.sparse_steps), "steps_dense": sorted(s.dense_steps - s.sparse_steps),
+                "blocks_sparse": s.sparse_blocks, "blocks_dense": s.dense_blocks,
+                "layers_sparse": sorted(i for i, (_, n) in s.layers.items() if n),
+                "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
+                "mean_density": mean, "attention_s": attention_s,
+                "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
+                "dense_reasons": dict(s.dense_reasons)}
+
     def finish(self) -> str | None:
-        """End the run: log its summary once and reset everything it held."""
+        """End the run: log its summary once, keep its report and reset everything it held."""
         self.flush_timers()
         line = self.summary()
         if line:
             log.info("%s", line)
+            self.last_report = self.report()
         self.schedule = None
         self.logged.clear()
         self.densities.clear()
+        self.timed.clear()
         self.stats = RunStats()
         return line

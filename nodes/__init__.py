@@ -10,10 +10,12 @@ async def extension() -> Any:
 
     from .capture_node import CaptureH3Attention
     from .raylight_node import AdaptiveSparseAttentionH3Raylight
+    from .report_node import SparseAttentionReport
     from .sparse_node import AdaptiveSparseAttentionH3
 
     class AdaptiveSparseAttentionExtension(ComfyExtension):
         async def get_node_list(self) -> list:
-            return [AdaptiveSparseAttentionH3, AdaptiveSparseAttentionH3Raylight, CaptureH3Attention]
+            return [AdaptiveSparseAttentionH3, AdaptiveSparseAttentionH3Raylight, CaptureH3Attention,
+                    SparseAttentionReport]
 
     return AdaptiveSparseAttentionExtension()

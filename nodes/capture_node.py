@@ -19,8 +19,8 @@ from ..backend.h3_patch import BlockHook, install, linear_weights, on_device, un
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from .schema import io_input
-from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_WIDGETS, CATEGORY, capture_selection, check_prefix,
-                      model_layer_count, validation_answer)
+from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_SEARCH_ALIASES, CAPTURE_WIDGETS, CATEGORY,
+                      capture_selection, check_prefix, model_layer_count, validation_answer)
 
 log = logging.getLogger("adaptive_sparse_attention")
 
@@ -104,6 +104,7 @@ class CaptureH3Attention(io.ComfyNode):
             node_id=CAPTURE_NODE_ID,
             display_name=CAPTURE_NODE_NAME,
             category=CATEGORY,
+            search_aliases=list(CAPTURE_SEARCH_ALIASES),
             description=("Saves the real attention inputs (q, k, v after norm and RoPE) and the packed-sequence "
                          "layout of the chosen blocks and denoising steps to safetensors files in the output "
                          "folder, for `python -m adaptive_sparse_attention evaluate FILE`. Sampling is unchanged."),

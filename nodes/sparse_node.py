@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..backend.config import parse_layer_list
 from ..backend.h3_patch import apply_sparse_attention
 from .schema import io_input
-from ..backend.config import parse_layer_list
-from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_WIDGETS, check_dense_layers,
-                      config_from_widgets, model_layer_count, validation_answer)
+from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,
+                      check_dense_layers, config_from_widgets, model_layer_count, validation_answer)
 
 
 class AdaptiveSparseAttentionH3(io.ComfyNode):
@@ -19,6 +19,7 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
             node_id=SPARSE_NODE_ID,
             display_name=SPARSE_NODE_NAME,
             category=CATEGORY,
+            search_aliases=list(SPARSE_SEARCH_ALIASES),
             description=("Replaces dense attention in MiniMax-H3's DiT blocks with adaptive block-sparse attention: "
                          "exact attention on the key blocks that matter for each query block, summaries for the "
                          "rest, text and audio kept exact. Place it between the model loader (and any LoRA or "

@@ -21,6 +21,13 @@ RAYLIGHT_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3, Raylight)"
 CAPTURE_NODE_ID = "CaptureH3Attention"
 CAPTURE_NODE_NAME = "Capture H3 Attention"
 CATEGORY = "model_patches/attention"
+# extra words the node search matches (method and product names users look for)
+SPARSE_SEARCH_ALIASES = ("sparse attention", "block sparse attention", "adaptive sparse", "sol", "sol attention",
+                         "vsa", "video sparse attention", "spark", "reblock", "minimax h3", "h3 attention")
+CAPTURE_SEARCH_ALIASES = ("capture attention", "save qkv", "attention dump", "h3 attention inputs")
+REPORT_NODE_ID = "SparseAttentionReportH3"
+REPORT_NODE_NAME = "Sparse Attention Report"
+REPORT_SEARCH_ALIASES = ("sparse attention report", "attention stats", "density", "sparse status")
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,8 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
                    "query and key layouts."),
     Widget("tail", "combo", _D.tail, options=TAILS, advanced=True,
            tooltip="What stands in for unselected blocks: reweight (anchor-weighted summaries with a mass "
-                   "correction), mean (plain mean summaries), none (drop them), coarse (a separate coarse "
-                   "branch)."),
+                   "correction), mean (plain mean summaries), none (drop them), coarse (the coarse branch scaled "
+                   "by the model's learned gate; only distilled FastH3 checkpoints carry one, else it adds nothing)."),
     Widget("dense_layers", "string", ",".join(map(str, _D.dense_layers)), advanced=True,
            tooltip="Layers that always run dense, e.g. '0,1' or '0-2,49'. Empty: none."),
     Widget("min_tokens", "int", _D.min_tokens, min=0, max=MAX_MIN_TOKENS, step=1, advanced=True,

@@ -44,12 +44,16 @@ def norm_rope(x: torch.Tensor, norm: RMSNorm, table: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, head_dim: int):
+    """`gate_compress` (current upstream): a bias-free to_gate_compress Linear(hidden, H * D) that
+    the dense forward does not use (distilled FastH3 checkpoints carry it); else None."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, gate_compress: bool = False):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.qkv_proj = nn.Linear(hidden, 3 * heads * head_dim, bias=False)
         self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
         self.out_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.to_gate_compress = nn.Linear(hidden, heads * head_dim, bias=False) if gate_compress else None
 
     def qkv(self, x, rope_freqs):
         s = x.shape[0]
@@ -68,10 +72,11 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Current upstream: forward takes `attention` (None means self.attn)."""
 
-    def __init__(self, hidden: int = 32, heads: int = 3, head_dim: int = 32, t_dim: int = 8):
+    def __init__(self, hidden: int = 32, heads: int = 3, head_dim: int = 32, t_dim: int = 8,
+                 gate_compress: bool = False):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
-        self.attn = Attention(hidden, heads, head_dim)
+        self.attn = Attention(hidden, heads, head_dim, gate_compress)
         self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.SiLU(), nn.Linear(2 * hidden, hidden))
         self.adaln = nn.Linear(t_dim, 6 * hidden)
 

@@ -45,13 +45,14 @@ SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-vide
               min_tokens=0, block_size=64, strict=True, dense_attention="fastest")
 
 
-def save_tiny_h3(path: Path) -> None:
-    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it."""
+def save_tiny_h3(path: Path, **extra) -> None:
+    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it (`extra`:
+    more constructor arguments, e.g. current upstream's gate_compress=True)."""
     import comfy.ops
     import safetensors.torch
     from comfy.ldm.minimax.model import MiniMaxH3Model
 
-    model = MiniMaxH3Model(**TINY, operations=comfy.ops.disable_weight_init)
+    model = MiniMaxH3Model(**TINY, **extra, operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(0)
     sd = {}
     for key, p in model.state_dict().items():
@@ -272,9 +273,8 @@ def sparse_prompt(**changes) -> dict:
     }
 
 
-def run_prompt(url: str, log_path: Path, prompt: dict, seconds: float = 240) -> dict:
-    """Queue `prompt` and wait for its history entry."""
-    prompt_id = get_json(url + "/prompt", {"prompt": prompt})["prompt_id"]
+def wait_history(url: str, log_path: Path, prompt_id: str, seconds: float = 240) -> dict:
+    """The history entry of a queued prompt once it has finished."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         history = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
@@ -284,11 +284,52 @@ def run_prompt(url: str, log_path: Path, prompt: dict, seconds: float = 240) -> 
     pytest.fail(f"the prompt did not finish in {seconds} s:\n" + log_path.read_text()[-3000:])
 
 
+def run_prompt(url: str, log_path: Path, prompt: dict, seconds: float = 240) -> dict:
+    """Queue `prompt` and wait for its history entry."""
+    return wait_history(url, log_path, get_json(url + "/prompt", {"prompt": prompt})["prompt_id"], seconds)
+
+
+def queue_and_listen(url: str, prompt: dict, timeout: float = 240.0) -> tuple[str, dict[str, str]]:
+    """Queue `prompt` as a websocket client, as the frontend does; returns its id and the progress
+    text each node sent that client (binary event 3: node id length, node id, UTF-8 text)."""
+    import asyncio
+    import struct
+
+    import aiohttp
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=asa-test") as ws:
+                async with session.post(url + "/prompt", json={"prompt": prompt, "client_id": "asa-test"}) as r:
+                    prompt_id = (await r.json())["prompt_id"]
+                texts = {}
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.BINARY and struct.unpack(">I", msg.data[:4])[0] == 3:
+                        n = struct.unpack(">I", msg.data[4:8])[0]
+                        texts[msg.data[8:8 + n].decode()] = msg.data[8 + n:].decode()
+                    elif msg.type == aiohttp.WSMsgType.TEXT:
+                        event = json.loads(msg.data)
+                        if event["type"] in ("executing", "execution_error") and \
+                                event["data"].get("prompt_id") == prompt_id and event["data"].get("node") is None:
+                            break
+                return prompt_id, texts
+
+    return asyncio.run(asyncio.wait_for(run(), timeout))
+
+
 def test_server_prompt_runs_the_sparse_path(server):
     url, log_path = server
-    history = run_prompt(url, log_path, sparse_prompt())
+    prompt = sparse_prompt()
+    prompt["8"] = {"class_type": "SparseAttentionReportH3", "inputs": {"samples": ["6", 0], "model": ["2", 0]}}
+    prompt_id, progress_text = queue_and_listen(url, prompt)
+    history = wait_history(url, log_path, prompt_id)
     assert history["status"]["status_str"] == "success", json.dumps(history["status"])[:3000]
     assert history["outputs"]["7"]["finite"] == [True, True]
+    report = history["outputs"]["8"]["text"][0]  # what the report node shows, read through the API
+    assert report.startswith("Sparse steps (0-based): 1-3; dense-only steps: 0\nBlock calls: 12 sparse, 4 dense; "
+                             "layers that ran sparse: 0-1; layers always dense: none\n"), report
+    assert report.endswith("Why blocks ran dense:\n- warmup (step 1 of 4): 4 block calls"), report
+    assert progress_text == {"8": report}  # the text the frontend draws on the node
     found = [tuple(map(int, m.groups())) for m in SUMMARY.finditer(log_path.read_text())]
     assert found == [(1, 3, 4, 12)], log_path.read_text()[-3000:]
 
@@ -296,11 +337,16 @@ def test_server_prompt_runs_the_sparse_path(server):
 def test_workflow_node_types_exist_in_object_info(server):
     url, _ = server
     info = get_json(url + "/object_info", timeout=60)
-    assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention"} <= set(info)
+    assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention", "SparseAttentionReportH3"} <= set(info)
+    assert info["SparseAttentionReportH3"]["output_node"] is True
+    assert "/extensions/adaptive_sparse_attention/report.js" in get_json(url + "/extensions")  # WEB_DIRECTORY
     ours = info["AdaptiveSparseAttentionH3"]["input"]["required"]
     from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
 
     assert list(ours) == ["model"] + [w.name for w in SPARSE_WIDGETS]
+    from adaptive_sparse_attention.nodes.widgets import SPARSE_SEARCH_ALIASES
+
+    assert info["AdaptiveSparseAttentionH3"]["search_aliases"] == list(SPARSE_SEARCH_ALIASES)
     third_party = {"MiniMaxLowVRAMAttention", "MiniMaxChunkFeedForward"}  # ComfyUI-KJNodes
     kj_installed = KJNODES and os.path.isfile(os.path.join(KJNODES, "__init__.py"))
     missing = {}
@@ -403,3 +449,14 @@ def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
         assert errors[0]["exception_type"] in ("ValueError", "TypeError")
     get_json(url + "/system_stats")
     assert run_prompt(url, log_path, sparse_prompt(topk_ratio=0.5))["status"]["status_str"] == "success"
+
+
+def test_bundled_workflows_are_listed_and_served_as_templates(server):
+    """Each file of workflows/ is listed once under the pack's folder name and served unchanged."""
+    url, _ = server
+    expected = sorted(p.stem for p in (REPO / "workflows").glob("*.json"))
+    listed = get_json(url + "/api/workflow_templates")["adaptive_sparse_attention"]
+    assert sorted(listed) == expected, listed
+    for name in expected:
+        served = get_json(f"{url}/api/workflow_templates/adaptive_sparse_attention/{name}.json")
+        assert served == json.loads((REPO / "workflows" / f"{name}.json").read_text(encoding="utf-8"))

@@ -1,0 +1,45 @@
+"""The text of the "Sparse Attention Report" node, from `RunTracker.report()` data (no ComfyUI)."""
+from __future__ import annotations
+
+
+def spans(values: list[int]) -> str:
+    """Compact 0-based index list: [0, 1, 2, 5] -> '0-2, 5'."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
+
+
+def format_report(report: dict | None) -> str:
+    """Several lines: steps and blocks that ran sparse, density, time, and why blocks ran dense.
+
+    Args:
+        report: a `RunTracker.report()` dict, or None when no run finished yet.
+    Returns:
+        The text the node shows.
+    """
+    if report is None:
+        return "No sampling run with this model has finished yet."
+    steps = [s for s in report["steps_sparse"] if s >= 0]
+    lines = [
+        f"Sparse steps (0-based): {spans(steps)}; dense-only steps: {spans([s for s in report['steps_dense'] if s >= 0])}",
+        f"Block calls: {report['blocks_sparse']} sparse, {report['blocks_dense']} dense; "
+        f"layers that ran sparse: {spans(report['layers_sparse'])}; layers always dense: "
+        f"{spans(report['layers_dense_only'])}",
+        f"Mean density of sparse blocks: {report['mean_density']:.3f}",
+        f"Sparse attention time: {report['attention_s']:.2f} s; " + (
+            "estimated time saved: not measured (no block ran sparse twice with one shape)"
+            if report["est_saved_s"] is None else
+            f"estimated time saved: {report['est_saved_s']:.2f} s (vs torch's dense attention, timed on one call "
+            "per shape)"),
+    ]
+    if report["blocks_sparse"] == 0:
+        lines.insert(0, "The sparse path did not run in this sampling run.")
+    if report["dense_reasons"]:
+        lines.append("Why blocks ran dense:")
+        lines += [f"- {reason}: {n} block calls" for reason, n in sorted(report["dense_reasons"].items())]
+    return "\n".join(lines)

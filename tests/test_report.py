@@ -1,0 +1,74 @@
+"""The run report: RunTracker.report() data and the text the report node shows (no ComfyUI)."""
+from __future__ import annotations
+
+import pytest
+
+from adaptive_sparse_attention.backend.schedule import RunTracker
+from adaptive_sparse_attention.nodes.report import format_report, spans
+
+
+def test_spans():
+    assert spans([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and spans([3]) == "3" and spans([]) == "none"
+
+
+def test_report_of_a_run_and_its_text():
+    tracker = RunTracker("t")
+    for step in range(4):
+        for layer in range(3):
+            if step == 0:
+                tracker.note_block(step, sparse=False, layer=layer, reason="warmup (step 1 of 4)")
+            elif layer == 2:
+                tracker.note_block(step, sparse=False, layer=layer, reason="layer 2 is in dense_layers")
+            else:
+                tracker.note_block(step, sparse=True, density=0.25, layer=layer)
+    tracker.stats.attention_ms = 1500.0
+    tracker.note_timing(("shape",), sparse_ms=100.0, dense_ms=400.0)  # dense took 4x as long
+    assert tracker.last_report is None
+    tracker.finish()
+    report = tracker.last_report
+    assert report == {"steps_sparse": [1, 2, 3], "steps_dense": [0], "blocks_sparse": 6, "blocks_dense": 6,
+                      "layers_sparse": [0, 1], "layers_dense_only": [2], "mean_density": 0.25, "attention_s": 1.5,
+                      "est_saved_s": pytest.approx(4.5), "dense_reasons": {"warmup (step 1 of 4)": 3,
+                                                                           "layer 2 is in dense_layers": 3}}
+    tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
+    assert tracker.last_report is report and tracker.stats.sparse_blocks == 0 and not tracker.timed
+    text = format_report(report)
+    assert text.splitlines() == [
+        "Sparse steps (0-based): 1-3; dense-only steps: 0",
+        "Block calls: 6 sparse, 6 dense; layers that ran sparse: 0-1; layers always dense: 2",
+        "Mean density of sparse blocks: 0.250",
+        "Sparse attention time: 1.50 s; estimated time saved: 4.50 s (vs torch's dense attention, timed on one "
+        "call per shape)",
+        "Why blocks ran dense:",
+        "- layer 2 is in dense_layers: 3 block calls",
+        "- warmup (step 1 of 4): 3 block calls"]
+
+
+def test_report_says_when_nothing_ran_sparse():
+    tracker = RunTracker("t")
+    tracker.note_block(0, sparse=False, layer=0, reason="warmup_mode='dense'")
+    tracker.finish()
+    text = format_report(tracker.last_report)
+    assert text.startswith("The sparse path did not run") and "warmup_mode='dense': 1 block calls" in text
+    assert "estimated time saved: not measured" in text
+    assert format_report(None).startswith("No sampling run")
+
+
+def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
+    from test_h3_patch import PACKED, config, model_of, options, run_model
+    from h3_block import block_args
+
+    from adaptive_sparse_attention.backend.h3_patch import SparseAttentionHook
+
+    model = model_of(True, seed=40, layers=1)
+    args = block_args(model.blocks[0], PACKED, seed=41, new=True)
+    hook = SparseAttentionHook(config())
+    outs = []
+    for step in (3, 4, 5):
+        args["transformer_options"] = options(step)
+        outs.append(run_model(model, hook, args, True))
+        assert len(hook.tracker.timed) == (0 if step == 3 else 1)  # first call measures density, next is timed
+    assert outs[0].equal(outs[1]) and outs[1].equal(outs[2])  # the timed call returns the same output
+    s = hook.tracker.stats
+    assert s.timed_sparse_ms > 0 and s.timed_dense_ms > 0
+    assert hook.tracker.finish() and hook.tracker.last_report["est_saved_s"] is not None
