@@ -18,6 +18,7 @@ TAILS = ("reweight", "mean", "none", "coarse")
 BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", "triton", "torch")
 DENSE_ATTENTIONS = ("fastest", "comfyui")
+ROUTING_SCORES = ("fp32", "int8", "fp8")
 
 
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
@@ -67,6 +68,8 @@ class SparseConfig:
     backend: `auto` (Triton on CUDA, torch otherwise), `triton` or `torch`.
     dense_attention: blocks that run dense use the fastest exact kernel of the GPU, measured
         (`fastest`), or ComfyUI's own attention path (`comfyui`).
+    routing_scores: pooled routing scores in `fp32` (exact) or from 8-bit block means, `int8`
+        or `fp8` (e4m3, sm89 and later; backend/indexer.py).
     """
 
     topk_ratio: float = 0.2
@@ -83,6 +86,7 @@ class SparseConfig:
     strict: bool = False
     backend: str = "auto"
     dense_attention: str = "fastest"
+    routing_scores: str = "fp32"
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, str):
@@ -98,6 +102,7 @@ class SparseConfig:
             ("tail", TAILS),
             ("backend", BACKENDS),
             ("dense_attention", DENSE_ATTENTIONS),
+            ("routing_scores", ROUTING_SCORES),
         ):
             value = getattr(self, name)
             if value not in choices:

@@ -43,26 +43,26 @@ class BlockSparsePlan:
     def num_blocks(self) -> int:
         return int(self.block_len.numel())
 
-    def selected_mask(self) -> torch.Tensor:
-        """bool [B, H, J, J]: key block j selected (by TopK) for query block i."""
-        B, H, J, R = self.q2k_idx.shape
-        mask = torch.zeros(B, H, J, J + 1, dtype=torch.bool, device=self.q2k_idx.device)
-        valid = torch.arange(R, device=mask.device).view(1, 1, 1, R) < self.q2k_num.unsqueeze(-1)
-        idx = torch.where(valid & (self.q2k_idx >= 0), self.q2k_idx.long(), torch.full_like(self.q2k_idx, J).long())
-        mask.scatter_(3, idx, True)
+    def selected_mask(self, rows: slice = slice(None)) -> torch.Tensor:
+        """bool [B, H, J, J]: key block j selected (by TopK) for query block i; `rows` picks
+        query blocks (callers that must stay linear in J take a few at a time)."""
+        idx, num = self.q2k_idx[:, :, rows], self.q2k_num[:, :, rows]
+        B, H, n, R = idx.shape
+        J = self.num_blocks
+        mask = torch.zeros(B, H, n, J + 1, dtype=torch.bool, device=idx.device)
+        valid = torch.arange(R, device=mask.device).view(1, 1, 1, R) < num.unsqueeze(-1)
+        mask.scatter_(3, torch.where(valid & (idx >= 0), idx.long(), torch.full_like(idx, J).long()), True)
         return mask[..., :J]
 
-    def allowed_mask(self) -> torch.Tensor:
+    def allowed_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: key blocks computed exactly (dense prefix or selected)."""
-        J = self.num_blocks
-        cols = torch.arange(J, device=self.dense_hi.device)
-        return (cols.view(1, J) < self.dense_hi.view(J, 1)) | self.selected_mask()
+        cols = torch.arange(self.num_blocks, device=self.dense_hi.device)
+        return (cols.view(1, -1) < self.dense_hi[rows].view(-1, 1)) | self.selected_mask(rows)
 
-    def summary_mask(self) -> torch.Tensor:
+    def summary_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: candidate key blocks that are represented by their summary."""
-        J = self.num_blocks
-        cols = torch.arange(J, device=self.dense_hi.device)
-        return (cols.view(1, J) >= self.dense_hi.view(J, 1)) & ~self.selected_mask()
+        cols = torch.arange(self.num_blocks, device=self.dense_hi.device)
+        return (cols.view(1, -1) >= self.dense_hi[rows].view(-1, 1)) & ~self.selected_mask(rows)
 
 
 def pack(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
