@@ -47,7 +47,7 @@ def _list_block(slot, dh, n_slots, SelRow):
     return tl.where(slot < dh, slot, picked)
 
 
-@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'H', 'J', 'R', 'NW'])
+@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'H', 'J', 'R'])
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
     QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
