@@ -11,7 +11,8 @@ makes them; random values, so the numbers are about time and memory, not quality
    (the GPU check of bit-identical selection) and how many picks the 8-bit scores share with it.
 2. `build_plan` per tiling (default config otherwise): ms and the allocator's peak above what
    was held before the call, also as a share of Q/K/V's bytes (target: at most 10%); the first
-   call of a shape also builds cached tables (and reblock's CUDA graph), reported apart.
+   call of a shape also builds cached tables (and reblock's CUDA graph): its peak and what the
+   caches keep afterwards are reported apart.
 3. The kernel alone on that plan and the whole `sparse_attention` call: ms.
 4. Dense cuDNN SDPA: ms (skipped with --no-dense, or reported as the error it raised).
 Prints a markdown table per part and writes JSON with the environment when --out is given.
@@ -93,12 +94,14 @@ def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
 
 
 def plan_rows(q, k, v, layout, config: SparseConfig, shape: str, qkv_mib: float) -> dict:
+    before = torch.cuda.memory_allocated()
     _, first = peak_extra_mb(lambda: build_plan(q, k, v, layout, config))  # builds the cached tables
+    cached = (torch.cuda.memory_allocated() - before) / 2 ** 20  # what the caches keep (CUDA graph, tables)
     plan, peak = peak_extra_mb(lambda: build_plan(q, k, v, layout, config))
     kernel = plan.kernel
     row = {"shape": shape, "tiling": config.tiling, "S": layout.total, "J": kernel.num_blocks,
            "R": int(kernel.q2k_idx.shape[-1]), "qkv_mib": qkv_mib, "plan_peak_mib": peak,
-           "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first,
+           "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first, "cached_mib": cached,
            "plan_ms": ms(lambda: build_plan(q, k, v, layout, config)),
            "kernel_ms": ms(lambda: run_block_sparse(q, k, v, kernel, "triton")),
            "call_ms": ms(lambda: sparse_attention(q, k, v, layout, config))}
@@ -145,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
         qkv_mib = 3 * q.numel() * q.element_size() / 2 ** 20
         for tiling in args.tilings.split(","):
             config = SparseConfig(topk_ratio=args.ratio, tiling=tiling, min_tokens=0, backend="triton")
-            result["routing"] += routing_rows(q, k, layout, config, shape)
-            result["plans"].append(plan_rows(q, k, v, layout, config, shape, qkv_mib))
+            result["plans"].append(plan_rows(q, k, v, layout, config, shape, qkv_mib))  # first: fresh caches
             print(json.dumps(result["plans"][-1]), file=sys.stderr, flush=True)
+            result["routing"] += routing_rows(q, k, layout, config, shape)
         if not args.no_dense:
             result["dense"].append(dense_row(q, k, v, shape))
         del q, k, v
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     env = result["environment"]
     print(f"{env['hardware']}, torch {env['torch']}, triton {env.get('triton')}, {env['date']}\n`{env['command']}`\n")
     print(table(result["plans"], ["shape", "tiling", "S", "J", "R", "plan_ms", "kernel_ms", "call_ms", "plan_peak_mib",
-                                  "plan_peak_share_of_qkv", "first_plan_peak_mib", "qkv_mib"]) + "\n")
+                                  "plan_peak_share_of_qkv", "first_plan_peak_mib", "cached_mib", "qkv_mib"]) + "\n")
     print(table(result["routing"], ["shape", "tiling", "routing", "J", "ms", "peak_mib", "shared_picks_vs_fp32",
                                     "identical_to_streamed_fp32", "error"]) + "\n")
     if result["dense"]:
