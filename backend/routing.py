@@ -128,7 +128,8 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
         groups: candidate key block ranges (lo, hi, budget), ascending and disjoint.
         scores: "fp32" (the exact pooled scores) or "int8" / "fp8" (`backend/indexer.py`).
     Returns:
-        (q2k_idx [B, H, J, R] int32 ascending, q2k_num [B, H, J] int32), R = sum of the budgets.
+        (q2k_idx [B, H, J, R] ascending, int16 while J < 2**15 else int32; q2k_num [B, H, J]
+        int32), R = sum of the budgets.
     """
     if scores not in ROUTING_SCORES:
         raise ValueError(f"route_blocks: scores={scores!r} is not allowed: expected one of "
@@ -139,7 +140,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
     c1 = max(hi for _, hi, _ in groups)
     fused = fused_planner(q_mean) and q_mean.dtype == torch.float32
     means = q_mean if scores == "fp32" else quantise_means(q_mean, k_mean, scores)
-    idx = torch.empty(B, H, J, R, dtype=torch.int32, device=q_mean.device)
+    idx = torch.empty(B, H, J, R, dtype=torch.int16 if J < 2 ** 15 else torch.int32, device=q_mean.device)
     idx[:, :, :c0] = -1  # context query blocks before every candidate: dense
     for i0, i1 in row_chunks((c0, J), B * H * (c1 - c0)):
         window = _score_window(means, k_mean, (i0, i1), (c0, c1), fused)

@@ -39,9 +39,9 @@ def _select_group(Scores, DenseHi, Out, J, R, lo, n, budget, col0, i0, n_rows, n
         y = tl.load(score_row + tail, mask=live_t, other=0.0)
         pick, pick_t = top_k_mask_pair(x, live, y, live_t, budget)
         pos_t = tl.sum(pick.to(tl.int32), 0) + tl.cumsum(pick_t.to(tl.int32), 0) - 1
-        tl.store(out_row + pos_t, (lo + tail).to(tl.int32), mask=pick_t)
+        tl.store(out_row + pos_t, (lo + tail).to(Out.dtype.element_ty), mask=pick_t)
         pos = tl.cumsum(pick.to(tl.int32), 0) - 1
-        tl.store(out_row + pos, (lo + offs).to(tl.int32), mask=pick)
+        tl.store(out_row + pos, (lo + offs).to(Out.dtype.element_ty), mask=pick)
 
 
 def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: list[tuple[int, int, int]],
@@ -52,7 +52,8 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
 
     `scores` [B, H, n_rows, n_cols] may be a window of the [B, H, J, J] matrix: rows of query
     blocks i0.., columns of key blocks c0..; then only those rows of `out` (given, or allocated
-    whole) are written, so the routing can stream the scores through a bounded buffer."""
+    whole) are written, so the routing can stream the scores through a bounded buffer. A given
+    `out` may be int16 (J < 2**15) or int32."""
     J = dense_hi.shape[0] if dense_hi.dim() == 1 else -1
     if scores.dim() != 4 or scores.dtype != torch.float32:
         raise ValueError(f"select_blocks_triton: scores must be fp32 [B, H, rows, columns], got {scores.dtype} "
@@ -69,9 +70,10 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
     scores, dense_hi = scores.contiguous(), dense_hi.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty(B, H, J, R, dtype=torch.int32, device=scores.device)
-    elif out.shape != (B, H, J, R) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"select_blocks_triton: out must be contiguous int32 [{B}, {H}, {J}, {R}], got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    elif out.shape != (B, H, J, R) or out.dtype not in (torch.int16, torch.int32) or not out.is_contiguous() \
+            or (out.dtype == torch.int16 and J >= 2 ** 15):
+        raise ValueError(f"select_blocks_triton: out must be contiguous int16 (J < 2**15) or int32 "
+                         f"[{B}, {H}, {J}, {R}], got {out.dtype} {tuple(out.shape)}")
     col0 = 0
     for lo, hi, budget in groups:  # about 32 scores per thread: at the 10 s shape on the H200 (1,134 blocks held
         # as 1,024 + 128 lanes) 1 warp 0.91 ms, 2: 0.92, 4: 1.08; 2,048 lanes on 2 warps took 1.55

@@ -7,7 +7,9 @@ Like FlexAttention's BlockMask, the sparse structure is a handful of small tenso
 - block_len: int32 [J], valid rows of every block (valid rows come first within a block).
 - dense_hi: int32 [J]; query block i attends exactly to every key block j < dense_hi[i]
   (context first in block order, so this is the "always exact" prefix).
-- q2k_idx: int32 [B, H, J, R] selected key blocks (ascending, all >= dense_hi[i], -1 padded);
+- q2k_idx: int16 or int32 [B, H, J, R] selected key blocks (ascending, all >= dense_hi[i], -1
+  padded); the planner writes int16 while J < 2**15 (half the memory: at 60 s clips this table
+  is the planner's largest tensor, 5% of Q/K/V per 0.1 of ratio in int32);
   q2k_num: int32 [B, H, J], how many entries of a row are valid.
 - Candidates of query block i are the key blocks in [dense_hi[i], J); the unselected ones are
   represented by tail summaries, either per query (`tail_k` [B,H,J,D] stored dtype, `tail_v`

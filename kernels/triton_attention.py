@@ -43,8 +43,8 @@ def _online_softmax_step(acc, m_i, l_i, s, scale, vals, DOT_DTYPE: tl.constexpr,
 def _list_block(slot, dh, n_slots, SelRow):
     """Key block at position `slot` of a query block's list: the dense prefix, then its picks
     (0, a harmless index, past the end of the list)."""
-    picked = tl.load(SelRow + (slot - dh), mask=(slot >= dh) & (slot < n_slots), other=0)
-    return tl.where(slot < dh, slot, picked)
+    picked = tl.load(SelRow + (slot - dh), mask=(slot >= dh) & (slot < n_slots), other=0).to(tl.int32)
+    return tl.where(slot < dh, slot, picked)  # int32 whatever the table's width: blk * BS must not wrap
 
 
 @triton.jit(do_not_specialize=['sl_b', 'sl_h', 'H', 'J', 'R'])

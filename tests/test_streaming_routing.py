@@ -68,7 +68,7 @@ def test_torch_stream_equals_the_full_matrix_selection(monkeypatch, one_tile_chu
     want_idx, want_num = select_blocks(pooled_scores(q, k), dense_hi, groups)
     windows = recorded_windows(monkeypatch)
     idx, num = route_blocks(q, k, dense_hi, groups)
-    assert idx.dtype == torch.int32 and torch.equal(idx, want_idx) and torch.equal(num, want_num)
+    assert idx.dtype == torch.int16 and torch.equal(idx, want_idx) and torch.equal(num, want_num)
     lo = groups[0][0] // 64 * 64
     assert windows == [(B, H, min(64, J - i0), groups[-1][1] - lo) for i0 in range(lo, J, 64)]  # never J x J
 
