@@ -136,13 +136,12 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
                          + ", ".join(repr(s) for s in ROUTING_SCORES))
     B, H, J, _ = q_mean.shape
     R = sum(budget for _, _, budget in groups)
-    c0 = min(lo for lo, _, _ in groups) // TILE * TILE  # candidate columns [c0, c1); sparse rows are in [c0, J)
+    c0 = min(lo for lo, _, _ in groups) // TILE * TILE  # candidate columns [c0, c1), tile-aligned
     c1 = max(hi for _, hi, _ in groups)
     fused = fused_planner(q_mean) and q_mean.dtype == torch.float32
     means = q_mean if scores == "fp32" else quantise_means(q_mean, k_mean, scores)
     idx = torch.empty(B, H, J, R, dtype=torch.int16 if J < 2 ** 15 else torch.int32, device=q_mean.device)
-    idx[:, :, :c0] = -1  # context query blocks before every candidate: dense
-    for i0, i1 in row_chunks((c0, J), B * H * (c1 - c0)):
+    for i0, i1 in row_chunks((0, J), B * H * (c1 - c0)):  # dense rows too: they cost little and get -1
         window = _score_window(means, k_mean, (i0, i1), (c0, c1), fused)
         if fused:
             from ..kernels.block_select import select_blocks_triton
