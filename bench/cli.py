@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--blocks", type=int, default=6, help="DiT blocks of the random model (H3 has 50)")
     e2e.add_argument("--steps", type=int, default=19)
     e2e.add_argument("--cfg", type=float, default=3.0)
-    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s)")
+    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s, 30s)")
     e2e.add_argument("--work", help="folder for the model, caches and output (default: a new temporary one)")
     e2e.add_argument("--out", help="JSON results (default: WORK/e2e.json)")
     e2e.set_defaults(func=cmd_e2e)
