@@ -14,6 +14,11 @@ import torch
 
 from triton_interpreter import interpreter_env
 
+with interpreter_env():  # the kernels must be first imported in interpreter mode
+    pytest.importorskip("triton")
+    from adaptive_sparse_attention.kernels import block_select  # noqa: F401  (route_blocks imports it lazily)
+    from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton, quantised_scores_triton
+
 from adaptive_sparse_attention.backend import indexer, pooling, routing, tail
 from adaptive_sparse_attention.backend.routing import pooled_scores, route_blocks, select_blocks
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
@@ -78,8 +83,6 @@ def test_triton_stream_equals_todays_gpu_selection(monkeypatch, one_tile_chunks)
     """Interpreter: the streamed kernels (score windows, windowed select) against the full
     tf32x3 score matrix of today's kernel, selected by the stable sort."""
     with interpreter_env():
-        from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton
-
         B, H, J, D, groups, n_dense = 1, 1, 70, 32, [(3, 20, 17), (20, 70, 5)], 60  # sparse rows 60..69
         q, k = means(B, H, J, D, seed=3)
         dense_hi = dense_hi_of(J, groups, n_dense)
@@ -91,8 +94,6 @@ def test_triton_stream_equals_todays_gpu_selection(monkeypatch, one_tile_chunks)
 
 def test_score_windows_are_the_full_matrix_tiles():
     with interpreter_env():
-        from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton
-
         q, k = means(1, 2, 150, 64, seed=1)
         full = pooled_scores_triton(q, k)
         assert torch.equal(pooled_scores_triton(q, k, (64, 150), (128, 150)), full[:, :, 64:, 128:])
@@ -107,8 +108,6 @@ def test_quantised_scores_kernel_matches_the_torch_path(fmt):
     q, k = means(2, 1, 70, 64, seed=4)
     m = indexer.quantise_means(q, k, fmt)
     with interpreter_env():
-        from adaptive_sparse_attention.kernels.block_scores import quantised_scores_triton
-
         got = quantised_scores_triton(m.q_codes, m.q_scale, m.k_codes, m.k_scale, (0, 70), (64, 70))
     want = indexer.quantised_scores(m, (0, 70), (64, 70))
     if fmt == "int8":
