@@ -21,6 +21,7 @@ TAILS = ("reweight", "mean", "none", "coarse")
 BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", "triton", "torch")
 DENSE_ATTENTIONS = ("fastest", "comfyui")
+ROUTING_SCORES = ("fp32", "int8", "fp8")
 
 # Bounds of what a (possibly hostile) workflow or script may ask for, checked before any work.
 MAX_LAYERS = 1024  # layer indices are below this when the model is unknown (MiniMax-H3 has 50 blocks)
@@ -233,6 +234,7 @@ RULES: dict[str, Rule] = {
     "strict": bool_rule,
     "backend": choice_rule(BACKENDS),
     "dense_attention": choice_rule(DENSE_ATTENTIONS),
+    "routing_scores": choice_rule(ROUTING_SCORES),
 }
 
 
@@ -256,6 +258,8 @@ class SparseConfig:
     backend: `auto` (Triton on CUDA, torch otherwise), `triton` or `torch`.
     dense_attention: blocks that run dense use the fastest exact kernel of the GPU, measured
         (`fastest`), or ComfyUI's own attention path (`comfyui`).
+    routing_scores: pooled routing scores in `fp32` (exact) or from 8-bit block means, `int8`
+        or `fp8` (e4m3, sm89 and later; backend/indexer.py).
     """
 
     topk_ratio: float = 0.2
@@ -272,6 +276,7 @@ class SparseConfig:
     strict: bool = False
     backend: str = "auto"
     dense_attention: str = "fastest"
+    routing_scores: str = "fp32"
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -5,6 +5,7 @@ tiling is built on the host, once per layout, and cached.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,11 +15,14 @@ from .cache import BoundedCache
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .pooling import block_means
-from .routing import pooled_scores, route_plan, select_blocks
+from .indexer import fp8_unavailable_reason
+from .routing import route_blocks, route_plan
 from .tail import block_reduce, coarse_output, mean_summaries, reweight_summaries, target_anchor
 from .tiling import Tiling, cube_tiling
 
 _CUBE_TILINGS: BoundedCache[Tiling] = BoundedCache(8)  # a few shapes per session
+log = logging.getLogger("adaptive_sparse_attention")
+_warned: set[str] = set()
 
 
 @dataclass
@@ -50,9 +54,8 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
     tiling = make_tiling(q, k, layout, config) if tiling is None else tiling
     q_mean = block_means(q, tiling.q_perm, tiling)
     k_mean = block_means(k, tiling.k_perm, tiling)
-    scores = pooled_scores(q_mean, k_mean)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
-    q2k_idx, q2k_num = select_blocks(scores, dense_hi, groups)
+    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device))
     kernel = BlockSparsePlan(tiling.block_size, tiling.q_perm, tiling.k_perm, tiling.block_len,
                              dense_hi, q2k_idx, q2k_num)
     coarse = None
@@ -64,9 +67,23 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         if config.tail_granularity == "query":
             kernel.tail_k, kernel.tail_v, kernel.tail_bias = key, value, bias
         else:
-            kernel.block_logit, kernel.block_value = block_reduce(q_mean, key, value, bias, kernel.summary_mask())
+            kernel.block_logit, kernel.block_value = block_reduce(q_mean, key, value, bias, kernel)
     elif config.tail == "coarse":
         v_mean = block_means(v, tiling.k_perm, tiling)
-        coarse = coarse_output(q, tiling, scores, k_mean, v_mean, dense_hi < tiling.num_blocks,
+        coarse = coarse_output(q, tiling, q_mean, k_mean, v_mean, dense_hi < tiling.num_blocks,
                                config.tail_granularity)
     return Plan(kernel, tiling, groups, coarse)
+
+
+def routing_scores(config: SparseConfig, device: torch.device) -> str:
+    """The routing score format to use: `config.routing_scores`, except fp8 on a GPU without it,
+    which raises (strict) or runs int8 and says so once."""
+    reason = fp8_unavailable_reason(device) if config.routing_scores == "fp8" else None
+    if reason is None:
+        return config.routing_scores
+    if config.strict:
+        raise RuntimeError(f"SparseConfig.routing_scores='fp8' cannot run: {reason} (strict mode)")
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("%s; routing with int8 scores instead", reason)
+    return "int8"

@@ -12,6 +12,18 @@ from ..kernels.plan import pack
 from .tiling import Tiling
 
 POOL_HEADS = 8
+CHUNK_ELEMENTS = 1 << 26  # per-block planner buffers that grow with J x J are streamed in row
+# chunks of at most this many elements (256 MB of fp32), so planner memory stays linear in J
+
+
+def row_chunks(rows: tuple[int, int], per_row: int, align: int = 64) -> list[tuple[int, int]]:
+    """[lo, hi) split into chunks of whole `align`-row tiles (counted from 0, so chunks start at
+    multiples of `align` except possibly the first) holding at most CHUNK_ELEMENTS elements of
+    `per_row` each (at least one tile per chunk)."""
+    lo, hi = rows
+    step = max(align, CHUNK_ELEMENTS // max(1, per_row) // align * align)
+    starts = [lo] + list(range((lo // step + 1) * step, hi, step))
+    return [(a, min(hi, b)) for a, b in zip(starts, starts[1:] + [hi]) if a < min(hi, b)]
 
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:

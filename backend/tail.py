@@ -14,14 +14,18 @@ Non-finite inputs stay local: block means are finite (`pooling.block_means`), so
 the mean summaries are; a row with a non-finite key is left out of its block's reweighted
 summary, key and value (a block without a finite key gets bias -inf: no summary), so one bad
 key cannot reach every query through the summaries.
+
+Whatever grows with J x J (block logits, coarse scores) is computed in chunks of query blocks
+(`pooling.row_chunks`), so planner memory stays linear in J.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.plan import unpack
+from ..kernels.plan import BlockSparsePlan, unpack
 from .layout import TARGET_VIDEO
-from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows, fused_planner
+from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows, fused_planner, row_chunks
+from .routing import pooled_scores
 from .tiling import Tiling
 
 def target_anchor(q_mean: torch.Tensor, tiling: Tiling) -> torch.Tensor:
@@ -81,35 +85,48 @@ def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor:
 
 
 def block_reduce(q_mean: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                 summary_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`block` granularity: the summaries of each query block scored once at its mean query.
+                 plan: BlockSparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block` granularity: the summaries of each query block scored once at its mean query,
+    over the candidate blocks `plan` leaves unselected (`plan.summary_mask`), in chunks of query blocks.
 
     Returns (log-mass [B,H,J], normalised value [B,H,J,D]); a block without summaries gets -inf.
     """
     acc = q_mean.dtype
-    logits = torch.matmul(q_mean, key.to(acc).transpose(-1, -2)) * (q_mean.shape[-1] ** -0.5) + bias.unsqueeze(2)
-    logits = logits.masked_fill(~summary_mask, float("-inf"))
-    lse = torch.logsumexp(logits, -1)
-    w = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
-    return lse, torch.matmul(w, value.to(acc))
+    B, H, J, D = q_mean.shape
+    lse = q_mean.new_empty(B, H, J)
+    out = q_mean.new_empty(B, H, J, value.shape[-1])
+    for i0, i1 in row_chunks((0, J), B * H * J):
+        logits = torch.matmul(q_mean[:, :, i0:i1], key.to(acc).transpose(-1, -2)) * (D ** -0.5) + bias.unsqueeze(2)
+        logits = logits.masked_fill(~plan.summary_mask(slice(i0, i1)), float("-inf"))
+        m = torch.logsumexp(logits, -1)
+        w = torch.exp(logits - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1))
+        lse[:, :, i0:i1], out[:, :, i0:i1] = m, torch.matmul(w, value.to(acc))
+    return lse, out
 
 
-def coarse_output(q: torch.Tensor, tiling: Tiling, scores: torch.Tensor, k_mean: torch.Tensor,
+def coarse_output(q: torch.Tensor, tiling: Tiling, q_mean: torch.Tensor, k_mean: torch.Tensor,
                   v_mean: torch.Tensor, sparse_blocks: torch.Tensor, granularity: str) -> torch.Tensor:
     """Coarse branch C in model order [B, H, S, D], zero on rows of dense query blocks.
 
-    `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i (seed 000).
-    `query`: every row uses its own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)).
+    `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i (seed 000),
+    E the pooled scores, computed in chunks of query blocks.
+    `query`: every row uses its own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)),
+    in chunks of rows.
     """
     B, H, S, D = q.shape
     J, bs = tiling.num_blocks, tiling.block_size
     if granularity == "block":
-        per_block = torch.matmul(torch.softmax(scores, -1), v_mean)
+        per_block = v_mean.new_empty(B, H, J, D)
+        for i0, i1 in row_chunks((0, J), B * H * J):
+            scores = pooled_scores(q_mean, k_mean, (i0, i1))
+            per_block[:, :, i0:i1] = torch.matmul(torch.softmax(scores, -1), v_mean)
         per_block = per_block * sparse_blocks.view(1, 1, J, 1)
         rows = per_block.repeat_interleave(bs, 2)
         return unpack(rows.to(q.dtype), tiling.q_perm, S)
-    logits = torch.matmul(q.to(k_mean.dtype), k_mean.transpose(-1, -2)) * (D ** -0.5)
-    c = torch.matmul(torch.softmax(logits, -1), v_mean)
+    c = v_mean.new_empty(B, H, S, D)
+    for s0, s1 in row_chunks((0, S), B * H * J, align=1):
+        logits = torch.matmul(q[:, :, s0:s1].to(k_mean.dtype), k_mean.transpose(-1, -2)) * (D ** -0.5)
+        c[:, :, s0:s1] = torch.matmul(torch.softmax(logits, -1), v_mean)
     flag = unpack(sparse_blocks.to(c.dtype).view(1, 1, J, 1).repeat_interleave(bs, 2).expand(B, H, -1, 1).contiguous(),
                   tiling.q_perm, S)
     return (c * flag).to(q.dtype)

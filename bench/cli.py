@@ -1,13 +1,15 @@
-"""Command line: `python -m adaptive_sparse_attention demo | bench | evaluate FILE | e2e`.
+"""Command line: `python -m adaptive_sparse_attention demo | bench | evaluate FILE | e2e | bench-long`.
 
 - demo: the main job on a fresh machine: a small synthetic H3-like scene, dense vs sparse at a
   few ratios and tail modes, one table (density, attention-mass recall, relative L2 error vs
   dense, time). Uses the GPU when CUDA is available; about a minute on a 2-core CPU.
-- bench: a preset (cpu-small, h3-5s, h3-10s, h3-14s) x methods x ratios; writes a markdown
+- bench: a preset (cpu-small, h3-5s, h3-10s, h3-14s, h3-30s, h3-60s) x methods x ratios; writes a markdown
   table, JSON and plots to --out and prints the table.
 - evaluate: the same metrics on a capture file written by the "Capture H3 Attention" node.
 - e2e: the whole KSampler run in real ComfyUI (COMFYUI_PATH) with and without our node
   (bench/e2e.py).
+- bench-long: long clips (30 s, 60 s) on the GPU: planner memory and time, kernel time, dense
+  cuDNN where it fits (bench/long_clips.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 import torch
 
 from ..backend.capture import load_capture
+from . import long_clips
 from .methods import DEFAULT_METHOD
 from .report import acceptance, markdown_table, render_markdown, write_outputs
 from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
@@ -159,10 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--blocks", type=int, default=6, help="DiT blocks of the random model (H3 has 50)")
     e2e.add_argument("--steps", type=int, default=19)
     e2e.add_argument("--cfg", type=float, default=3.0)
-    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s)")
+    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s, 30s)")
     e2e.add_argument("--work", help="folder for the model, caches and output (default: a new temporary one)")
     e2e.add_argument("--out", help="JSON results (default: WORK/e2e.json)")
     e2e.set_defaults(func=cmd_e2e)
+
+    long = sub.add_parser("bench-long", help="long clips on the GPU: planner memory and time, kernel, dense cuDNN")
+    long_clips.add_arguments(long)
+    long.set_defaults(func=long_clips.run)
     return parser
 
 

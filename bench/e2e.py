@@ -56,7 +56,7 @@ TINY = dict(hidden_size=64, token_refiner_num_layers=1, num_attention_heads=2, a
             ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
             time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
 SCALES = {
-    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "new-length": 226, "new-length-2": 260},
+    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "30s": 736, "new-length": 226, "new-length-2": 260},
                 256, 5120),
     "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56, "new-length-2": 73}, 7, 48, {"min_tokens": 0}),
 }

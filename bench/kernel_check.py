@@ -36,7 +36,7 @@ from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
 from ..kernels.plan import BlockSparsePlan
 from ..kernels.reference import block_sparse_reference
-from ..kernels.triton_attention import block_sparse_triton, selection_bits
+from ..kernels.triton_attention import block_sparse_triton
 
 H3_SHAPES = {name: SIZES[f"h3-{name}"] for name in ("5s", "10s", "14s")}  # the bench presets' shapes
 HEADS, DIM = H3_SHAPES["10s"].heads, H3_SHAPES["10s"].head_dim
@@ -215,7 +215,7 @@ def compiled_resources() -> list[dict]:
 
 def planner_profile(q, k, v, layout, ratio) -> dict:
     """Milliseconds per planner step (bench/planner_timing.py's steps: cube tiling, reweight
-    tails) plus the block-granularity reduction and the kernel's selection-bit prepass."""
+    tails) plus the block-granularity reduction."""
     from .planner_timing import steps  # planner_timing reuses this module's shapes and timer
 
     parts = steps(q, k, v, layout, ratio)
@@ -223,9 +223,8 @@ def planner_profile(q, k, v, layout, ratio) -> dict:
     out = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
     plan = results["build_plan reweight"].kernel
     key, value, bias = results["reweight_summaries"]
-    out["summary_mask+block_reduce (block gran.)"] = bench_ms(
-        lambda: block_reduce(results["block_means q"], key, value, bias, plan.summary_mask()), rep_ms=300)
-    out["selection_bits (kernel prepass)"] = bench_ms(lambda: selection_bits(plan), rep_ms=300)
+    out["block_reduce (block gran.)"] = bench_ms(
+        lambda: block_reduce(results["block_means q"], key, value, bias, plan), rep_ms=300)
     return out
 
 

@@ -43,6 +43,8 @@ PRESETS = {
     "h3-5s": Preset("h3-5s", ("pan", "cuts"), 128, 2, 5, True),
     "h3-10s": Preset("h3-10s", ("pan", "cuts"), 128, 1, 3, True),
     "h3-14s": Preset("h3-14s", ("pan", "cuts"), 128, 1, 3, True),
+    "h3-30s": Preset("h3-30s", ("pan",), 64, 0, 2, True),  # long clips: dense takes seconds per call
+    "h3-60s": Preset("h3-60s", ("pan",), 64, 0, 1, True),
 }
 
 

@@ -7,7 +7,9 @@ Like FlexAttention's BlockMask, the sparse structure is a handful of small tenso
 - block_len: int32 [J], valid rows of every block (valid rows come first within a block).
 - dense_hi: int32 [J]; query block i attends exactly to every key block j < dense_hi[i]
   (context first in block order, so this is the "always exact" prefix).
-- q2k_idx: int32 [B, H, J, R] selected key blocks (ascending, all >= dense_hi[i], -1 padded);
+- q2k_idx: int16 or int32 [B, H, J, R] selected key blocks (ascending, all >= dense_hi[i], -1
+  padded); the planner writes int16 while J < 2**15 (half the memory: at 60 s clips this table
+  is the planner's largest tensor, 5% of Q/K/V per 0.1 of ratio in int32);
   q2k_num: int32 [B, H, J], how many entries of a row are valid.
 - Candidates of query block i are the key blocks in [dense_hi[i], J); the unselected ones are
   represented by tail summaries, either per query (`tail_k` [B,H,J,D] stored dtype, `tail_v`
@@ -43,26 +45,26 @@ class BlockSparsePlan:
     def num_blocks(self) -> int:
         return int(self.block_len.numel())
 
-    def selected_mask(self) -> torch.Tensor:
-        """bool [B, H, J, J]: key block j selected (by TopK) for query block i."""
-        B, H, J, R = self.q2k_idx.shape
-        mask = torch.zeros(B, H, J, J + 1, dtype=torch.bool, device=self.q2k_idx.device)
-        valid = torch.arange(R, device=mask.device).view(1, 1, 1, R) < self.q2k_num.unsqueeze(-1)
-        idx = torch.where(valid & (self.q2k_idx >= 0), self.q2k_idx.long(), torch.full_like(self.q2k_idx, J).long())
-        mask.scatter_(3, idx, True)
+    def selected_mask(self, rows: slice = slice(None)) -> torch.Tensor:
+        """bool [B, H, J, J]: key block j selected (by TopK) for query block i; `rows` picks
+        query blocks (callers that must stay linear in J take a few at a time)."""
+        idx, num = self.q2k_idx[:, :, rows], self.q2k_num[:, :, rows]
+        B, H, n, R = idx.shape
+        J = self.num_blocks
+        mask = torch.zeros(B, H, n, J + 1, dtype=torch.bool, device=idx.device)
+        valid = torch.arange(R, device=mask.device).view(1, 1, 1, R) < num.unsqueeze(-1)
+        mask.scatter_(3, torch.where(valid & (idx >= 0), idx.long(), torch.full_like(idx, J).long()), True)
         return mask[..., :J]
 
-    def allowed_mask(self) -> torch.Tensor:
+    def allowed_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: key blocks computed exactly (dense prefix or selected)."""
-        J = self.num_blocks
-        cols = torch.arange(J, device=self.dense_hi.device)
-        return (cols.view(1, J) < self.dense_hi.view(J, 1)) | self.selected_mask()
+        cols = torch.arange(self.num_blocks, device=self.dense_hi.device)
+        return (cols.view(1, -1) < self.dense_hi[rows].view(-1, 1)) | self.selected_mask(rows)
 
-    def summary_mask(self) -> torch.Tensor:
+    def summary_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: candidate key blocks that are represented by their summary."""
-        J = self.num_blocks
-        cols = torch.arange(J, device=self.dense_hi.device)
-        return (cols.view(1, J) >= self.dense_hi.view(J, 1)) & ~self.selected_mask()
+        cols = torch.arange(self.num_blocks, device=self.dense_hi.device)
+        return (cols.view(1, -1) >= self.dense_hi[rows].view(-1, 1)) & ~self.selected_mask(rows)
 
 
 def pack(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,6 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     kt = pack(k, plan.k_perm).to(acc)
     vt = pack(v, plan.k_perm).to(acc)
     key_valid = (torch.arange(bs, device=q.device).view(1, bs) < plan.block_len.view(J, 1)).reshape(-1)
-    allowed = plan.allowed_mask()
-    summaries = plan.summary_mask() if plan.tail_k is not None else None
     out_t = torch.empty_like(qt)
     lse_t = torch.empty(B, H, J * bs, dtype=acc, device=q.device)
     step = max(1, CHUNK_ELEMENTS // max(1, B * H * bs * J * bs))
@@ -36,11 +34,11 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         rows = slice(i0 * bs, i1 * bs)
         qc = qt[:, :, rows]
         logits = torch.matmul(qc, kt.transpose(-1, -2)) * scale
-        mask = allowed[:, :, i0:i1].repeat_interleave(bs, 2).repeat_interleave(bs, 3) & key_valid
+        mask = plan.allowed_mask(slice(i0, i1)).repeat_interleave(bs, 2).repeat_interleave(bs, 3) & key_valid
         cols, vals = [logits.masked_fill(~mask, float("-inf"))], [vt]
-        if summaries is not None:
+        if plan.tail_k is not None:
             tl = torch.matmul(qc, plan.tail_k.to(acc).transpose(-1, -2)) * scale + plan.tail_bias.to(acc).unsqueeze(2)
-            cols.append(tl.masked_fill(~summaries[:, :, i0:i1].repeat_interleave(bs, 2), float("-inf")))
+            cols.append(tl.masked_fill(~plan.summary_mask(slice(i0, i1)).repeat_interleave(bs, 2), float("-inf")))
             vals.append(plan.tail_v.to(acc))
         if plan.block_logit is not None:
             cols.append(plan.block_logit[:, :, i0:i1].to(acc).repeat_interleave(bs, 2).unsqueeze(-1))

@@ -6,7 +6,8 @@ One program per (batch * head, query tile of a query block). It gathers its quer
 one key block (index loads run one tile ahead), gathers K/V rows through `k_perm`, masks keys
 beyond each block's true length, and keeps an online softmax in base 2 with the scale folded
 in. The summaries of unselected candidate blocks join the same softmax: per query (`tail_k`/`tail_v`/`tail_bias`,
-selected columns masked through a bitmask built on the device) or once per query block
+selected columns masked by walking the query block's ascending pick list alongside the columns, so
+no J x J structure is built) or once per query block
 (`block_logit`/`block_value`). Rows are normalised once and stored straight to their model-order
 rows (scatter on store). Same semantics as `reference.block_sparse_reference`.
 
@@ -42,19 +43,19 @@ def _online_softmax_step(acc, m_i, l_i, s, scale, vals, DOT_DTYPE: tl.constexpr,
 def _list_block(slot, dh, n_slots, SelRow):
     """Key block at position `slot` of a query block's list: the dense prefix, then its picks
     (0, a harmless index, past the end of the list)."""
-    picked = tl.load(SelRow + (slot - dh), mask=(slot >= dh) & (slot < n_slots), other=0)
-    return tl.where(slot < dh, slot, picked)
+    picked = tl.load(SelRow + (slot - dh), mask=(slot >= dh) & (slot < n_slots), other=0).to(tl.int32)
+    return tl.where(slot < dh, slot, picked)  # int32 whatever the table's width: blk * BS must not wrap
 
 
-@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'H', 'J', 'R', 'NW'])
+@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'H', 'J', 'R'])
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
     QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
-    TailK, TailV, TailBias, SelBits, BlockLogit, BlockValue,
+    TailK, TailV, TailBias, BlockLogit, BlockValue,
     sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s,
     sqp_b, sqp_h, skp_b, skp_h,
-    H, J, R, NW, qk_scale,
+    H, J, R, qk_scale,
     BS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr,
@@ -116,14 +117,21 @@ def _block_sparse_fwd(
         krow, blen, blk_next = krow_next, blen_next, blk_after
 
     if QUERY_TAIL:
-        # candidate blocks [dh, J) not selected: one summary column each
+        # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending, so
+        # those inside [c0, c0 + BLOCK_T) are among the next BLOCK_T entries after the `done` ones below c0
         offs_t = tl.arange(0, BLOCK_T)
         t_row = bh.to(tl.int64) * J
+        n_pick = n_slots - dh
+        done = 0
         for c0 in range(dh, J, BLOCK_T):
             c = c0 + offs_t
             cin = c < J
-            word = tl.load(SelBits + row * NW + c // 32, mask=cin, other=0)
-            keep = cin & (((word >> (c % 32)) & 1) == 0)
+            p = done + offs_t
+            near = p < n_pick
+            pick = tl.load(sel_row + p, mask=near, other=-1)
+            hit = tl.sum((pick[None, :] == c[:, None]).to(tl.int32), 1) > 0
+            done += tl.sum((near & (pick < c0 + BLOCK_T)).to(tl.int32), 0)
+            keep = cin & ~hit
             tk = tl.load(TailK + (t_row + c[None, :]) * HEAD_DIM + offs_d[:, None],
                          mask=cin[None, :], other=0.0).to(DOT_DTYPE)
             bias = tl.load(TailBias + t_row + c, mask=cin, other=0.0)
@@ -154,22 +162,6 @@ def _block_sparse_fwd(
     tl.store(Out + b * so_b + h * so_h + orow[:, None] * so_s + offs_d[None, :] * so_d,
              out.to(Out.dtype.element_ty), mask=qmask[:, None])
     tl.store(Lse + b * sl_b + h * sl_h + orow * sl_s, lse, mask=qmask)
-
-
-def selection_bits(plan: BlockSparsePlan) -> torch.Tensor:
-    """int32 [B, H, J, ceil(J / 32)]: bit j of row (b, h, i) set when key block j is selected.
-
-    Built with one scatter-add: the valid entries of a row are distinct, so adding their bits
-    is the same as or-ing them (bit 31 wraps to the sign bit, which the kernel reads back).
-    """
-    B, H, J, R = plan.q2k_idx.shape
-    idx = plan.q2k_idx.long()
-    valid = (torch.arange(R, device=idx.device) < plan.q2k_num.unsqueeze(-1)) & (idx >= 0)
-    word = torch.where(valid, idx // 32, torch.zeros_like(idx))
-    one = torch.ones((), dtype=torch.int32, device=idx.device)
-    bit = torch.where(valid, torch.bitwise_left_shift(one, (idx % 32).to(torch.int32)), torch.zeros_like(one))
-    bits = torch.zeros(B, H, J, (J + 31) // 32, dtype=torch.int32, device=idx.device)
-    return bits.scatter_add_(3, word, bit)
 
 
 def _perm_strides(perm: torch.Tensor) -> tuple[int, int]:
@@ -233,17 +225,16 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     tail_k = plan.tail_k.contiguous() if query_tail else q
     tail_v = plan.tail_v.contiguous() if query_tail else q
     tail_bias = plan.tail_bias.float().contiguous() if query_tail else lse
-    sel_bits = selection_bits(plan) if query_tail else q2k_num
     block_logit = plan.block_logit.float().contiguous() if block_tail else lse
     block_value = plan.block_value.float().contiguous() if block_tail else lse
     grid = (J * (bs // block_m), B * H)
     _block_sparse_fwd[grid](
         q, k, v, out, lse,
         q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
-        tail_k, tail_v, tail_bias, sel_bits, block_logit, block_value,
+        tail_k, tail_v, tail_bias, block_logit, block_value,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *_perm_strides(q_perm), *_perm_strides(k_perm),
-        H, J, q2k_idx.shape[-1], (J + 31) // 32, scale * 1.4426950408889634,
+        H, J, q2k_idx.shape[-1], scale * 1.4426950408889634,
         BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
         QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail,
         DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,

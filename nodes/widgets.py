@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..backend.config import (DENSE_ATTENTIONS, MAX_LAYERS, MAX_MIN_TOKENS, MAX_STEPS, REBLOCK_LAYOUTS,
-                              SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES, SparseConfig,
-                              check_indices, parse_layer_list, show)
+                              ROUTING_SCORES, SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES,
+                              SparseConfig, check_indices, parse_layer_list, show)
 
 SPARSE_NODE_ID = "AdaptiveSparseAttentionH3"
 SPARSE_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3)"
@@ -100,6 +100,9 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
            tooltip="fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest "
                    "exact attention kernel of this GPU, measured once per shape (the same result up to bf16 "
                    "rounding). comfyui: they use ComfyUI's own attention path."),
+    Widget("routing_scores", "combo", _D.routing_scores, options=ROUTING_SCORES, advanced=True,
+           tooltip="fp32: exact block scores for choosing the key blocks. int8 / fp8: cheaper 8-bit scores "
+                   "(fp8 needs an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks."),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (

@@ -38,7 +38,7 @@ def attention(capability: int, head_dim: int, query_tail: bool) -> dict:
     cfg = CONFIGS[(family_of((capability // 10, capability % 10)), head_dim, 64)]
     pointers = {n: "*bf16" for n in ("Q", "K", "V", "Out", "TailK", "TailV")}
     pointers.update({n: "*fp32" for n in ("Lse", "TailBias", "BlockLogit", "BlockValue")})
-    pointers.update({n: "*i32" for n in ("QPerm", "KPerm", "BlockLen", "DenseHi", "Q2kIdx", "Q2kNum", "SelBits")})
+    pointers.update({n: "*i32" for n in ("QPerm", "KPerm", "BlockLen", "DenseHi", "Q2kNum")}, Q2kIdx="*i16")
     const = dict(BS=64, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
                  QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, DOT_DTYPE=tl.bfloat16, PRECISION="tf32",
                  EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32)
@@ -57,8 +57,12 @@ def planner(capability: int) -> dict:
             {"scale"}, dict(stats, REWEIGHT=True), capability, 2, 3),
         "scores": compile_for(block_scores._pooled_scores, {"Q": "*fp32", "K": "*fp32", "Out": "*fp32"}, {"scale"},
                               {"DP": 128, "TILE": block_scores.TILE, "PRECISION": "tf32x3"}, capability, 4, 3),
+        **{f"scores {fmt}": compile_for(
+            block_scores._quantised_scores, {"Q": code, "K": code, "QScale": "*fp32", "KScale": "*fp32", "Out": "*fp32"},
+            set(), {"DP": 128, "TILE": block_scores.TILE, "INT8": fmt == "int8"}, capability, 4, 3)
+           for fmt, code in (("int8", "*i8"), ("fp8", "*fp8e4nv")) if fmt == "int8" or capability >= 89},
         **{f"select {head}+{tail}": compile_for(
-            block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i32"}, set(),
+            block_select._select_group, {"Scores": "*fp32", "DenseHi": "*i32", "Out": "*i16"}, set(),
             {"HEAD": head, "TAIL": tail}, capability, max(1, head // 1024), 3) for head, tail in ((2048, 1), (1024, 128))},
         **{f"gram{' normalised' * norm}": compile_for(
             reblock_features._gram, {"A": "*bf16", "L": "*bf16", "Out": "*fp32"}, set(),

@@ -198,7 +198,7 @@ def test_info_reports_density_budgets_and_plan():
                                                             sparse_scope="joint-video"), return_info=True)
     assert info.budgets == {"ref_video[37:127]": 1, "video[180:390]": 2}
     assert 0 < info.density < 1 and info.backend == "torch"
-    assert info.plan.kernel.q2k_idx.dtype == torch.int32
+    assert info.plan.kernel.q2k_idx.dtype == torch.int16  # J < 2**15: the half-width table
 
 
 @pytest.mark.parametrize("tiling,scope,ratio", [("cube", "joint-video", 0.25), ("reblock", "target-video", 0.1),
