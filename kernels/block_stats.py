@@ -85,20 +85,21 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
         p = tl.where(valid, 1.0, 0.0)
         norm = n.to(tl.float32)
     key = tl.div_rn(tl.sum(p[:, None] * kb, 0), norm)
-    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask)
-    if REWEIGHT:
-        vb = tl.where(good[:, None], vb, 0.0)  # the left-out rows' values too (0 * inf would be NaN)
-    value = tl.div_rn(tl.sum(p[:, None] * vb, 0), norm)
     if not REWEIGHT:  # non-finite means become 0, as `pooling.block_means` makes them
         key = tl.where(tl.abs(key) < float("inf"), key, 0.0)
-        value = tl.where(tl.abs(value) < float("inf"), value, 0.0)
     key = key.to(Key.dtype.element_ty)
-    tl.store(Key + row * D + offs_d, key, mask=dmask)
-    tl.store(Value + row * D + offs_d, value.to(Value.dtype.element_ty), mask=dmask)
+    tl.store(Key + row * D + offs_d, key, mask=dmask)  # stored before V is read: fewer live registers
     if REWEIGHT:
         bias = lse - tl.sum(key.to(tl.float32) * a, 0) * scale
     else:
         bias = tl.log(norm)
+    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask)
+    if REWEIGHT:
+        vb = tl.where(good[:, None], vb, 0.0)  # the left-out rows' values too (0 * inf would be NaN)
+    value = tl.div_rn(tl.sum(p[:, None] * vb, 0), norm)
+    if not REWEIGHT:
+        value = tl.where(tl.abs(value) < float("inf"), value, 0.0)
+    tl.store(Value + row * D + offs_d, value.to(Value.dtype.element_ty), mask=dmask)
     tl.store(Bias + row, bias)
 
 
