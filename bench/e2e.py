@@ -195,7 +195,7 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
 def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
     """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
     from .. import SequenceLayout, sparse_attention
-    from ..kernels.dense import sdpa
+    from ..kernels.dense import cuda_time_ms, sdpa
 
     from comfy.ldm.minimax.model import PackedLayout
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
@@ -207,19 +207,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, H, layout.total, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
 
-    def median_ms(fn) -> float:
-        fn()
-        spans = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            spans.append(a.elapsed_time(b))
-        return sorted(spans)[reps // 2]
-
-    out = {"tokens": layout.total, "op_ms": median_ms(lambda: sparse_attention(q, k, v, layout, config))}
+    out = {"tokens": layout.total, "op_ms": cuda_time_ms(lambda: sparse_attention(q, k, v, layout, config))}
     plan, kernel = [], []
     for _ in range(reps):
         info = sparse_attention(q, k, v, layout, config, return_info=True, timings=True)[1]
@@ -227,7 +215,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
         kernel.append(info.timings_ms["kernel"])
     out["plan_ms"], out["kernel_ms"] = sorted(plan)[reps // 2], sorted(kernel)[reps // 2]
     for name in ("cudnn", "flash"):
-        out[f"dense_{name}_ms"] = median_ms(lambda: sdpa(q, k, v, name))
+        out[f"dense_{name}_ms"] = cuda_time_ms(lambda: sdpa(q, k, v, name))
     return out
 
 
