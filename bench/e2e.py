@@ -195,7 +195,8 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
 def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
     """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
     from .. import SequenceLayout, sparse_attention
-    from ..kernels.dense import cuda_time_ms, sdpa
+    from ..kernels.dense import sdpa
+    from .timing import time_call
 
     from comfy.ldm.minimax.model import PackedLayout
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
@@ -207,7 +208,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, H, layout.total, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
 
-    out = {"tokens": layout.total, "op_ms": cuda_time_ms(lambda: sparse_attention(q, k, v, layout, config))}
+    out = {"tokens": layout.total, "op_ms": time_call(lambda: sparse_attention(q, k, v, layout, config), device, reps=reps)}
     plan, kernel = [], []
     for _ in range(reps):
         info = sparse_attention(q, k, v, layout, config, return_info=True, timings=True)[1]
@@ -215,7 +216,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
         kernel.append(info.timings_ms["kernel"])
     out["plan_ms"], out["kernel_ms"] = sorted(plan)[reps // 2], sorted(kernel)[reps // 2]
     for name in ("cudnn", "flash"):
-        out[f"dense_{name}_ms"] = cuda_time_ms(lambda: sdpa(q, k, v, name))
+        out[f"dense_{name}_ms"] = time_call(lambda: sdpa(q, k, v, name), device, reps=reps)
     return out
 
 
