@@ -8,6 +8,7 @@ default schedule); Triton keeps what it compiled in its on-disk cache for later 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -24,6 +25,14 @@ log = logging.getLogger("adaptive_sparse_attention")
 _prepared: BoundedCache[float] = BoundedCache(16)
 
 
+@functools.lru_cache(maxsize=16)
+def kernel_fields(config: SparseConfig) -> SparseConfig:
+    """`config` with the schedule-only fields at fixed values: configs that launch the same kernels
+    map to one value. Cached, as every block call asks (a replace validates every field again)."""
+    return config.replace(warmup_mode="speed", warmup_ratio=0.0, dense_layers=(), min_tokens=0, strict=False,
+                          dense_attention="fastest")
+
+
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
                     head_dim: int) -> float | None:
     """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
@@ -37,9 +46,7 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
     """
     if device.type != "cuda":
         return None
-    kernels = config.replace(warmup_mode="speed", warmup_ratio=0.0, dense_layers=(), min_tokens=0, strict=False,
-                             dense_attention="fastest")
-    key = (layout.signature(), kernels, dtype, str(device), head_dim)  # the fields the kernels depend on
+    key = (layout.signature(), kernel_fields(config), dtype, str(device), head_dim)
     if key in _prepared.entries:
         return None
 

@@ -17,6 +17,7 @@ shape (plan, kernel, dense SDPA backends) to split a steady block.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -244,7 +245,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     from ..nodes.widgets import config_from_widgets
 
     references: dict[str, torch.Tensor] = {}
-    counter = iter(range(1_000_000))
+    counter = itertools.count()
 
     def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps) -> dict:
         lines.lines.clear()
