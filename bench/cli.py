@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..backend.capture import load_capture
+from ..nodes.capture import load_capture
 from . import long_clips
 from .methods import DEFAULT_METHOD
 from .report import acceptance, markdown_table, render_markdown, write_outputs

@@ -241,7 +241,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                               "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}
     executor = execution.PromptExecutor(ServerStub(), cache_type=execution.CacheType.CLASSIC,
                                         cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
-    from ..backend.schedule import warmup_steps
+    from ..nodes.schedule import warmup_steps
     from ..nodes.widgets import config_from_widgets
 
     references: dict[str, torch.Tensor] = {}

@@ -30,7 +30,7 @@ import torch
 from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.scenes import SIZES
+from .scenes import SIZES
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config

@@ -30,7 +30,7 @@ from ..backend.config import SparseConfig
 from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_blocks, route_plan, select_blocks
-from ..backend.scenes import SIZES
+from .scenes import SIZES
 from ..kernels import run_block_sparse
 from .methods import dense_call
 from .runner import environment

@@ -21,11 +21,11 @@ import torch
 
 from ..backend.config import SparseConfig
 from ..backend.layout import TARGET_VIDEO, SequenceLayout
-from ..backend.metrics import sample_rows
+from .metrics import sample_rows
 from ..backend.planner import make_tiling
 from ..backend.head_choice import block_log_mass, probe_rows, tube_perms
 from ..backend.reblock import metric_features, reblock_tiling
-from ..backend.scenes import make_scene
+from .scenes import make_scene
 from ..backend.tiling import Tiling
 from .tiling_ceiling import head_recall
 

@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 
 from ..backend.config import SparseConfig
-from ..backend.scenes import SceneSize
+from .scenes import SceneSize
 from ..backend.planner import build_plan
 from ..backend import reblock
 from ..backend.head_choice import choose_tubes

@@ -21,9 +21,9 @@ import sys
 import torch
 
 from ..backend.config import SparseConfig
-from ..backend.metrics import plan_mass_metrics, sample_rows
+from .metrics import plan_mass_metrics, sample_rows
 from ..backend.planner import build_plan, make_tiling
-from ..backend.scenes import SIZES, STRUCTURED_SCENES, make_scene
+from .scenes import SIZES, STRUCTURED_SCENES, make_scene
 from ..kernels.plan import BlockSparsePlan
 from .runner import environment
 

@@ -19,8 +19,8 @@ import torch
 from ..backend.attention import resolve_backend as engine_backend
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.metrics import quality_report, sample_rows
-from ..backend.scenes import SIZES, make_scene
+from .metrics import quality_report, sample_rows
+from .scenes import SIZES, make_scene
 from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .timing import time_call
 

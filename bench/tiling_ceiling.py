@@ -30,11 +30,11 @@ import torch
 
 from ..backend.config import SparseConfig
 from ..backend.layout import TARGET_VIDEO, SequenceLayout
-from ..backend.metrics import block_of_rows, plan_mass_metrics, sample_rows
+from .metrics import block_of_rows, plan_mass_metrics, sample_rows
 from ..backend.planner import build_plan
 from ..backend.reblock import reblock_tiling
 from ..backend.routing import region_budget
-from ..backend.scenes import Scene, make_scene
+from .scenes import Scene, make_scene
 from ..backend.tiling import Tiling, cube_tiling, snake_perm
 from ..kernels.plan import BlockSparsePlan
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
-from ..backend.scenes import SceneSize
+from .scenes import SceneSize
 from ..backend.ulysses import (check_sequence_parallel, heads_to_seq, local_heads_attention, padded_rows,
                                seq_to_heads, sequence_parallel_attention)
 from .timing import time_call

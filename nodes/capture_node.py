@@ -2,7 +2,7 @@
 
 The hook produces q, k, v (after RMS-norm and RoPE) with the same producer the sparse path uses,
 keeps CPU copies, and lets the block's attention run unchanged. Entries of one denoising step are
-written together (one safetensors file per step, via `backend.capture.save_capture`) into
+written together (one safetensors file per step, via `nodes.capture.save_capture`) into
 ComfyUI's output folder, so host memory holds at most one step's captures. Only the conditional
 call of a CFG pair is captured.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from comfy_api.latest import io
 
-from ..backend.h3_patch import BlockHook, install, linear_weights, on_device, unwrap_input
+from .h3_patch import BlockHook, install, linear_weights, on_device, unwrap_input
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from .schema import io_input
@@ -80,7 +80,7 @@ class CaptureHook(BlockHook):
         """Write the pending entries (one step) to a new file in the output folder."""
         if not self.pending:
             return
-        from ..backend.capture import save_capture
+        from .capture import save_capture
 
         os.makedirs(self.folder, exist_ok=True)
         step, counter = self.pending[0]["step"], 1

@@ -31,9 +31,9 @@ import torch
 
 from ..backend.attention import check_inputs, resolve_backend
 from ..backend.config import SparseConfig
-from ..backend.h3_patch import BlockReplacement, SparseAttentionHook, apply_sparse_attention, check_h3
+from .h3_patch import BlockReplacement, SparseAttentionHook, apply_sparse_attention, check_h3
 from ..backend.layout import SequenceLayout
-from ..backend.schedule import schedule_reason
+from .schedule import schedule_reason
 from ..backend.ulysses import check_sequence_parallel, local_heads_attention, padded_rows
 
 # keyword arguments of xFuser's ring-attention call and the only values sparse attention matches

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..backend.h3_patch import SparseAttentionHook, hooks_of
+from .h3_patch import SparseAttentionHook, hooks_of
 from .report import format_report
 from .widgets import CATEGORY, REPORT_NODE_ID, REPORT_NODE_NAME, REPORT_SEARCH_ALIASES, SPARSE_NODE_NAME
 

@@ -7,9 +7,9 @@ import torch
 pytest.importorskip("safetensors")
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention  # noqa: E402
-from adaptive_sparse_attention.backend.capture import load_capture, save_capture  # noqa: E402
-from adaptive_sparse_attention.backend.metrics import output_errors  # noqa: E402
-from adaptive_sparse_attention.backend.scenes import SIZES, make_scene  # noqa: E402
+from adaptive_sparse_attention.nodes.capture import load_capture, save_capture  # noqa: E402
+from adaptive_sparse_attention.bench.metrics import output_errors  # noqa: E402
+from adaptive_sparse_attention.bench.scenes import SIZES, make_scene  # noqa: E402
 from adaptive_sparse_attention.bench.cli import evaluate_file, main  # noqa: E402
 
 TINY = dataclasses.replace(SIZES["cpu-small"], text=16, audio=24, grid=(4, 8, 12), heads=2, head_dim=64)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
-from adaptive_sparse_attention.backend import scenes
+from adaptive_sparse_attention.bench import scenes
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench import methods
 from adaptive_sparse_attention.bench.cli import main

@@ -156,7 +156,7 @@ def test_kjnodes_low_vram_chain_composes(comfy, caplog):
 
 def test_capture_node_writes_a_loadable_file(comfy):
     base, nodes = comfy
-    from adaptive_sparse_attention.backend.capture import load_capture
+    from adaptive_sparse_attention.nodes.capture import load_capture
     from adaptive_sparse_attention.nodes.capture_node import CaptureH3Attention
 
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.backend.h3_patch import DENSE_OVERRIDE, BlockReplacement, SparseAttentionHook
+from adaptive_sparse_attention.nodes.h3_patch import DENSE_OVERRIDE, BlockReplacement, SparseAttentionHook
 from adaptive_sparse_attention.kernels import dense
 
 

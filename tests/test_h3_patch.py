@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
-from adaptive_sparse_attention.backend import h3_patch, producer
-from adaptive_sparse_attention.backend.h3_patch import (AttentionDispatch, LayoutCache, SparseAttentionHook,
+from adaptive_sparse_attention.backend import producer
+from adaptive_sparse_attention.nodes import h3_patch
+from adaptive_sparse_attention.nodes.h3_patch import (AttentionDispatch, LayoutCache, SparseAttentionHook,
                                                         block_hooks, check_h3, head_groups)
 from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, block_wrap, layout_of
 

@@ -21,11 +21,11 @@ with interpreter_env():
 from adaptive_sparse_attention.backend import head_choice
 from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
-from adaptive_sparse_attention.backend.metrics import plan_mass_metrics, sample_rows
+from adaptive_sparse_attention.bench.metrics import plan_mass_metrics, sample_rows
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.backend.reblock import reblock_tiling
 from adaptive_sparse_attention.backend.routing import region_budget
-from adaptive_sparse_attention.backend.scenes import SceneSize, make_scene
+from adaptive_sparse_attention.bench.scenes import SceneSize, make_scene
 from adaptive_sparse_attention.backend.tiling import chunk_tiles, snake_tiles
 
 

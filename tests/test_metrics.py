@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
-from adaptive_sparse_attention.backend.metrics import (block_of_rows, output_errors, plan_mass_metrics, quality_report,
+from adaptive_sparse_attention.bench.metrics import (block_of_rows, output_errors, plan_mass_metrics, quality_report,
                                                        row_groups, sample_rows)
 from adaptive_sparse_attention.kernels import BlockSparsePlan
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.backend.metrics import plan_mass_metrics, sample_rows
+from adaptive_sparse_attention.bench.metrics import plan_mass_metrics, sample_rows
 from adaptive_sparse_attention.backend.planner import build_plan
-from adaptive_sparse_attention.backend.scenes import SIZES, STRUCTURED_SCENES, make_scene
+from adaptive_sparse_attention.bench.scenes import SIZES, STRUCTURED_SCENES, make_scene
 
 TINY = dataclasses.replace(SIZES["cpu-small"], text=16, audio=24, grid=(4, 8, 12), heads=4, head_dim=64)
 

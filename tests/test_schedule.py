@@ -1,4 +1,4 @@
-"""Denoising-step counting, warmup, dense reasons and per-run state of backend/schedule.py."""
+"""Denoising-step counting, warmup, dense reasons and per-run state of nodes/schedule.py."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.backend.schedule import (RunTracker, denoising_step, schedule_reason,
+from adaptive_sparse_attention.nodes.schedule import (RunTracker, denoising_step, schedule_reason,
                                                         warmup_steps)
 
 

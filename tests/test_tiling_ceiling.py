@@ -13,10 +13,10 @@ import sys
 import torch
 
 from adaptive_sparse_attention.backend.config import SparseConfig
-from adaptive_sparse_attention.backend.metrics import plan_mass_metrics, sample_rows
+from adaptive_sparse_attention.bench.metrics import plan_mass_metrics, sample_rows
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.backend.reblock import reblock_tiling
-from adaptive_sparse_attention.backend.scenes import SceneSize, make_scene
+from adaptive_sparse_attention.bench.scenes import SceneSize, make_scene
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 from adaptive_sparse_attention.bench import tiling_ceiling
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .layout import SequenceLayout
+from ..backend.layout import SequenceLayout
 
 HEAD_KINDS = ("local", "temporal", "semantic", "context")
 SCENES = ("pan", "cuts", "gaussian")

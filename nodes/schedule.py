@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import SparseConfig
+from ..backend.config import SparseConfig
 
 log = logging.getLogger("adaptive_sparse_attention")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .layout import SequenceLayout
+from ..backend.layout import SequenceLayout
 
 FORMAT = "adaptive-sparse-attention/capture"
 VERSION = 1

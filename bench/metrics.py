@@ -17,8 +17,8 @@ import math
 
 import torch
 
+from ..backend.layout import CONTEXT, REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 from ..kernels.plan import BlockSparsePlan
-from .layout import CONTEXT, REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 
 LOGIT_BYTES = 1 << 29  # fp32 logits held at once while scoring sampled rows
 GROUP_OF_REGION = {TARGET_VIDEO: "video", REFERENCE_VIDEO: "ref_video"}

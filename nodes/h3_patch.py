@@ -41,14 +41,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..backend.attention import DTYPES, HEAD_DIMS, resolve_backend, sparse_attention
+from ..backend.cache import BoundedCache
+from ..backend.config import SparseConfig
+from ..backend.layout import SequenceLayout
+from ..backend.producer import produce_qkv
+from ..backend.warmup import prepare_kernels
 from ..kernels.dense import dense_attention
-from .attention import DTYPES, HEAD_DIMS, resolve_backend, sparse_attention
-from .cache import BoundedCache
-from .config import SparseConfig
-from .layout import SequenceLayout
-from .producer import produce_qkv
 from .schedule import RunTracker, schedule_reason
-from .warmup import prepare_kernels
 
 log = logging.getLogger("adaptive_sparse_attention")
 
