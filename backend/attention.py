@@ -1,32 +1,30 @@
 """The public entry point: `sparse_attention(q, k, v, layout, config)`."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import run_block_sparse, triton_unavailable_reason
+from ..kernels.dispatch import block_sparse_attention, resolve_backend
+from ..kernels.plan import BlockSparsePlan
 from .config import SparseConfig
 from .layout import SequenceLayout
-from .planner import Plan, build_plan
-
-log = logging.getLogger("adaptive_sparse_attention")
+from .planner import build_plan
+from .tail import coarse_branch
 
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_warned: set[str] = set()
 
 
 @dataclass
 class SparseInfo:
-    """What a call computed: exact-pair density, per-region budgets, the plan, optional timings."""
+    """What a call computed: exact-pair density, per-region budgets, the backend, the plan, optional timings."""
 
     density: float
     budgets: dict[str, int]
     backend: str
-    plan: Plan
+    plan: BlockSparsePlan
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -83,34 +81,17 @@ def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
                          f"{q.device} broadcastable to the output {tuple(q.shape)} (e.g. [H, 1, 1])")
 
 
-def resolve_backend(config: SparseConfig, device: torch.device) -> str:
-    """The kernel backend to use; `triton` asked for but unavailable raises (strict) or warns."""
-    reason = triton_unavailable_reason(device)
-    if config.backend == "torch" or (config.backend == "auto" and reason is not None):
-        return "torch"
-    if reason is None:
-        return "triton"
-    message = f"backend='triton' cannot run: {reason}"
-    if config.strict:
-        raise RuntimeError(message + " (strict mode)")
-    if message not in _warned:
-        _warned.add(message)
-        log.warning("%s; using the torch reference kernel instead (still sparse)", message)
-    return "torch"
-
-
-def exact_density(plan: Plan, seq_len: int) -> float:
+def exact_density(plan: BlockSparsePlan, seq_len: int) -> float:
     """Fraction of all (query, key) token pairs computed exactly, averaged over batch and heads.
 
     Counted from the index tables in O(B x H x J x R) (the dense prefix through a prefix sum of
     the block lengths), never from J x J masks; reading the result synchronises once.
     """
-    kp = plan.kernel
-    n = kp.block_len.to(torch.float64)
+    n = plan.block_len.to(torch.float64)
     prefix = torch.cat([n.new_zeros(1), n.cumsum(0)])
-    R = kp.q2k_idx.shape[-1]
-    picked = (torch.arange(R, device=n.device) < kp.q2k_num.unsqueeze(-1)) & (kp.q2k_idx >= 0)
-    keys = prefix[kp.dense_hi.long()] + torch.where(picked, n[kp.q2k_idx.long().clamp(min=0)], 0.0).sum(-1)
+    R = plan.q2k_idx.shape[-1]
+    picked = (torch.arange(R, device=n.device) < plan.q2k_num.unsqueeze(-1)) & (plan.q2k_idx >= 0)
+    keys = prefix[plan.dense_hi.long()] + torch.where(picked, n[plan.q2k_idx.long().clamp(min=0)], 0.0).sum(-1)
     pairs = (keys * n).sum(-1)
     return float(pairs.mean() / float(seq_len) ** 2) if pairs.numel() else 0.0  # no batch or heads: none
 
@@ -122,18 +103,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
     Returns the output [B, H, S, D] (same order and dtype as q) and, with `return_info`, a
     `SparseInfo`. `coarse_gate` (broadcastable to the output, e.g. [H, 1, 1]) scales the coarse
-    branch of ``tail="coarse"``; without it the coarse term is zero, as for a model without gates.
-    `timings` synchronises the device to report plan and kernel milliseconds.
+    branch of ``tail="coarse"``; without it there is no coarse term, as for a model without gates.
+    `timings` synchronises the device to report plan and kernel milliseconds. Every kernel of the
+    call runs on the backend `config.backend` resolves to (`kernels/dispatch.py`).
     """
     config = SparseConfig() if config is None else config
     check_inputs(q, k, v, layout, config, coarse_gate)
-    backend = resolve_backend(config, q.device)
+    backend = resolve_backend(config.backend, q.device, q.dtype, config.strict)
     marks = [_now(q, timings)]
-    plan = build_plan(q, k, v, layout, config)
+    plan = build_plan(q, k, v, layout, config, backend=backend)
     marks.append(_now(q, timings))
-    out, _ = run_block_sparse(q, k, v, plan.kernel, backend)
-    if plan.coarse is not None and coarse_gate is not None:
-        out = out + (coarse_gate.to(out.dtype) * plan.coarse)
+    out, _ = block_sparse_attention(q, k, v, plan, backend)
+    if config.tail == "coarse" and coarse_gate is not None:
+        out = out + coarse_gate.to(out.dtype) * coarse_branch(q, k, v, plan, config.tail_granularity, backend)
     marks.append(_now(q, timings))
     if not return_info:
         return out

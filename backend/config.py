@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable
 
+from ..kernels.dispatch import BACKENDS as KERNEL_BACKENDS
+
 WARMUP_MODES = ("fidelity", "speed", "dense")
 SPARSE_SCOPES = ("target-video", "joint-video")
 TAIL_GRANULARITIES = ("query", "block")
@@ -19,7 +21,7 @@ TILINGS = ("reblock", "cube")
 REBLOCK_LAYOUTS = ("q_reuse_k", "independent")
 TAILS = ("reweight", "mean", "none", "coarse")
 BLOCK_SIZES = (64, 128)
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a row of the one dispatch (kernels/dispatch.py)
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
 
@@ -255,7 +257,8 @@ class SparseConfig:
     tail: what stands in for unselected candidate blocks.
     dense_layers: layer indices that always run dense; min_tokens: shorter sequences run dense.
     block_size: tokens per block (64 or 128). strict: raise instead of falling back to dense.
-    backend: `auto` (Triton on CUDA, torch otherwise), `triton` or `torch`.
+    backend: the kernels every stage runs, planner included (`kernels/dispatch.py`): `auto`
+        (Triton on CUDA for fp16/bf16/fp32, torch otherwise), `triton` or `torch` (the reference everywhere).
     dense_attention: blocks that run dense use the fastest exact kernel of the GPU, measured
         (`fastest`), or ComfyUI's own attention path (`comfyui`).
     routing_scores: pooled routing scores in `fp32` (exact) or from 8-bit block means, `int8`

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import runs_triton
 from .cache import BoundedCache
 from .layout import SequenceLayout
-from .pooling import POOL_HEADS, accum_dtype, fused_planner
+from .pooling import POOL_HEADS, accum_dtype
 from .routing import region_budget
 from .tiling import golden_positions, snake_perm
 
@@ -50,11 +51,13 @@ def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device
     return _STATICS.get((layout.signature(), block_size, str(device)), build)
 
 
-def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, block_size: int,
+                   backend: str = "torch") -> torch.Tensor:
     """log sum_i exp(q . k_i / sqrt(D)) of every probe q [G, P, D] over the rows of every key
     block of k [G, S, D] listed by perm [Gp, n * block_size] (Gp in {1, G}, -1 pads): [G, P, n]
-    in k's accumulation dtype. Triton on the GPU; here a few heads' logits at a time."""
-    if fused_planner(k) and all(n >= 16 and n & (n - 1) == 0 for n in (probes.shape[1], block_size)):
+    in k's accumulation dtype. A Triton kernel on the Triton backend (power-of-two probe counts and
+    block sizes); here a few heads' logits at a time."""
+    if runs_triton(backend) and all(n >= 16 and n & (n - 1) == 0 for n in (probes.shape[1], block_size)):
         from ..kernels.block_mass import block_log_mass_triton
 
         return block_log_mass_triton(probes, k, perm, block_size)
@@ -72,10 +75,10 @@ def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, bl
     return out
 
 
-def top_share(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
+def top_share(log_mass: torch.Tensor, budget: int, backend: str = "torch") -> torch.Tensor:
     """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...].
-    One Triton program per row on the GPU (kernels/block_mass.py)."""
-    if fused_planner(log_mass) and log_mass.dtype == torch.float32:
+    One Triton program per row on the Triton backend (kernels/block_mass.py)."""
+    if runs_triton(backend) and log_mass.dtype == torch.float32:
         from ..kernels.block_mass import top_share_triton
 
         return top_share_triton(log_mass, budget).mean(-1)
@@ -84,7 +87,7 @@ def top_share(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: SequenceLayout, block_size: int,
-                 span: tuple[int, int], ratio: float) -> torch.Tensor:
+                 span: tuple[int, int], ratio: float, backend: str = "torch") -> torch.Tensor:
     """Per head, the tree's permutations or the best tube's: tree [sides, B, H, L] (the last side
     is the key layout the rule scores; every side of a head takes that head's choice), span the
     target video's [lo, hi) blocks. Returns the chosen permutations, same shape and dtype."""
@@ -99,8 +102,8 @@ def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: S
     probes = q.index_select(2, rows).reshape(B * H, PROBES, D)
     keys = k.reshape(B * H, -1, D)
     candidates = [tree[-1].reshape(B * H, L)] + [t.view(1, L) for t in tubes]
-    share = top_share(torch.stack([block_log_mass(probes, keys, c[:, window], block_size) for c in candidates]),
-                      budget)  # one TopK over every candidate
+    share = top_share(torch.stack([block_log_mass(probes, keys, c[:, window], block_size, backend) for c in candidates]),
+                      budget, backend)  # one TopK over every candidate
     pick = share.argmax(0).view(1, B, H, 1)  # the first of equal shares
     chosen = tubes.index_select(0, (pick - 1).clamp(min=0).view(-1)).view(1, B, H, L)
     return torch.where(pick == 0, tree, chosen)

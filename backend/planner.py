@@ -1,78 +1,79 @@
-"""Planner: tiling -> pooled scores -> per-region TopK -> index tables + tail summaries.
+"""Planner: tiling -> pooled scores -> per-region TopK -> the plan (index tables + tail summaries).
 
 Everything runs on the device of Q/K/V with no host synchronisation; only the shape-only cube
-tiling is built on the host, once per layout, and cached.
+tiling is built on the host, once per layout, and cached. The kernels it runs are those of the
+call's backend (`kernels/dispatch.py`).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from ..kernels.plan import BlockSparsePlan
+from ..kernels.dispatch import resolve_backend
+from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling
 from .cache import BoundedCache
 from .config import SparseConfig
+from .indexer import fp8_unavailable_reason
 from .layout import SequenceLayout
 from .pooling import block_means
-from .indexer import fp8_unavailable_reason
 from .routing import route_blocks, route_plan
-from .tail import block_reduce, coarse_output, mean_summaries, reweight_summaries, target_anchor
-from .tiling import Tiling, cube_tiling
+from .tail import block_reduce, mean_summaries, reweight_summaries, target_anchor
+from .tiling import cube_tiling
 
 _CUBE_TILINGS: BoundedCache[Tiling] = BoundedCache(8)  # a few shapes per session
 log = logging.getLogger("adaptive_sparse_attention")
 _warned: set[str] = set()
 
 
-@dataclass
-class Plan:
-    """A complete plan: the kernel's tensors, the tiling they came from and routing metadata."""
-
-    kernel: BlockSparsePlan
-    tiling: Tiling
-    groups: list[tuple[int, int, int]]  # candidate key block ranges and their budgets
-    coarse: torch.Tensor | None  # additive coarse term in model order (tail="coarse")
-
-
 def cached_cube_tiling(layout: SequenceLayout, block_size: int, device: torch.device) -> Tiling:
+    """`cube_tiling` of the layout, built once per (layout, block size, device)."""
     return _CUBE_TILINGS.get((layout.signature(), block_size, str(device)),
                              lambda: cube_tiling(layout, block_size, device))
 
 
-def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config: SparseConfig) -> Tiling:
+def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config: SparseConfig,
+                backend: str = "torch") -> Tiling:
+    """The tiling `config.tiling` asks for: the cached cube tiling, or a reblock tiling of q, k."""
     if config.tiling == "cube":
         return cached_cube_tiling(layout, config.block_size, q.device)
     from .reblock import reblock_tiling
 
-    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout, config.topk_ratio)
+    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout, config.topk_ratio, backend=backend)
 
 
 def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-               config: SparseConfig, tiling: Tiling | None = None) -> Plan:
-    """Plan sparse attention of q, k, v [B, H, S, D] (model order) under `config`."""
-    tiling = make_tiling(q, k, layout, config) if tiling is None else tiling
-    q_mean = block_means(q, tiling.q_perm, tiling)
-    k_mean = block_means(k, tiling.k_perm, tiling)
+               config: SparseConfig, tiling: Tiling | None = None, backend: str | None = None) -> BlockSparsePlan:
+    """Plan sparse attention of q, k, v [B, H, S, D] (model order) under `config`.
+
+    Args:
+        q, k, v: the call's inputs, model order.
+        layout: their segments.
+        config: the engine's settings.
+        tiling: a tiling to use instead of the one `config.tiling` builds.
+        backend: the kernels to plan with (a `kernels.dispatch.BACKENDS` name); default: resolved from
+            `config.backend` for q's device and dtype.
+    Returns:
+        The plan. With ``tail="coarse"`` it has no tail: the coarse branch is an additive term
+        (`tail.coarse_branch`).
+    """
+    if backend is None:
+        backend = resolve_backend(config.backend, q.device, q.dtype, config.strict)
+    tiling = make_tiling(q, k, layout, config, backend) if tiling is None else tiling
+    q_mean = block_means(q, tiling.q_perm, tiling, backend)
+    k_mean = block_means(k, tiling.k_perm, tiling, backend)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
-    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device))
-    kernel = BlockSparsePlan(tiling.block_size, tiling.q_perm, tiling.k_perm, tiling.block_len,
-                             dense_hi, q2k_idx, q2k_num)
-    coarse = None
+    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device), backend)
+    tail: Tail = None
     if config.tail in ("mean", "reweight"):
         if config.tail == "mean":
-            key, value, bias = mean_summaries(k, v, tiling, k_mean)
+            key, value, bias = mean_summaries(k, v, tiling, k_mean, backend)
         else:
-            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q_mean, tiling))
-        if config.tail_granularity == "query":
-            kernel.tail_k, kernel.tail_v, kernel.tail_bias = key, value, bias
-        else:
-            kernel.block_logit, kernel.block_value = block_reduce(q_mean, key, value, bias, kernel)
-    elif config.tail == "coarse":
-        v_mean = block_means(v, tiling.k_perm, tiling)
-        coarse = coarse_output(q, tiling, q_mean, k_mean, v_mean, dense_hi < tiling.num_blocks,
-                               config.tail_granularity)
-    return Plan(kernel, tiling, groups, coarse)
+            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q_mean, tiling), backend)
+        tail = QuerySummaries(key, value, bias)
+        if config.tail_granularity == "block":
+            tail = BlockSummaries(*block_reduce(q_mean, key, value, bias, BlockSparsePlan(tiling, dense_hi, q2k_idx, q2k_num)))
+    return BlockSparsePlan(tiling, dense_hi, q2k_idx, q2k_num, tuple(groups), tail)
 
 
 def routing_scores(config: SparseConfig, device: torch.device) -> str:

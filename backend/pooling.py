@@ -4,10 +4,9 @@ Heads are processed a few at a time so the gathered copy stays a small fraction 
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from ..kernels.dispatch import runs_triton
 from ..kernels.plan import pack
 from .tiling import Tiling
 
@@ -30,13 +29,6 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def fused_planner(*xs: torch.Tensor) -> bool:
-    """Whether the fused Triton kernels (`kernels/block_stats.py`) serve these tensors: on CUDA,
-    fp16/bf16/fp32, Triton installed. The torch code is the reference (CPU, float64)."""
-    return (all(x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs)
-            and importlib.util.find_spec("triton") is not None)
-
-
 def head_slice(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
     return perm if perm.shape[1] == 1 else perm[:, h0:h1]
 
@@ -47,7 +39,7 @@ def block_rows(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, h0: int, h1:
     return rows.view(x.shape[0], h1 - h0, tiling.num_blocks, tiling.block_size, x.shape[-1])
 
 
-def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, backend: str = "torch") -> torch.Tensor:
     """Per-block means over valid rows [B, H, J, D]; pooling divides by each block's true length.
 
     Rows are summed in the accumulation dtype without materialising an upcast copy. Non-finite
@@ -57,7 +49,7 @@ def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling) -> torch.Te
     B, H, _, D = x.shape
     acc = accum_dtype(x)
     n = tiling.block_len.to(acc).view(1, 1, -1, 1)
-    if fused_planner(x):
+    if runs_triton(backend):  # kernels/block_stats.py
         from ..kernels.block_stats import block_sums_triton
 
         out = block_sums_triton(x, perm, tiling.block_len, tiling.block_size) / n

@@ -46,11 +46,12 @@ from typing import Iterator
 
 import torch
 
+from ..kernels.dispatch import runs_triton
 from .cache import BoundedCache
 from .config import REBLOCK_LAYOUTS
 from .head_choice import choose_tubes
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
-from .pooling import accum_dtype, fused_planner
+from .pooling import accum_dtype
 from .tiling import Tiling, chunk_tiles, golden_positions
 
 MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
@@ -61,8 +62,6 @@ LANDMARKS = 32  # members per node used to find its split direction (at least) .
 LEVEL_LANDMARKS = 2048  # ... and per level of one tree, so the first, widest splits get more
 SQUARINGS = 4  # split direction: a column of (C / tr C) ** (2 ** SQUARINGS) ...
 REFINE_STEPS = 3  # ... refined by balanced 2-means steps on the landmarks
-CUDA_GRAPHS = True  # on the GPU, replay the partition as a CUDA graph (its ~50 small ops per
-# level are bound by host launch overhead); captured once per shape
 TINY = 1e-30
 
 log = logging.getLogger("adaptive_sparse_attention")
@@ -227,14 +226,14 @@ def feature_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float16
 
 
-def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+def metric_features(x: torch.Tensor, other: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in
     `feature_dtype(x)`, on every device alike.
 
     Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
     projected on their top r principal directions, estimated from the strided sample. The small
     moments, factor and basis ([G, D, D]) are factorized in float64, so the factorizations
-    cannot fail by rounding (the ridge is far above the products' rounding). On the GPU the
+    cannot fail by rounding (the ridge is far above the products' rounding). On the Triton backend the
     products run in x's dtype on tensor cores with fp32 accumulation: a Triton kernel reads the
     strided sample in place and forms either moment (the second one of the normalised rows a L
     / |a L|, rounded to x's dtype), still positive semidefinite, and another computes x @ [L | L W]
@@ -244,7 +243,7 @@ def metric_features(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     G, N, D = x.shape
     acc = accum_dtype(x)
     rank = min(FEATURE_DIMS, D)
-    fused = fused_planner(x) and rank >= 16 and rank & (rank - 1) == 0
+    fused = runs_triton(backend) and rank >= 16 and rank & (rank - 1) == 0
     step = -(-N // MOMENT_SAMPLES)  # an evenly strided sample of the rows, read in place
     sample, rows = other[:, ::step], x[:, ::step]
     if fused:
@@ -326,17 +325,17 @@ def split(proj: torch.Tensor, level: Level) -> torch.Tensor:
     return torch.where(go_left, before - 1, level.right - before)
 
 
-def partition(z: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+def partition(z: torch.Tensor, schedule: Schedule, backend: str = "torch") -> torch.Tensor:
     """Capacity-exact tree partition of features z [G, N, r]: block slots -> row [G, blocks * bs], -1 pads.
 
     The features stay in token order; what moves from level to level are the int32 token ids of
-    every node's slots. On the GPU Triton kernels find the split directions, project (in a kernel
+    every node's slots. On the Triton backend Triton kernels find the split directions, project (in a kernel
     of their own for the wide nodes of the first levels), split and place the ids
     (kernels/reblock_split.py); elsewhere the torch levels do
     the same by a selection, a scatter and the gathers of the level's static carry map.
     """
     G, N, _ = z.shape
-    fused = fused_planner(z) and z.dtype != torch.float64
+    fused = runs_triton(backend)
     if fused:
         from ..kernels.reblock_split import split_directions_triton, split_level_triton
     rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)  # the root is every token
@@ -368,24 +367,24 @@ class CapturedPartition:
     schedule: Schedule
 
 
-def capture_partition(z: torch.Tensor, schedule: Schedule) -> CapturedPartition:
+def capture_partition(z: torch.Tensor, schedule: Schedule, backend: str) -> CapturedPartition:
     static = z.clone()
     stream = torch.cuda.Stream(z.device)
     stream.wait_stream(torch.cuda.current_stream(z.device))
     with torch.cuda.stream(stream):
-        partition(static, schedule)  # warm-up outside the graph (workspaces, lazy init)
+        partition(static, schedule, backend)  # warm-up outside the graph (workspaces, lazy init)
     torch.cuda.current_stream(z.device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = partition(static, schedule)
+        out = partition(static, schedule, backend)
     return CapturedPartition(graph, static, out, schedule)
 
 
-def capture_or_none(z: torch.Tensor, schedule: Schedule) -> CapturedPartition | None:
+def capture_or_none(z: torch.Tensor, schedule: Schedule, backend: str) -> CapturedPartition | None:
     """`capture_partition`, or None where capture fails (said once, as the result is cached):
     the partition then keeps working eagerly."""
     try:
-        return capture_partition(z, schedule)
+        return capture_partition(z, schedule, backend)
     except RuntimeError as e:
         log.warning("reblock: CUDA graph capture failed (%s); running the partition eagerly", e)
         return None
@@ -406,16 +405,17 @@ def eager_partition() -> Iterator[None]:
         _eager.on = saved
 
 
-def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int) -> torch.Tensor:
-    """`partition`, replayed from a cached CUDA graph on the GPU (eager elsewhere, while the
-    caller is itself capturing, or where capture failed)."""
-    if not (CUDA_GRAPHS and z.is_cuda) or getattr(_eager, "on", False) or torch.cuda.is_current_stream_capturing():
-        return partition(z, schedule)
-    key = (tuple(z.shape), z.dtype, str(z.device), block_size)
+def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int, backend: str = "torch") -> torch.Tensor:
+    """`partition`, replayed from a cached CUDA graph on the GPU (its ~50 small ops per level are
+    bound by host launch overhead); eager elsewhere, under `eager_partition`, while the caller is
+    itself capturing, or where capture failed."""
+    if not z.is_cuda or getattr(_eager, "on", False) or torch.cuda.is_current_stream_capturing():
+        return partition(z, schedule, backend)
+    key = (tuple(z.shape), z.dtype, str(z.device), block_size, backend)
     with torch.cuda.device(z.device):
-        captured = _GRAPHS.get(key, lambda: capture_or_none(z, schedule))
+        captured = _GRAPHS.get(key, lambda: capture_or_none(z, schedule, backend))
         if captured is None:
-            return partition(z, schedule)
+            return partition(z, schedule, backend)
         captured.z.copy_(z)
         captured.graph.replay()
         return captured.out.clone()
@@ -444,11 +444,21 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block
 
 
 def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int,
-                   layout_mode: str = "q_reuse_k", ratio: float = 0.1, tubes: bool = True) -> Tiling:
-    """Adaptive per-head tiling of q, k [B, H, S, D] (model order); perms are [B, H, J * block_size].
+                   layout_mode: str = "q_reuse_k", ratio: float = 0.1, tubes: bool = True,
+                   backend: str = "torch") -> Tiling:
+    """Adaptive per-head tiling of q, k [B, H, S, D] (model order).
 
-    With `tubes`, every head keeps the tree or takes a fixed space-time tube, whichever holds more
-    sampled attention mass in its routing budget at `ratio` (backend/head_choice.py)."""
+    Args:
+        q, k: the call's queries and keys.
+        layout: their segments; block_size: rows per block.
+        layout_mode: "q_reuse_k" (queries reuse the key layout) or "independent".
+        ratio: the routing ratio the per-head tube choice scores at.
+        tubes: every head keeps the tree or takes a fixed space-time tube, whichever holds more
+            sampled attention mass in its routing budget at `ratio` (backend/head_choice.py);
+            False keeps the tree for every head.
+        backend: the kernels to run (`kernels/dispatch.py`).
+    Returns:
+        The tiling; its permutations are [B, H, J * block_size]."""
     check_inputs(q, k, layout, block_size, layout_mode)
     B, H, _, D = q.shape
     static = cached_static(layout, block_size, q.device)
@@ -463,14 +473,14 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
             continue
         qs = q[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
         ks = k[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
-        z = metric_features(ks, qs)  # keys under the queries' metric
+        z = metric_features(ks, qs, backend)  # keys under the queries' metric
         if sides == 2:
-            z = torch.cat([metric_features(qs, ks), z])  # queries under the keys' metric
-        members = run_partition(z, part, block_size).view(sides, B, H, -1)
+            z = torch.cat([metric_features(qs, ks, backend), z])  # queries under the keys' metric
+        members = run_partition(z, part, block_size, backend).view(sides, B, H, -1)
         pieces.append(torch.where(members >= 0, members + seg.start, members))
     perm = torch.cat(pieces, dim=-1).to(torch.int32)
     if tubes:  # every layout has one target video, its last region
-        perm = choose_tubes(q, k, perm, layout, block_size, static.region_blocks[-1], ratio)
+        perm = choose_tubes(q, k, perm, layout, block_size, static.region_blocks[-1], ratio, backend)
     q_perm = perm[0]
     k_perm = perm[1] if sides == 2 else q_perm
     return Tiling(block_size, q_perm, k_perm, static.block_len, tuple(layout.regions()), static.region_blocks)

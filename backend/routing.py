@@ -19,11 +19,12 @@ import math
 
 import torch
 
+from ..kernels.dispatch import runs_triton
 from .cache import BoundedCache
 from .config import ROUTING_SCORES
 from .indexer import QuantisedMeans, quantise_means, quantised_scores
 from .layout import CONTEXT, TARGET_VIDEO
-from .pooling import fused_planner, row_chunks
+from .pooling import row_chunks
 from .tiling import Tiling
 
 _ROUTES: BoundedCache[tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]] = BoundedCache(16)
@@ -36,14 +37,14 @@ def region_budget(num_blocks: int, ratio: float) -> int:
     return max(1, min(num_blocks, math.ceil(round(ratio * num_blocks, 9))))
 
 
-def pooled_scores(q_mean: torch.Tensor, k_mean: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def pooled_scores(q_mean: torch.Tensor, k_mean: torch.Tensor, rows: tuple[int, int] | None = None,
+                  backend: str = "torch") -> torch.Tensor:
     """E = q_mean k_mean^T / sqrt(D), fp32 [B, H, J, J] (fp64 for fp64 means), or its rows
-    (i0, i1) (i0 a multiple of 64) [B, H, i1 - i0, J]. fp32 means on the GPU take a Triton kernel
-    on tensor cores at about fp32 accuracy (kernels/block_scores.py)."""
+    (i0, i1) (i0 a multiple of 64) [B, H, i1 - i0, J]. fp32 means on the Triton backend take a
+    kernel on tensor cores at about fp32 accuracy (kernels/block_scores.py)."""
     J = q_mean.shape[2]
     rows = (0, J) if rows is None else rows
-    fused = fused_planner(q_mean) and q_mean.dtype == torch.float32
-    return _score_window(q_mean, k_mean, rows, (0, J), fused)
+    return _score_window(q_mean, k_mean, rows, (0, J), runs_triton(backend) and q_mean.dtype == torch.float32)
 
 
 def topk_blocks(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -89,12 +90,12 @@ def _route_plan(tiling: Tiling, scope: str, ratio: float) -> tuple[torch.Tensor,
     return dense_hi.to(tiling.block_len.device), tuple((lo, hi, region_budget(hi - lo, ratio)) for lo, hi in groups)
 
 
-def select_blocks(scores: torch.Tensor, dense_hi: torch.Tensor, groups: list[tuple[int, int, int]]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_blocks(scores: torch.Tensor, dense_hi: torch.Tensor, groups: list[tuple[int, int, int]],
+                  backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group TopK for every sparse query block: (q2k_idx [B, H, J, R] int32 ascending with -1
     rows for dense query blocks, q2k_num [B, H, J] int32). R = sum of the group budgets."""
     B, H, J, _ = scores.shape
-    if fused_planner(scores):  # radix-select TopK in one Triton kernel (kernels/block_select.py)
+    if runs_triton(backend):  # radix-select TopK in one Triton kernel (kernels/block_select.py)
         from ..kernels.block_select import select_blocks_triton
 
         idx = select_blocks_triton(scores, dense_hi, groups)
@@ -118,7 +119,8 @@ def _counts(idx: torch.Tensor, dense_hi: torch.Tensor) -> torch.Tensor:
 
 
 def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Tensor,
-                 groups: list[tuple[int, int, int]], scores: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+                 groups: list[tuple[int, int, int]], scores: str = "fp32", backend: str = "torch"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_blocks(pooled_scores(q_mean, k_mean), dense_hi, groups)` without the [B, H, J, J]
     scores: streamed in chunks of query blocks (see the module docstring).
 
@@ -127,6 +129,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
         dense_hi: int32 [J]; query blocks with dense_hi == J are dense (their rows are -1).
         groups: candidate key block ranges (lo, hi, budget), ascending and disjoint.
         scores: "fp32" (the exact pooled scores) or "int8" / "fp8" (`backend/indexer.py`).
+        backend: the kernels to run (`kernels/dispatch.py`).
     Returns:
         (q2k_idx [B, H, J, R] ascending, int16 while J < 2**15 else int32; q2k_num [B, H, J]
         int32), R = sum of the budgets.
@@ -138,7 +141,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
     R = sum(budget for _, _, budget in groups)
     c0 = min(lo for lo, _, _ in groups) // TILE * TILE  # candidate columns [c0, c1), tile-aligned
     c1 = max(hi for _, hi, _ in groups)
-    fused = fused_planner(q_mean) and q_mean.dtype == torch.float32
+    fused = runs_triton(backend) and q_mean.dtype == torch.float32
     means = q_mean if scores == "fp32" else quantise_means(q_mean, k_mean, scores)
     idx = torch.empty(B, H, J, R, dtype=torch.int16 if J < 2 ** 15 else torch.int32, device=q_mean.device)
     for i0, i1 in row_chunks((0, J), B * H * (c1 - c0)):  # dense rows too: they cost little and get -1

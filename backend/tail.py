@@ -6,7 +6,7 @@
   log Z(a) - a.k~/sqrt(d) computed against the key as stored (after rounding to its dtype), so
   at q = a the summary reproduces the block's exact mass and numerator.
 - `coarse` (seed 000, 6.7): softmax(E) V-bar over all blocks, broadcast per query block and added
-  after normalisation, scaled by a gate (zero when the model has none).
+  after normalisation, scaled by the model's learned gate; computed only when there is a gate.
 Summaries are built in fp32 (fp64 for fp64 inputs). With `block` granularity, the summaries
 of a query block are reduced once, at its mean query, to one log-mass and one value.
 
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.plan import BlockSparsePlan, unpack
+from ..kernels.dispatch import runs_triton
+from ..kernels.plan import BlockSparsePlan, Tiling, unpack
 from .layout import TARGET_VIDEO
-from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows, fused_planner, row_chunks
+from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows, row_chunks
 from .routing import pooled_scores
-from .tiling import Tiling
+
 
 def target_anchor(q_mean: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """Mean target-video query per (batch, head) [B, H, D], from the planner's block means
@@ -37,24 +38,24 @@ def target_anchor(q_mean: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     return (q_mean[:, :, lo:hi] * n.view(1, 1, -1, 1)).sum(2) / n.sum()
 
 
-def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor
+def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor, backend: str = "torch"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(key [B,H,J,D] stored dtype, value [B,H,J,D] stored dtype, bias log(n) [B,H,J]).
 
-    On the fused path one pass over K and V replaces `k_mean` (the same fp32 block sums)."""
-    if fused_planner(k, v):
+    On the Triton backend one pass over K and V replaces `k_mean` (the same fp32 block sums)."""
+    if runs_triton(backend):
         from ..kernels.block_stats import block_summaries_triton
 
         return block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, None)
-    v_mean = block_means(v, tiling.k_perm, tiling)
+    v_mean = block_means(v, tiling.k_perm, tiling, backend)
     bias = torch.log(tiling.block_len.to(k_mean.dtype)).expand(k_mean.shape[:3]).contiguous()
     return k_mean.to(k.dtype), v_mean.to(v.dtype), bias
 
 
-def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor: torch.Tensor,
+                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Anchor-weighted key and value of every block and the log-mass bias (seed 001, section 08)."""
-    if fused_planner(k, v):
+    if runs_triton(backend):
         from ..kernels.block_stats import block_summaries_triton
 
         return block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, anchor)
@@ -104,21 +105,32 @@ def block_reduce(q_mean: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b
     return lse, out
 
 
-def coarse_output(q: torch.Tensor, tiling: Tiling, q_mean: torch.Tensor, k_mean: torch.Tensor,
-                  v_mean: torch.Tensor, sparse_blocks: torch.Tensor, granularity: str) -> torch.Tensor:
-    """Coarse branch C in model order [B, H, S, D], zero on rows of dense query blocks.
+def coarse_branch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, granularity: str,
+                  backend: str = "torch") -> torch.Tensor:
+    """Coarse branch C of `tail="coarse"` in model order [B, H, S, D], zero on rows of dense query
+    blocks; the caller adds it scaled by the model's gate (it is computed only when there is one).
 
-    `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i (seed 000),
-    E the pooled scores, computed in chunks of query blocks.
-    `query`: every row uses its own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)),
-    in chunks of rows.
+    Args:
+        q, k, v: the call's inputs [B, H, S, D], model order.
+        plan: the call's plan (its tiling and dense prefix).
+        granularity: `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i
+            (seed 000), E the pooled scores, in chunks of query blocks; `query`: every row uses its
+            own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)), in chunks of rows.
+        backend: the kernels to run (`kernels/dispatch.py`).
+    Returns:
+        C in q's dtype.
     """
     B, H, S, D = q.shape
+    tiling = plan.tiling
     J, bs = tiling.num_blocks, tiling.block_size
+    k_mean = block_means(k, tiling.k_perm, tiling, backend)
+    v_mean = block_means(v, tiling.k_perm, tiling, backend)
+    sparse_blocks = plan.dense_hi < J
     if granularity == "block":
+        q_mean = block_means(q, tiling.q_perm, tiling, backend)
         per_block = v_mean.new_empty(B, H, J, D)
         for i0, i1 in row_chunks((0, J), B * H * J):
-            scores = pooled_scores(q_mean, k_mean, (i0, i1))
+            scores = pooled_scores(q_mean, k_mean, (i0, i1), backend)
             per_block[:, :, i0:i1] = torch.matmul(torch.softmax(scores, -1), v_mean)
         per_block = per_block * sparse_blocks.view(1, 1, J, 1)
         rows = per_block.repeat_interleave(bs, 2)

@@ -1,6 +1,6 @@
 """Token -> block layouts ("tilings") and the pack/unpack mapping they define.
 
-A `Tiling` places every token of a region into fixed-capacity blocks (`block_size` slots).
+A `Tiling` (`kernels/plan.py`) places every token of a region into fixed-capacity blocks (`block_size` slots).
 `q_perm`/`k_perm` map a tiled slot to the model-order row it holds (destination -> source, int32,
 `-1` for padding slots, which are never dereferenced). Valid members of a block come first, so a
 block's true length `block_len[j]` is enough to mask its padding. Blocks never cross a region
@@ -12,44 +12,16 @@ members in t, h, w order; context segments are cut into 1D chunks. The reblock t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .layout import REFERENCE_VIDEO, TARGET_VIDEO, Segment, SequenceLayout
+from ..kernels.plan import Tiling
+from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 
 GOLDEN = 0.6180339887498949  # the golden ratio minus one
 
 CUBE_TILES = {64: (4, 4, 4), 128: (4, 4, 8)}
-
-
-@dataclass
-class Tiling:
-    """A block layout: which model-order rows every block slot holds, for queries and keys.
-
-    q_perm, k_perm: int32 [Bp, Hp, J * block_size], Bp in {1, B}, Hp in {1, H}.
-    block_len: int32 [J], valid rows per block (shared by queries and keys).
-    regions: the layout's segments in block order; region_blocks: their [lo, hi) block ranges.
-    """
-
-    block_size: int
-    q_perm: torch.Tensor
-    k_perm: torch.Tensor
-    block_len: torch.Tensor
-    regions: tuple[Segment, ...]
-    region_blocks: tuple[tuple[int, int], ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.block_len.numel())
-
-    def blocks_of(self, region: str) -> tuple[int, int]:
-        """[lo, hi) block range covering every region of one kind (they are adjacent)."""
-        spans = [rb for seg, rb in zip(self.regions, self.region_blocks) if seg.region == region]
-        if not spans:
-            return (0, 0)
-        return (spans[0][0], spans[-1][1])
 
 
 def golden_positions(count: int, length: int | torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .scenes import SIZES
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
-from ..kernels.plan import BlockSparsePlan
+from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling
 from ..kernels.reference import block_sparse_reference
 from ..kernels.triton_attention import block_sparse_triton
 
@@ -72,9 +72,9 @@ def computed_pairs(plan: BlockSparsePlan) -> tuple[float, float]:
     picked = torch.where(valid, blen[plan.q2k_idx.long().clamp(min=0)], 0).sum(-1)
     exact = ((prefix[plan.dense_hi.long()] + picked) * blen).sum()
     summary = 0.0
-    if plan.tail_k is not None:
+    if isinstance(plan.tail, QuerySummaries):
         summary = float((((J - plan.dense_hi.long()) - plan.q2k_num.long()) * blen).sum())
-    elif plan.block_logit is not None:
+    elif isinstance(plan.tail, BlockSummaries):
         summary = float(blen.sum()) * plan.q2k_num.shape[0] * plan.q2k_num.shape[1]
     return float(exact), summary
 
@@ -97,7 +97,7 @@ def correctness(results: dict, quick: bool, block_size: int) -> None:
         q, k, v = h3_qkv(layout, 4, dim, dtype, seed=dim)
         cfg = SparseConfig(tiling="cube", topk_ratio=0.15, sparse_scope="joint-video", tail_granularity=gran,
                            block_size=block_size)
-        plan = build_plan(q, k, v, layout, cfg).kernel
+        plan = build_plan(q, k, v, layout, cfg)
         ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan)
         low, _ = block_sparse_reference(q, k, v, plan)  # fp32 math, output rounded to dtype
         low_err = float((low.double() - ref).abs().max())
@@ -129,7 +129,7 @@ def sanitize_child() -> None:
     layout = SequenceLayout.from_segments([(0, 100, "text"), (100, 100 + 3 * 10 * 12, "video", (3, 10, 12))])
     for gran in ("query", "block"):
         q, k, v = h3_qkv(layout, 2, 128, torch.bfloat16, seed=1)
-        plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3, tail_granularity=gran)).kernel
+        plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3, tail_granularity=gran))
         for fam in FAMILIES:
             block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, family=fam))
     torch.cuda.synchronize()
@@ -186,7 +186,7 @@ def sanitizer(results: dict) -> None:
 
 def plan_for(q, k, v, layout, ratio, gran="query", block_size=64):
     cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity=gran, block_size=block_size)
-    return build_plan(q, k, v, layout, cfg).kernel, cfg
+    return build_plan(q, k, v, layout, cfg), cfg
 
 
 def kernel_row(q, k, v, plan, conf, dense_ms, dense_tflops):
@@ -221,7 +221,7 @@ def planner_profile(q, k, v, layout, ratio) -> dict:
     parts = steps(q, k, v, layout, ratio)
     results = {name: fn() for name, fn in parts.items()}
     out = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
-    plan = results["build_plan reweight"].kernel
+    plan = results["build_plan reweight"]
     key, value, bias = results["reweight_summaries"]
     out["block_reduce (block gran.)"] = bench_ms(
         lambda: block_reduce(results["block_means q"], key, value, bias, plan), rep_ms=300)
@@ -253,7 +253,7 @@ def dense_probe(results: dict) -> None:
             slots = torch.arange(J * bs, device="cuda", dtype=torch.int32)
             perm = torch.where(slots < S, slots, -1).view(1, 1, -1)
             block_len = torch.clamp(S - bs * torch.arange(J, device="cuda", dtype=torch.int32), max=bs)
-        plan = BlockSparsePlan(bs, perm, perm, block_len, torch.full((J,), J, dtype=torch.int32, device="cuda"),
+        plan = BlockSparsePlan(Tiling(bs, perm, perm, block_len), torch.full((J,), J, dtype=torch.int32, device="cuda"),
                                torch.zeros(1, HEADS, J, 0, dtype=torch.int32, device="cuda"),
                                torch.zeros(1, HEADS, J, dtype=torch.int32, device="cuda"))
         ms = bench_ms(lambda: block_sparse_triton(q, k, v, plan, config=conf), rep_ms=2000)

@@ -30,9 +30,9 @@ from ..backend.config import SparseConfig
 from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_blocks, route_plan, select_blocks
-from .scenes import SIZES
-from ..kernels import run_block_sparse
+from ..kernels.dispatch import block_sparse_attention, resolve_backend
 from .methods import dense_call
+from .scenes import SIZES
 from .runner import environment
 from .timing import time_call
 
@@ -70,17 +70,18 @@ def shared_picks(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
-    tiling = make_tiling(q, k, layout, config)
-    q_mean, k_mean = block_means(q, tiling.q_perm, tiling), block_means(k, tiling.k_perm, tiling)
+    backend = resolve_backend(config.backend, q.device, q.dtype)
+    tiling = make_tiling(q, k, layout, config, backend)
+    q_mean, k_mean = block_means(q, tiling.q_perm, tiling, backend), block_means(k, tiling.k_perm, tiling, backend)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
     rows, picks = [], {}
     for scores in ("fp32", "int8", "fp8"):
-        (idx, _), peak = peak_extra_mb(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores))
+        (idx, _), peak = peak_extra_mb(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend))
         picks[scores] = idx
         rows.append({"shape": shape, "tiling": config.tiling, "routing": f"streamed {scores}", "J": tiling.num_blocks,
-                     "ms": ms(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores)), "peak_mib": peak,
+                     "ms": ms(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend)), "peak_mib": peak,
                      "shared_picks_vs_fp32": shared_picks(picks["fp32"], idx)})
-    full = lambda: select_blocks(pooled_scores(q_mean, k_mean), dense_hi, groups)  # noqa: E731
+    full = lambda: select_blocks(pooled_scores(q_mean, k_mean, backend=backend), dense_hi, groups, backend)  # noqa: E731
     row = {"shape": shape, "tiling": config.tiling, "routing": "full matrix (today)", "J": tiling.num_blocks}
     try:
         (idx, _), row["peak_mib"] = peak_extra_mb(full)
@@ -98,12 +99,11 @@ def plan_rows(q, k, v, layout, config: SparseConfig, shape: str, qkv_mib: float)
     _, first = peak_extra_mb(lambda: build_plan(q, k, v, layout, config))  # builds the cached tables
     cached = (torch.cuda.memory_allocated() - before) / 2 ** 20  # what the caches keep (CUDA graph, tables)
     plan, peak = peak_extra_mb(lambda: build_plan(q, k, v, layout, config))
-    kernel = plan.kernel
-    row = {"shape": shape, "tiling": config.tiling, "S": layout.total, "J": kernel.num_blocks,
-           "R": int(kernel.q2k_idx.shape[-1]), "qkv_mib": qkv_mib, "plan_peak_mib": peak,
+    row = {"shape": shape, "tiling": config.tiling, "S": layout.total, "J": plan.num_blocks,
+           "R": int(plan.q2k_idx.shape[-1]), "qkv_mib": qkv_mib, "plan_peak_mib": peak,
            "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first, "cached_mib": cached,
            "plan_ms": ms(lambda: build_plan(q, k, v, layout, config)),
-           "kernel_ms": ms(lambda: run_block_sparse(q, k, v, kernel, "triton")),
+           "kernel_ms": ms(lambda: block_sparse_attention(q, k, v, plan, "triton")),
            "call_ms": ms(lambda: sparse_attention(q, k, v, layout, config))}
     return row
 

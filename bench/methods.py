@@ -169,7 +169,7 @@ def prepare(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
         config = ours_config(spec, ratio, backend)
         out, info = sparse_attention(q, k, v, layout, config, return_info=True)
         plan_ms = time_call(lambda: build_plan(q, k, v, layout, config), q.device, warmup=0, reps=2)
-        return Prepared(lambda: sparse_attention(q, k, v, layout, config), info.plan.kernel, info.density, plan_ms,
+        return Prepared(lambda: sparse_attention(q, k, v, layout, config), info.plan, info.density, plan_ms,
                         first=out)
     if spec.startswith("sol:"):
         return _prepare_sol(spec, q, k, v, layout, ratio)
@@ -225,9 +225,9 @@ def _prepare_flex(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     fn = _compiled_flex
-    config = SparseConfig(topk_ratio=ratio, tiling=spec.split(":")[1], tail="none", backend="torch", min_tokens=0)
+    config = SparseConfig(topk_ratio=ratio, tiling=spec.split(":")[1], tail="none", min_tokens=0)
     plan = build_plan(q, k, v, layout, config)
-    kp = plan.kernel
+    kp = plan
     block_mask = flex_block_mask(kp)
     qt, kt, vt = pack(q, kp.q_perm), pack(k, kp.k_perm), pack(v, kp.k_perm)
     call = lambda: fn(qt, kt, vt, block_mask=block_mask, kernel_options=FLEX_TILES)  # noqa: E731

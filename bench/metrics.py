@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..backend.layout import CONTEXT, REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
-from ..kernels.plan import BlockSparsePlan
+from ..kernels.plan import BlockSparsePlan, QuerySummaries
 
 LOGIT_BYTES = 1 << 29  # fp32 logits held at once while scoring sampled rows
 GROUP_OF_REGION = {TARGET_VIDEO: "video", REFERENCE_VIDEO: "ref_video"}
@@ -87,7 +87,8 @@ def plan_mass_metrics(q: torch.Tensor, k: torch.Tensor, plan: BlockSparsePlan, r
     q_block = block_of_rows(plan.q_perm, plan.block_size, S)
     k_block = block_of_rows(plan.k_perm, plan.block_size, S)
     allowed, summary = plan.allowed_mask(), plan.summary_mask()
-    has_tail = plan.tail_k is not None or plan.block_logit is not None
+    tail = plan.tail
+    has_tail = tail is not None
     recall = torch.empty(B, H, n, dtype=acc, device=q.device)
     err = torch.full((B, H, n), float("nan"), dtype=acc, device=q.device) if has_tail else None
     step = _head_chunk(n, S)
@@ -108,12 +109,12 @@ def plan_mass_metrics(q: torch.Tensor, k: torch.Tensor, plan: BlockSparsePlan, r
             row_summary = torch.gather(summary[b, h0:h1], 1, qb.unsqueeze(-1).expand(-1, -1, J))
             summarised = torch.gather(row_summary, 2, kb.unsqueeze(1).expand(-1, n, -1))
             true = torch.logsumexp(logits.masked_fill(~summarised, float("-inf")), -1)
-            if plan.tail_k is not None:
-                est_logits = torch.matmul(q[b, h0:h1, rows].to(acc), plan.tail_k[b, h0:h1].to(acc).transpose(-1, -2)) * scale
-                est_logits = est_logits + plan.tail_bias[b, h0:h1].to(acc).unsqueeze(1)
+            if isinstance(tail, QuerySummaries):
+                est_logits = torch.matmul(q[b, h0:h1, rows].to(acc), tail.key[b, h0:h1].to(acc).transpose(-1, -2)) * scale
+                est_logits = est_logits + tail.bias[b, h0:h1].to(acc).unsqueeze(1)
                 est = torch.logsumexp(est_logits.masked_fill(~row_summary, float("-inf")), -1)
             else:
-                est = torch.gather(plan.block_logit[b, h0:h1].to(acc), 1, qb)
+                est = torch.gather(tail.logit[b, h0:h1].to(acc), 1, qb)
             err[b, h0:h1] = torch.where(torch.isfinite(true), est - true, torch.full_like(true, float("nan")))
     return recall, err
 

@@ -3,22 +3,18 @@
     python -m adaptive_sparse_attention.bench.planner_timing [--out FILE] [--shape 10s] [--ratio 0.1]
 
 At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
-`build_plan` (reweight and mean tails, query granularity) on the torch path (the reference, fused
-kernels of `kernels/block_stats.py`, `block_scores.py` and `block_select.py` switched off) and on
-the fused path (CUDA events, warm-up, median). Checks the fused results against the torch path
+`build_plan` (reweight and mean tails, query granularity) on the torch backend (the reference) and on the
+Triton backend (the fused kernels of `kernels/block_stats.py`, `block_scores.py`, `block_select.py`; CUDA events, warm-up, median). Checks the fused results against the torch path
 on the same GPU (max error relative to the largest reference value, selections equal),
 identical bits on a rerun and no host synchronisation.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from unittest import mock
 
 import torch
 
-from ..backend import pooling, routing, tail
 from ..backend.config import SparseConfig
 from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
@@ -27,33 +23,24 @@ from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
 from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_qkv
 
 
-@contextlib.contextmanager
-def fused(enabled: bool):
-    """Force the backend's fused-kernel dispatch on or off."""
-    with mock.patch.object(pooling, "fused_planner", lambda *xs: enabled), \
-            mock.patch.object(tail, "fused_planner", lambda *xs: enabled), \
-            mock.patch.object(routing, "fused_planner", lambda *xs: enabled):
-        yield
-
-
-def steps(q, k, v, layout, ratio: float) -> dict:
-    """name -> callable of every planner step (later steps read earlier results from `state`)."""
-    cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity="query")
-    tiling = make_tiling(q, k, layout, cfg)
+def steps(q, k, v, layout, ratio: float, backend: str = "triton") -> dict:
+    """name -> callable of every planner step on `backend`'s kernels (later steps read earlier
+    results from `state`)."""
+    cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity="query", backend=backend)
+    tiling = make_tiling(q, k, layout, cfg, backend)
     state: dict = {}
     parts = {
-        "block_means q": lambda: block_means(q, tiling.q_perm, tiling),
-        "block_means k": lambda: block_means(k, tiling.k_perm, tiling),
-        "block_means v (coarse tail)": lambda: block_means(v, tiling.k_perm, tiling),
-        "pooled_scores": lambda: pooled_scores(state["block_means q"], state["block_means k"]),
+        "block_means q": lambda: block_means(q, tiling.q_perm, tiling, backend),
+        "block_means k": lambda: block_means(k, tiling.k_perm, tiling, backend),
+        "block_means v (coarse tail)": lambda: block_means(v, tiling.k_perm, tiling, backend),
+        "pooled_scores": lambda: pooled_scores(state["block_means q"], state["block_means k"], backend=backend),
         "route_plan": lambda: route_plan(tiling, cfg.sparse_scope, ratio),
-        "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"]),
+        "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"], backend),
         "target_anchor": lambda: target_anchor(state["block_means q"], tiling),
-        "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"]),
-        "mean_summaries": lambda: mean_summaries(k, v, tiling, state["block_means k"]),
+        "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"], backend),
+        "mean_summaries": lambda: mean_summaries(k, v, tiling, state["block_means k"], backend),
         "build_plan reweight": lambda: build_plan(q, k, v, layout, cfg),
-        "build_plan mean": lambda: build_plan(q, k, v, layout, SparseConfig(
-            tiling="cube", topk_ratio=ratio, tail="mean", tail_granularity="query")),
+        "build_plan mean": lambda: build_plan(q, k, v, layout, cfg.replace(tail="mean")),
     }
 
     def run(name):
@@ -74,8 +61,8 @@ def outputs(result) -> dict[str, torch.Tensor]:
         return {"": result}
     if isinstance(result, tuple):
         return {f"[{i}]": t for i, t in enumerate(result) if isinstance(t, torch.Tensor)}
-    plan = result.kernel  # a Plan
-    return {f".{n}": getattr(plan, n) for n in ("q2k_idx", "tail_k", "tail_v", "tail_bias")}
+    tail = result.tail  # a plan with query summaries
+    return {".q2k_idx": result.q2k_idx, ".tail.key": tail.key, ".tail.value": tail.value, ".tail.bias": tail.bias}
 
 
 def main() -> None:
@@ -93,24 +80,23 @@ def main() -> None:
                            "ratio": args.ratio}, "ms": {}, "max_rel_err": {}}
     runs = {}
     for path in ("torch", "fused"):
-        with fused(path == "fused"):
-            parts = steps(q, k, v, layout, args.ratio)
-            runs[path] = {name: fn() for name, fn in parts.items()}  # warm-up, compile, keep results
-            res["ms"][path] = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
-            if path == "fused":
-                again = {name: fn() for name, fn in parts.items()}
-                res["fused_bits_identical_on_rerun"] = all(
-                    torch.equal(a, outputs(again[n])[o]) for n in again for o, a in outputs(runs[path][n]).items())
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    for name in ("block_means q", "select_blocks", "reweight_summaries", "mean_summaries"):
-                        parts[name]()
-                    res["fused_host_sync"] = "none"
-                except RuntimeError as e:
-                    res["fused_host_sync"] = str(e).splitlines()[0]
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+        parts = steps(q, k, v, layout, args.ratio, "triton" if path == "fused" else "torch")
+        runs[path] = {name: fn() for name, fn in parts.items()}  # warm-up, compile, keep results
+        res["ms"][path] = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
+        if path == "fused":
+            again = {name: fn() for name, fn in parts.items()}
+            res["fused_bits_identical_on_rerun"] = all(
+                torch.equal(a, outputs(again[n])[o]) for n in again for o, a in outputs(runs[path][n]).items())
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for name in ("block_means q", "select_blocks", "reweight_summaries", "mean_summaries"):
+                    parts[name]()
+                res["fused_host_sync"] = "none"
+            except RuntimeError as e:
+                res["fused_host_sync"] = str(e).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     for name, result in runs["fused"].items():
         for out, got in outputs(result).items():
             ref = outputs(runs["torch"][name])[out]

@@ -47,7 +47,7 @@ def picks(t: Tiling, layout: SequenceLayout) -> list[int]:
 def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, rows: torch.Tensor,
             tiling_fn: TilingFn, heads: int) -> dict:
     """GPU-built vs CPU-built tiling of `tiling_fn` on the same tensors (q, k, v on the GPU)."""
-    gpu = tiling_fn(q, k, layout, 64)
+    gpu = tiling_fn(q, k, layout, 64, backend="triton")
     cpu = on_device(tiling_fn(q.cpu(), k.cpu(), layout, 64), q.device)
     out = {"perm_agreement": float((gpu.k_perm == cpu.k_perm).double().mean()),
            "picks_gpu": picks(gpu, layout), "picks_cpu": picks(cpu, layout)}
@@ -79,13 +79,13 @@ def main() -> None:
     seg, H, D = layout.target, q.shape[1], q.shape[-1]
     qs = q[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     ks = k[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
-    diff = (metric_features(ks, qs).cpu() - metric_features(ks.cpu(), qs.cpu())).abs().amax((1, 2))
+    diff = (metric_features(ks, qs, "triton").cpu() - metric_features(ks.cpu(), qs.cpu())).abs().amax((1, 2))
     res["feature_max_abs_diff_per_head"] = [float(f"{x:.2e}") for x in diff[:args.heads].tolist()]
     res["feature_max_abs_diff"] = float(diff.max())
-    tree = reblock_tiling(q, k, layout, 64, tubes=False)
+    tree = reblock_tiling(q, k, layout, 64, tubes=False, backend="triton")
     probes = q[0].index_select(1, probe_rows(layout).to(dev))
     window = tube_perms(layout, 64, dev)[:1, tree.blocks_of(TARGET_VIDEO)[0] * 64:]
-    mass = block_log_mass(probes, k[0], window, 64).cpu() - block_log_mass(probes.cpu().double(), k[0].cpu().double(),
+    mass = block_log_mass(probes, k[0], window, 64, "triton").cpu() - block_log_mass(probes.cpu().double(), k[0].cpu().double(),
                                                                           window.cpu(), 64)
     res["block_log_mass_max_abs_diff"] = float(mass.abs().max())
     res["recall_tree_only_gpu"] = round(float(head_recall(q, k, v, layout, tree, rows).mean()), 4)

@@ -19,8 +19,8 @@ host). Inputs are random bf16 (the cost depends on shapes only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from unittest import mock
 
 import torch
 
@@ -29,7 +29,7 @@ from .scenes import SceneSize
 from ..backend.planner import build_plan
 from ..backend import reblock
 from ..backend.head_choice import choose_tubes
-from ..kernels import run_block_sparse
+from ..kernels.dispatch import block_sparse_attention
 from .timing import queued_ms, time_call
 
 
@@ -57,18 +57,17 @@ def main() -> None:
 
     reserved = torch.cuda.memory_reserved()
     for mode in ("q_reuse_k", "independent"):  # build the static schedule, capture the graphs
-        reblock.reblock_tiling(q, k, layout, 64, mode)
+        reblock.reblock_tiling(q, k, layout, 64, mode, backend="triton")
     torch.cuda.synchronize()
     res["memory_gb"] = {"reserved_by_first_calls": (torch.cuda.memory_reserved() - reserved) / 2**30}
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    reblock.CUDA_GRAPHS = False
-    reblock.reblock_tiling(q, k, layout, 64)
-    reblock.CUDA_GRAPHS = True
+    with reblock.eager_partition():
+        reblock.reblock_tiling(q, k, layout, 64, backend="triton")
     res["memory_gb"]["eager_tiling_peak"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     torch.cuda.set_sync_debug_mode("error")
     try:
-        reblock.reblock_tiling(q, k, layout, 64, "independent")
+        reblock.reblock_tiling(q, k, layout, 64, "independent", backend="triton")
         res["host_sync"] = "none"
     except RuntimeError as e:
         res["host_sync"] = f"FOUND: {e}"
@@ -76,8 +75,8 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode(0)
 
     seg = layout.target
-    a = reblock.reblock_tiling(q, k, layout, 64, "independent")
-    b = reblock.reblock_tiling(q, k, layout, 64, "independent")
+    a = reblock.reblock_tiling(q, k, layout, 64, "independent", backend="triton")
+    b = reblock.reblock_tiling(q, k, layout, 64, "independent", backend="triton")
     lo = a.region_blocks[-1][0] * 64
     rows = a.k_perm[0, :, lo:].long()
     res["checks"] = {
@@ -88,51 +87,46 @@ def main() -> None:
     qs = q[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     ks = k[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     schedule = reblock.cached_static(layout, 64, dev).parts[-1]
-    z = reblock.metric_features(ks, qs)
-    res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64),
-                                                           reblock.partition(z, schedule)))
-    with mock.patch.object(reblock, "fused_planner", lambda *xs: False):  # every level on the torch path
-        torch_levels = reblock.partition(z, schedule)
-    res["checks"]["fused_levels_agree_with_torch_levels"] = float((reblock.partition(z, schedule) == torch_levels).double().mean())
+    z = reblock.metric_features(ks, qs, "triton")
+    res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64, "triton"),
+                                                           reblock.partition(z, schedule, "triton")))
+    torch_levels = reblock.partition(z, schedule, "torch")  # every level on the torch path
+    res["checks"]["fused_levels_agree_with_torch_levels"] = float(
+        (reblock.partition(z, schedule, "triton") == torch_levels).double().mean())
     t, host = {}, {}
     for graphs in (True, False):
-        reblock.CUDA_GRAPHS = graphs
         suffix = "" if graphs else "_eager"
         for mode in ("q_reuse_k", "independent"):
-            name, fn = f"tiling_{mode}{suffix}", (lambda: reblock.reblock_tiling(q, k, layout, 64, mode))
+            def fn(mode=mode, graphs=graphs):
+                with contextlib.nullcontext() if graphs else reblock.eager_partition():
+                    return reblock.reblock_tiling(q, k, layout, 64, mode, backend="triton")
+            name = f"tiling_{mode}{suffix}"
             t[name] = time_call(fn, dev, 3, 10)
             t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
-    reblock.CUDA_GRAPHS = True
-    t["features"] = time_call(lambda: reblock.metric_features(ks, qs), dev, 3, 10)
-    t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64), dev, 3, 10)
-    t["partition_eager"] = time_call(lambda: reblock.partition(z, schedule), dev, 3, 10)
-    with mock.patch.object(reblock, "fused_planner", lambda *xs: False):
-        t["partition_eager_torch_levels"] = time_call(lambda: reblock.partition(z, schedule), dev, 3, 10)
+    t["features"] = time_call(lambda: reblock.metric_features(ks, qs, "triton"), dev, 3, 10)
+    t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64, "triton"), dev, 3, 10)
+    t["partition_eager"] = time_call(lambda: reblock.partition(z, schedule, "triton"), dev, 3, 10)
+    t["partition_eager_torch_levels"] = time_call(lambda: reblock.partition(z, schedule, "torch"), dev, 3, 10)
     res["ms"] = t
     save()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            reblock.partition(z, schedule)
+            reblock.partition(z, schedule, "triton")
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
-    dims = reblock.FEATURE_DIMS  # every level gathers the features by token id: does their width cost?
-    reblock.FEATURE_DIMS = 8
-    z8 = reblock.metric_features(ks, qs)
-    reblock.FEATURE_DIMS = dims
-    t["partition_eager_feature_dims_8"] = time_call(lambda: reblock.partition(z8, schedule), dev, 3, 10)
     save()
 
     t["dense_sdpa"] = time_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), dev, 1, 3)
     configs = {tiling: SparseConfig(topk_ratio=0.1, tiling=tiling, backend="triton") for tiling in ("cube", "reblock")}
     for tiling, cfg in configs.items():
         t[f"plan_{tiling}"] = time_call(lambda: build_plan(q, k, v, layout, cfg), dev, 2, 5)
-    tree = reblock.reblock_tiling(q, k, layout, 64, tubes=False).k_perm.unsqueeze(0)
-    queued = {"tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False),
-              "head_choice": lambda: choose_tubes(q, k, tree, layout, 64, a.region_blocks[-1], 0.1),
-              "features": lambda: reblock.metric_features(ks, qs),
-              "partition_graph": lambda: reblock.run_partition(z, schedule, 64),
+    tree = reblock.reblock_tiling(q, k, layout, 64, tubes=False, backend="triton").k_perm.unsqueeze(0)
+    queued = {"tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False, backend="triton"),
+              "head_choice": lambda: choose_tubes(q, k, tree, layout, 64, a.region_blocks[-1], 0.1, "triton"),
+              "features": lambda: reblock.metric_features(ks, qs, "triton"),
+              "partition_graph": lambda: reblock.run_partition(z, schedule, 64, "triton"),
               **{f"plan_{tiling}": (lambda cfg=cfg: build_plan(q, k, v, layout, cfg)) for tiling, cfg in configs.items()}}
     for name, fn in queued.items():
         t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
@@ -141,7 +135,7 @@ def main() -> None:
     for tiling, cfg in configs.items():
         plan = build_plan(q, k, v, layout, cfg)
         try:
-            t[f"kernel_{tiling}"] = time_call(lambda: run_block_sparse(q, k, v, plan.kernel, "triton"), dev, 2, 5)
+            t[f"kernel_{tiling}"] = time_call(lambda: block_sparse_attention(q, k, v, plan, "triton"), dev, 2, 5)
         except Exception as e:  # the kernel belongs to another module; report, keep the tiling numbers
             res[f"kernel_{tiling}_error"] = repr(e)[:300]
     if "kernel_reblock" in t:

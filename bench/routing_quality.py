@@ -15,6 +15,7 @@ Prints a markdown table and writes JSON with the environment when --out is given
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -41,8 +42,7 @@ def pick_overlap(a: BlockSparsePlan, b: BlockSparsePlan) -> float:
 
 def no_picks(plan: BlockSparsePlan) -> BlockSparsePlan:
     """The plan's dense prefix alone (every pick dropped): its recall is the context mass."""
-    return BlockSparsePlan(plan.block_size, plan.q_perm, plan.k_perm, plan.block_len, plan.dense_hi,
-                           plan.q2k_idx, torch.zeros_like(plan.q2k_num))
+    return dataclasses.replace(plan, q2k_num=torch.zeros_like(plan.q2k_num), tail=None)
 
 
 def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, ratio: float, tiling_name: str,
@@ -50,13 +50,13 @@ def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, ratio: fl
     """Result rows (one per 8-bit format) of one input at one ratio."""
     base = SparseConfig(topk_ratio=ratio, tiling=tiling_name, tail="none", min_tokens=0)
     tiling = make_tiling(q, k, layout, base)
-    exact = build_plan(q, k, v, layout, base, tiling).kernel
+    exact = build_plan(q, k, v, layout, base, tiling)
     recall, _ = plan_mass_metrics(q, k, exact, rows)
     context, _ = plan_mass_metrics(q, k, no_picks(exact), rows)
     picked = (recall - context).double().sum()
     out = []
     for fmt in FORMATS:
-        cheap = build_plan(q, k, v, layout, base.replace(routing_scores=fmt), tiling).kernel
+        cheap = build_plan(q, k, v, layout, base.replace(routing_scores=fmt), tiling)
         recall8, _ = plan_mass_metrics(q, k, cheap, rows)
         out.append({"scores": fmt, "overlap": pick_overlap(exact, cheap),
                     "mass_kept": float((recall8 - context).double().sum() / picked),

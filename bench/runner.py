@@ -16,12 +16,12 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..backend.attention import resolve_backend as engine_backend
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
+from ..kernels import dispatch
+from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .metrics import quality_report, sample_rows
 from .scenes import SIZES, make_scene
-from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .timing import time_call
 
 
@@ -59,14 +59,20 @@ class Case:
     layout: SequenceLayout
 
 
+def bench_dtype(device: torch.device) -> torch.dtype:
+    """The scenes' dtype: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """Kernel backend `ours` runs with on `device`: the engine's own choice for `requested`."""
-    return engine_backend(SparseConfig(backend=requested), device)
+    """Kernel backend `ours` runs with on `device`: the engine's own choice for `requested` at the
+    bench's dtype."""
+    return dispatch.resolve_backend(requested, device, bench_dtype(device))
 
 
 def scene_cases(preset: Preset, scenes: Iterable[str], seed: int, device: torch.device) -> Iterator[Case]:
-    """Generate the preset's scenes one at a time (bf16 on CUDA, fp32 on the CPU)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    """Generate the preset's scenes one at a time (`bench_dtype`)."""
+    dtype = bench_dtype(device)
     for name in scenes:
         s = make_scene(name, SIZES[preset.size], seed, device, dtype)
         yield Case(name, s.q, s.k, s.v, s.layout)

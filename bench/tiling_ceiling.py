@@ -50,7 +50,7 @@ def routed_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Seque
     """The kernel plan routed on `tiling` at `ratio`, without tail summaries (recall counts only
     exactly computed keys)."""
     cfg = SparseConfig(topk_ratio=ratio, tail="none", min_tokens=0)
-    return build_plan(q, k, v, layout, cfg, tiling=tiling).kernel
+    return build_plan(q, k, v, layout, cfg, tiling=tiling)
 
 
 def head_recall(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, tiling: Tiling,

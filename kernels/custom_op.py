@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .plan import BlockSparsePlan
+from .plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling
 
 
 @torch.library.custom_op("adaptive_sparse_attention::block_sparse_attention", mutates_args=())
@@ -23,8 +23,12 @@ def block_sparse_attention(
     """(out, lse) of the fused kernel; see `triton_attention.block_sparse_triton`."""
     from .triton_attention import block_sparse_triton
 
-    plan = BlockSparsePlan(block_size, q_perm, k_perm, block_len, dense_hi, q2k_idx, q2k_num,
-                           tail_k, tail_v, tail_bias, block_logit, block_value)
+    tail: Tail = None
+    if tail_k is not None:
+        tail = QuerySummaries(tail_k, tail_v, tail_bias)
+    elif block_logit is not None:
+        tail = BlockSummaries(block_logit, block_value)
+    plan = BlockSparsePlan(Tiling(block_size, q_perm, k_perm, block_len), dense_hi, q2k_idx, q2k_num, tail=tail)
     return block_sparse_triton(q, k, v, plan, scale)
 
 
@@ -47,6 +51,10 @@ def block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Blo
                          "backward: call it under torch.no_grad() or torch.inference_mode(), detach the inputs, or use "
                          "backend='torch' (the differentiable reference)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    query = plan.tail if isinstance(plan.tail, QuerySummaries) else None
+    block = plan.tail if isinstance(plan.tail, BlockSummaries) else None
     return block_sparse_attention(q, k, v, plan.q_perm, plan.k_perm, plan.block_len, plan.dense_hi,
-                                  plan.q2k_idx, plan.q2k_num, plan.tail_k, plan.tail_v, plan.tail_bias,
-                                  plan.block_logit, plan.block_value, plan.block_size, scale)
+                                  plan.q2k_idx, plan.q2k_num,
+                                  query.key if query else None, query.value if query else None,
+                                  query.bias if query else None, block.logit if block else None,
+                                  block.value if block else None, plan.block_size, scale)

@@ -1,49 +1,178 @@
-"""`BlockSparsePlan`: the tensors a block-sparse attention kernel consumes.
+"""`BlockSparsePlan`: the one plan every block-sparse kernel consumes, and the pack/unpack mapping.
 
-Like FlexAttention's BlockMask, the sparse structure is a handful of small tensors:
+Like FlexAttention's BlockMask, the sparse structure is a handful of small tensors, checked once
+when the plan is made (from metadata only: nothing is read from the device):
 
-- q_perm, k_perm: int32 [Bp, Hp, J * block_size] tiled slot -> model-order row (destination ->
-  source), -1 for padding. Bp is 1 or B, Hp is 1 or H. V follows K.
-- block_len: int32 [J], valid rows of every block (valid rows come first within a block).
-- dense_hi: int32 [J]; query block i attends exactly to every key block j < dense_hi[i]
-  (context first in block order, so this is the "always exact" prefix).
-- q2k_idx: int16 or int32 [B, H, J, R] selected key blocks (ascending, all >= dense_hi[i], -1
-  padded); the planner writes int16 while J < 2**15 (half the memory: at 60 s clips this table
-  is the planner's largest tensor, 5% of Q/K/V per 0.1 of ratio in int32);
-  q2k_num: int32 [B, H, J], how many entries of a row are valid.
-- Candidates of query block i are the key blocks in [dense_hi[i], J); the unselected ones are
-  represented by tail summaries, either per query (`tail_k` [B,H,J,D] stored dtype, `tail_v`
-  [B,H,J,D], `tail_bias` [B,H,J] fp32 natural-log mass bias) or once per query block
-  (`block_logit` [B,H,J] fp32 log-mass, `block_value` [B,H,J,D] fp32 normalised value).
+- `Tiling`: the token layout. q_perm, k_perm int32 [Bp, Hp, J * block_size] map a tiled slot to the
+  model-order row it holds (destination -> source, -1 for padding; Bp is 1 or B, Hp is 1 or H; V
+  follows K). block_len int32 [J]: valid rows of every block (valid rows come first). `regions` and
+  `region_blocks` name the layout's segments in block order and their [lo, hi) block ranges.
+- dense_hi int32 [J]: query block i attends exactly to every key block j < dense_hi[i] (context
+  first in block order, so this is the "always exact" prefix); dense_hi[i] == J is a dense row.
+- q2k_idx int16 (while J < 2**15, half the memory of the planner's largest table at long clips)
+  or int32 [B, H, J, R]: selected key blocks, ascending, all >= dense_hi[i], -1 padded;
+  q2k_num int32 [B, H, J]: how many entries of a row are valid. `groups`: the candidate key block
+  ranges (lo, hi, budget) that routing chose from.
+- The tail, exactly one of: none; `QuerySummaries` (every query scores a summary key per unselected
+  candidate block); `BlockSummaries` (one summary result per query block).
 All attention terms (exact keys and summaries) share one softmax, normalised once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 
 EMPTY_ROW_LSE = -1.0e30  # log-sum-exp reported for a row that may attend to nothing (finite)
+INDEX_DTYPES = (torch.int16, torch.int32)
 
 
-@dataclass
-class BlockSparsePlan:
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+    return type(t).__name__
+
+
+def _require(ok: bool, owner: str, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{owner}: {name} {_describe(value)} is not allowed: expected {expected}")
+
+
+def _is(t: Any, dtypes: tuple[torch.dtype, ...], dim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == dim
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A block layout: which model-order rows every block slot holds, for queries and keys."""
+
     block_size: int
     q_perm: torch.Tensor
     k_perm: torch.Tensor
     block_len: torch.Tensor
-    dense_hi: torch.Tensor
-    q2k_idx: torch.Tensor
-    q2k_num: torch.Tensor
-    tail_k: torch.Tensor | None = None
-    tail_v: torch.Tensor | None = None
-    tail_bias: torch.Tensor | None = None
-    block_logit: torch.Tensor | None = None
-    block_value: torch.Tensor | None = None
+    regions: tuple[Any, ...] = ()  # the layout's segments (`backend.layout.Segment`) in block order
+    region_blocks: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1, "Tiling", "block_size", bs,
+                 "a positive int")
+        _require(_is(self.block_len, (torch.int32,), 1), "Tiling", "block_len", self.block_len, "int32 [J]")
+        J = self.block_len.shape[0]
+        for name in ("q_perm", "k_perm"):
+            t = getattr(self, name)
+            _require(_is(t, (torch.int32,), 3) and t.shape[-1] == J * bs and t.device == self.block_len.device,
+                     "Tiling", name, t, f"int32 [Bp, Hp, {J * bs}] (J * block_size slots) on {self.block_len.device}")
+        _require(len(self.regions) == len(self.region_blocks), "Tiling", "regions", self.regions,
+                 f"one segment per region block range ({len(self.region_blocks)})")
+        ends = [lo for lo, _ in self.region_blocks[:1]] + [hi for _, hi in self.region_blocks]
+        contiguous = all(hi >= lo for lo, hi in self.region_blocks) and all(
+            a == b for (_, a), (b, _) in zip(self.region_blocks, self.region_blocks[1:]))
+        _require(not self.region_blocks or (ends[0] == 0 and ends[-1] == J and contiguous), "Tiling",
+                 "region_blocks", self.region_blocks, f"adjacent [lo, hi) ranges covering [0, {J})")
 
     @property
     def num_blocks(self) -> int:
-        return int(self.block_len.numel())
+        return int(self.block_len.shape[0])
+
+    def blocks_of(self, region: str) -> tuple[int, int]:
+        """[lo, hi) block range covering every region of one kind (they are adjacent)."""
+        spans = [rb for seg, rb in zip(self.regions, self.region_blocks) if seg.region == region]
+        if not spans:
+            return (0, 0)
+        return (spans[0][0], spans[-1][1])
+
+
+@dataclass(frozen=True)
+class QuerySummaries:
+    """Per-query tail: every query row scores the summary key of each unselected candidate block.
+
+    key, value: [B, H, J, D] (stored dtype); bias: [B, H, J] fp32 natural-log mass bias."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BlockSummaries:
+    """Per-query-block tail: the summaries of each query block reduced once, at its mean query.
+
+    logit: [B, H, J] fp32 log-mass (-inf: no summary); value: [B, H, J, D] fp32 normalised value."""
+
+    logit: torch.Tensor
+    value: torch.Tensor
+
+
+Tail = Union[QuerySummaries, BlockSummaries, None]
+
+
+@dataclass(frozen=True)
+class BlockSparsePlan:
+    """The plan: a tiling, the exact prefix, the selected key blocks and the tail (see the module)."""
+
+    tiling: Tiling
+    dense_hi: torch.Tensor
+    q2k_idx: torch.Tensor
+    q2k_num: torch.Tensor
+    groups: tuple[tuple[int, int, int], ...] = ()
+    tail: Tail = None
+
+    def __post_init__(self) -> None:
+        owner, J, dev = "BlockSparsePlan", self.num_blocks, self.block_len.device
+        _require(isinstance(self.tiling, Tiling), owner, "tiling", self.tiling, "a Tiling")
+        _require(_is(self.dense_hi, (torch.int32,), 1) and self.dense_hi.shape[0] == J and self.dense_hi.device == dev,
+                 owner, "dense_hi", self.dense_hi, f"int32 [{J}] on {dev}")
+        idx, num = self.q2k_idx, self.q2k_num
+        _require(_is(idx, INDEX_DTYPES, 4) and idx.shape[2] == J and idx.device == dev, owner, "q2k_idx", idx,
+                 f"int16 or int32 [B, H, {J}, R] on {dev}")
+        B, H = idx.shape[:2]
+        _require(_is(num, (torch.int32,), 3) and tuple(num.shape) == (B, H, J) and num.device == dev, owner,
+                 "q2k_num", num, f"int32 [{B}, {H}, {J}] on {dev}")
+        for name in ("q_perm", "k_perm"):
+            p = getattr(self.tiling, name)
+            _require(p.shape[0] in (1, B) and p.shape[1] in (1, H), owner, f"tiling.{name}", p,
+                     f"[1 or {B}, 1 or {H}, slots] (q2k_idx has B={B}, H={H})")
+        ok = all(len(g) == 3 and all(isinstance(x, int) for x in g) and 0 <= g[0] <= g[1] <= J for g in self.groups)
+        _require(isinstance(self.groups, tuple) and ok, owner, "groups", self.groups,
+                 f"a tuple of (lo, hi, budget) ints with 0 <= lo <= hi <= {J}")
+        tail = self.tail
+        if isinstance(tail, QuerySummaries):
+            shape = tuple(tail.key.shape[:3])
+            fits = (tail.key.dim() == tail.value.dim() == 4 and shape == (B, H, J) and tail.value.shape == tail.key.shape
+                    and tuple(tail.bias.shape) == (B, H, J) and tail.bias.is_floating_point()
+                    and tail.key.device == tail.value.device == tail.bias.device == dev)
+            _require(fits, owner, "tail (query summaries) key", tail.key,
+                     f"key and value [{B}, {H}, {J}, D] and a floating bias [{B}, {H}, {J}], on {dev}")
+        elif isinstance(tail, BlockSummaries):
+            fits = (tail.value.dim() == 4 and tuple(tail.value.shape[:3]) == (B, H, J)
+                    and tuple(tail.logit.shape) == (B, H, J) and tail.logit.is_floating_point()
+                    and tail.logit.device == tail.value.device == dev)
+            _require(fits, owner, "tail (block summaries) value", tail.value,
+                     f"logit [{B}, {H}, {J}] and value [{B}, {H}, {J}, D], on {dev}")
+        else:
+            _require(tail is None, owner, "tail", tail, "None, QuerySummaries or BlockSummaries")
+
+    @property
+    def block_size(self) -> int:
+        return self.tiling.block_size
+
+    @property
+    def q_perm(self) -> torch.Tensor:
+        return self.tiling.q_perm
+
+    @property
+    def k_perm(self) -> torch.Tensor:
+        return self.tiling.k_perm
+
+    @property
+    def block_len(self) -> torch.Tensor:
+        return self.tiling.block_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tiling.num_blocks
 
     def selected_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: key block j selected (by TopK) for query block i; `rows` picks

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import EMPTY_ROW_LSE, BlockSparsePlan, pack, unpack
+from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, pack, unpack
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk
 
@@ -21,7 +21,7 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     B, H, S, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = D ** -0.5 if scale is None else scale
-    bs, J = plan.block_size, plan.num_blocks
+    bs, J, tail = plan.block_size, plan.num_blocks, plan.tail
     qt = pack(q, plan.q_perm).to(acc)
     kt = pack(k, plan.k_perm).to(acc)
     vt = pack(v, plan.k_perm).to(acc)
@@ -36,12 +36,12 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         logits = torch.matmul(qc, kt.transpose(-1, -2)) * scale
         mask = plan.allowed_mask(slice(i0, i1)).repeat_interleave(bs, 2).repeat_interleave(bs, 3) & key_valid
         cols, vals = [logits.masked_fill(~mask, float("-inf"))], [vt]
-        if plan.tail_k is not None:
-            tl = torch.matmul(qc, plan.tail_k.to(acc).transpose(-1, -2)) * scale + plan.tail_bias.to(acc).unsqueeze(2)
+        if isinstance(tail, QuerySummaries):
+            tl = torch.matmul(qc, tail.key.to(acc).transpose(-1, -2)) * scale + tail.bias.to(acc).unsqueeze(2)
             cols.append(tl.masked_fill(~plan.summary_mask(slice(i0, i1)).repeat_interleave(bs, 2), float("-inf")))
-            vals.append(plan.tail_v.to(acc))
-        if plan.block_logit is not None:
-            cols.append(plan.block_logit[:, :, i0:i1].to(acc).repeat_interleave(bs, 2).unsqueeze(-1))
+            vals.append(tail.value.to(acc))
+        if isinstance(tail, BlockSummaries):
+            cols.append(tail.logit[:, :, i0:i1].to(acc).repeat_interleave(bs, 2).unsqueeze(-1))
             vals.append(None)
         scores = torch.cat(cols, dim=-1)
         m = scores.amax(-1, keepdim=True)
@@ -53,7 +53,7 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         for c, val in zip(cols, vals):
             pc = p[..., col:col + c.shape[-1]]
             if val is None:  # one shared summary value per query block
-                num = num + pc * plan.block_value[:, :, i0:i1].to(acc).repeat_interleave(bs, 2)
+                num = num + pc * tail.value[:, :, i0:i1].to(acc).repeat_interleave(bs, 2)
             else:
                 num = num + torch.matmul(pc, val)
             col += c.shape[-1]

@@ -5,10 +5,10 @@ One program per (batch * head, query tile of a query block). It gathers its quer
 [0, dense_hi) followed by the selected blocks q2k_idx[:q2k_num]) in tiles of `block_n` rows of
 one key block (index loads run one tile ahead), gathers K/V rows through `k_perm`, masks keys
 beyond each block's true length, and keeps an online softmax in base 2 with the scale folded
-in. The summaries of unselected candidate blocks join the same softmax: per query (`tail_k`/`tail_v`/`tail_bias`,
+in. The summaries of unselected candidate blocks join the same softmax: per query (`QuerySummaries`,
 selected columns masked by walking the query block's ascending pick list alongside the columns, so
 no J x J structure is built) or once per query block
-(`block_logit`/`block_value`). Rows are normalised once and stored straight to their model-order
+(`BlockSummaries`). Rows are normalised once and stored straight to their model-order
 rows (scatter on store). Same semantics as `reference.block_sparse_reference`.
 
 Importing this module imports Triton: `kernels/__init__` imports it only on demand.
@@ -22,9 +22,8 @@ import triton
 import triton.language as tl
 
 from .configs import KernelConfig, dot_precision, kernel_config
-from .plan import EMPTY_ROW_LSE, BlockSparsePlan
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .dispatch import TRITON_DTYPES as DTYPES
+from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries
 
 
 @triton.jit
@@ -189,8 +188,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparseP
     bs = plan.block_size
     if bs < 16 or bs & (bs - 1):
         raise ValueError(f"block_sparse_triton: plan.block_size={bs} is not supported: expected a power of two >= 16")
-    if plan.q_perm.shape[-1] != plan.num_blocks * bs or plan.k_perm.shape[-1] != plan.num_blocks * bs:
-        raise ValueError("block_sparse_triton: q_perm and k_perm must have num_blocks * block_size slots")
+    tail = plan.tail
+    tail_dim = tail.key.shape[-1] if isinstance(tail, QuerySummaries) else (
+        tail.value.shape[-1] if isinstance(tail, BlockSummaries) else D)
+    if tail_dim != D or plan.q_perm.device != q.device:
+        raise ValueError(f"block_sparse_triton: the plan ({plan.q_perm.device}, summaries of size {tail_dim}) does not "
+                         f"fit q {tuple(q.shape)} on {q.device}")
+    if plan.q2k_idx.shape[:2] != q.shape[:2]:
+        raise ValueError(f"block_sparse_triton: plan.q2k_idx {tuple(plan.q2k_idx.shape)} does not fit q's batch and "
+                         f"heads {tuple(q.shape[:2])}")
 
 
 def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
@@ -220,13 +226,13 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     q_perm, k_perm = plan.q_perm.contiguous(), plan.k_perm.contiguous()
     q2k_idx, q2k_num = plan.q2k_idx.contiguous(), plan.q2k_num.contiguous()
-    query_tail = plan.tail_k is not None
-    block_tail = plan.block_logit is not None
-    tail_k = plan.tail_k.contiguous() if query_tail else q
-    tail_v = plan.tail_v.contiguous() if query_tail else q
-    tail_bias = plan.tail_bias.float().contiguous() if query_tail else lse
-    block_logit = plan.block_logit.float().contiguous() if block_tail else lse
-    block_value = plan.block_value.float().contiguous() if block_tail else lse
+    query_tail = isinstance(plan.tail, QuerySummaries)
+    block_tail = isinstance(plan.tail, BlockSummaries)
+    tail_k = plan.tail.key.contiguous() if query_tail else q
+    tail_v = plan.tail.value.contiguous() if query_tail else q
+    tail_bias = plan.tail.bias.float().contiguous() if query_tail else lse
+    block_logit = plan.tail.logit.float().contiguous() if block_tail else lse
+    block_value = plan.tail.value.float().contiguous() if block_tail else lse
     grid = (J * (bs // block_m), B * H)
     _block_sparse_fwd[grid](
         q, k, v, out, lse,

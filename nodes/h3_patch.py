@@ -41,13 +41,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..backend.attention import DTYPES, HEAD_DIMS, resolve_backend, sparse_attention
+from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.cache import BoundedCache
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense import dense_attention
+from ..kernels.dispatch import resolve_backend
 from .schedule import RunTracker, schedule_reason
 
 log = logging.getLogger("adaptive_sparse_attention")
@@ -446,7 +447,7 @@ class SparseAttentionHook(BlockHook):
 
     def prepare(self, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout) -> None:
         """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
-        if resolve_backend(self.config, x.device) == "triton":
+        if resolve_backend(self.config.backend, x.device, x.dtype, self.config.strict) == "triton":
             prepare_kernels(layout, self.config, x.dtype, x.device, attn.head_dim)
 
     def dense_args(self, args: dict) -> dict:

@@ -29,12 +29,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..backend.attention import check_inputs, resolve_backend
+from ..backend.attention import check_inputs
 from ..backend.config import SparseConfig
-from .h3_patch import BlockReplacement, SparseAttentionHook, apply_sparse_attention, check_h3
 from ..backend.layout import SequenceLayout
-from .schedule import schedule_reason
 from ..backend.ulysses import check_sequence_parallel, local_heads_attention, padded_rows
+from ..kernels.dispatch import resolve_backend
+from .h3_patch import BlockReplacement, SparseAttentionHook, apply_sparse_attention, check_h3
+from .schedule import schedule_reason
 
 # keyword arguments of xFuser's ring-attention call and the only values sparse attention matches
 XFUSER_EXPECTED = {"dropout_p": 0.0, "causal": False, "window_size": (-1, -1), "alibi_slopes": None,
@@ -87,7 +88,8 @@ class RaylightSparseAttention(SparseAttentionHook):
         if schedule_reason(self.config, layer, ctx.step, ctx.total, rows) is None:
             problem = self.shard_problem(x, layout)
             if problem is None:
-                resolve_backend(self.config, x.device)  # strict raises here when Triton is asked for and missing
+                # strict raises here when Triton is asked for and cannot run
+                resolve_backend(self.config.backend, x.device, x.dtype, self.config.strict)
                 return ctx.step, layout
             self.refuse(layer, problem)
         self.tracker.note_block(ctx.step, sparse=False)

@@ -20,8 +20,8 @@ with interpreter_env():
     from adaptive_sparse_attention.kernels.block_stats import block_sums_triton, block_summaries_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
-from adaptive_sparse_attention.backend import planner, pooling, tail
-from adaptive_sparse_attention.backend.pooling import block_means, fused_planner
+from adaptive_sparse_attention.backend import planner
+from adaptive_sparse_attention.backend.pooling import block_means
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
 from adaptive_sparse_attention.backend.tiling import Tiling
 
@@ -102,27 +102,29 @@ def test_mean_summaries(dim, dtype, per_head, block_size):
 
 
 @pytest.mark.parametrize("tail_kind", ["reweight", "mean", "coarse"])
-def test_build_plan_through_fused_path(monkeypatch, tail_kind):
-    """The backend's dispatch: with the fused path forced on (CPU tensors run under the
-    interpreter), build_plan selects the same blocks and gives the same summaries."""
-    assert not fused_planner(torch.zeros(1))  # CPU tensors take the torch path by default
+def test_build_plan_on_both_backends(tail_kind):
+    """The one dispatch: build_plan on the Triton backend (CPU tensors run under the
+    interpreter) selects the same blocks and gives the same summaries as on the torch backend,
+    and `auto` picks torch for CPU tensors."""
+    from adaptive_sparse_attention.backend.tail import coarse_branch
+    from adaptive_sparse_attention.kernels.dispatch import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"
     layout = SequenceLayout.from_segments([(0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)),
                                            (127, 180, "audio"), (180, 390, "video", (5, 6, 7))])
     g = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(1, 2, layout.total, 64, generator=g) for _ in range(3))
     cfg = SparseConfig(tiling="cube", topk_ratio=0.3, tail=tail_kind)
-    ref = planner.build_plan(q, k, v, layout, cfg)
-    for module in (pooling, tail):
-        monkeypatch.setattr(module, "fused_planner", lambda *xs: True)
-    got = planner.build_plan(q, k, v, layout, cfg)
-    assert torch.equal(got.kernel.q2k_idx, ref.kernel.q2k_idx)
-    for name in ("tail_k", "tail_v", "tail_bias"):
-        a, b = getattr(got.kernel, name), getattr(ref.kernel, name)
-        assert (a is None) == (b is None) == (tail_kind == "coarse")
-        if a is not None:
-            torch.testing.assert_close(a, b, **FP32_TOL)
+    ref = planner.build_plan(q, k, v, layout, cfg, backend="torch")
+    got = planner.build_plan(q, k, v, layout, cfg, backend="triton")
+    assert torch.equal(got.q2k_idx, ref.q2k_idx)
+    assert (got.tail is None) == (ref.tail is None) == (tail_kind == "coarse")
+    for name in ("key", "value", "bias") if got.tail is not None else ():
+        torch.testing.assert_close(getattr(got.tail, name), getattr(ref.tail, name), **FP32_TOL)
     if tail_kind == "coarse":
-        torch.testing.assert_close(got.coarse, ref.coarse, **FP32_TOL)
+        for gran in ("query", "block"):
+            torch.testing.assert_close(coarse_branch(q, k, v, got, gran, "triton"),
+                                       coarse_branch(q, k, v, ref, gran, "torch"), **FP32_TOL)
 
 
 def test_bad_inputs_name_the_field():

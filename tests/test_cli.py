@@ -71,7 +71,7 @@ def test_flex_block_mask_matches_the_plan():
     layout = SequenceLayout.from_segments([(0, 70, "text"), (70, 70 + 5 * 6 * 7, "video", (5, 6, 7))])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, layout.total, 32, generator=g) for _ in range(3))
-    kp = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.3, tiling="cube", tail="none")).kernel
+    kp = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.3, tiling="cube", tail="none"))
     mask = methods.flex_block_mask(kp)
     full = torch.zeros_like(kp.allowed_mask())
     partial = torch.zeros_like(full)

@@ -29,7 +29,7 @@ def gated_oracle(cfg):
             q, k, v = block.attn.qkv(x, rope_freqs)
             out = sparse_attention(q, k, v, layout, cfg.replace(tail="none"))
             plan = build_plan(q, k, v, layout, cfg)
-            member = memberships(plan.kernel.q_perm[0, 0], cfg.block_size, layout.total)  # cube: q and k share
+            member = memberships(plan.q_perm[0, 0], cfg.block_size, layout.total)  # cube: q and k share
             blocks = range(plan.tiling.num_blocks)
             k_mean = torch.stack([k[0, :, member == j].mean(1) for j in blocks], 1)
             v_mean = torch.stack([v[0, :, member == j].mean(1) for j in blocks], 1)

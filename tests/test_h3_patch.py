@@ -310,7 +310,7 @@ def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
 def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     """The first block call of a layout compiles the sparse kernels, before any sparse step."""
     prepared = []
-    monkeypatch.setattr(h3_patch, "resolve_backend", lambda config, device: "triton")
+    monkeypatch.setattr(h3_patch, "resolve_backend", lambda requested, device, dtype, strict: "triton")
     monkeypatch.setattr(h3_patch, "prepare_kernels", lambda *a: prepared.append(a))
     model = model_of(True, seed=12)
     args = block_args(model.blocks[0], PACKED, seed=13, new=True)

@@ -31,7 +31,7 @@ from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_atten
 from adaptive_sparse_attention.backend import attention
 from adaptive_sparse_attention.backend.config import TAIL_GRANULARITIES, TAILS, TILINGS
 from adaptive_sparse_attention.backend.pooling import block_means
-from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
+from adaptive_sparse_attention.backend.tail import coarse_branch, mean_summaries, reweight_summaries
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 
 LAYOUT = SequenceLayout.from_segments([(0, 24, "text"), (24, 88, "ref_video", (2, 4, 8)),
@@ -227,7 +227,8 @@ def test_random_gate_shapes_broadcast_or_are_named(monkeypatch):
         fits = len(shape) <= 4 and all(g in (1, n) for g, n in zip(shape[::-1], q.shape[::-1]))
         if fits:
             torch.testing.assert_close(sparse_attention(q, q, q, SHORT, cfg, coarse_gate=gate),
-                                       ungated + gate * info.plan.coarse, atol=1e-14, rtol=0)
+                                       ungated + gate * coarse_branch(q, q, q, info.plan, cfg.tail_granularity),
+                                       atol=1e-14, rtol=0)
         else:
             refused_before_planning(monkeypatch, lambda: sparse_attention(q, q, q, SHORT, cfg, coarse_gate=gate),
                                     "coarse_gate", str(shape))

@@ -7,7 +7,7 @@ import torch
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.bench.metrics import (block_of_rows, output_errors, plan_mass_metrics, quality_report,
                                                        row_groups, sample_rows)
-from adaptive_sparse_attention.kernels import BlockSparsePlan
+from adaptive_sparse_attention.kernels import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling
 
 TOL = 1e-12
 
@@ -32,16 +32,17 @@ def two_block_plan(tail: str) -> BlockSparsePlan:
     """Rows 0-1 form block 0 (dense: every key), rows 2-3 block 1 (exact on block 0 only, block 1
     unselected and, with a tail, summarised by key 1.0 with bias 0.5 or block log-mass 3.0)."""
     perm = torch.arange(4, dtype=torch.int32).view(1, 1, 4)
-    plan = BlockSparsePlan(2, perm, perm, torch.tensor([2, 2], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
-                           torch.full((1, 1, 2, 1), -1, dtype=torch.int32), torch.zeros(1, 1, 2, dtype=torch.int32))
+    summaries = None
     if tail == "query":
-        plan.tail_k = torch.tensor([[[[0.0], [1.0]]]], dtype=torch.float64)
-        plan.tail_v = torch.zeros(1, 1, 2, 1, dtype=torch.float64)
-        plan.tail_bias = torch.tensor([[[0.0, 0.5]]], dtype=torch.float64)
+        summaries = QuerySummaries(torch.tensor([[[[0.0], [1.0]]]], dtype=torch.float64),
+                                   torch.zeros(1, 1, 2, 1, dtype=torch.float64),
+                                   torch.tensor([[[0.0, 0.5]]], dtype=torch.float64))
     elif tail == "block":
-        plan.block_logit = torch.tensor([[[float("-inf"), 3.0]]], dtype=torch.float64)
-        plan.block_value = torch.zeros(1, 1, 2, 1, dtype=torch.float64)
-    return plan
+        summaries = BlockSummaries(torch.tensor([[[float("-inf"), 3.0]]], dtype=torch.float64),
+                                   torch.zeros(1, 1, 2, 1, dtype=torch.float64))
+    return BlockSparsePlan(Tiling(2, perm, perm, torch.tensor([2, 2], dtype=torch.int32)),
+                           torch.tensor([2, 1], dtype=torch.int32), torch.full((1, 1, 2, 1), -1, dtype=torch.int32),
+                           torch.zeros(1, 1, 2, dtype=torch.int32), tail=summaries)
 
 
 @pytest.mark.parametrize("tail", ["none", "query", "block"])
@@ -98,7 +99,7 @@ def test_context_rows_exact_and_full_ratio_recall_is_one():
     for ratio, tail in ((0.2, "reweight"), (1.0, "none")):
         cfg = SparseConfig(topk_ratio=ratio, tiling="cube", tail=tail)
         out, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
-        report = quality_report(q, k, layout, out, ref, info.plan.kernel, rows)
+        report = quality_report(q, k, layout, out, ref, info.plan, rows)
         for group in ("text", "audio"):
             assert report[group]["rel_l2"] < 1e-12 and report[group]["recall"] == pytest.approx(1.0, abs=TOL)
         if ratio == 1.0:
@@ -114,7 +115,7 @@ def test_recall_matches_an_independent_dense_mask():
     layout, (q, k, _) = awkward_inputs(seed=3)
     cfg = SparseConfig(topk_ratio=0.3, tiling="cube", tail="none")
     _, info = sparse_attention(q, k, k, layout, cfg, return_info=True)
-    kp = info.plan.kernel
+    kp = info.plan
     rows = torch.arange(90, layout.total, 17)
     recall, _ = plan_mass_metrics(q, k, kp, rows)
     perm = kp.q_perm[0, 0].tolist()

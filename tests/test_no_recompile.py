@@ -32,7 +32,6 @@ with interpreter_env():
     from adaptive_sparse_attention.kernels.block_mass import block_log_mass_triton, top_share_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
-from adaptive_sparse_attention.backend import pooling, reblock, routing, tail
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -66,14 +65,6 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
     return record_launches(monkeypatch, execute=True)
 
 
-@pytest.fixture
-def fused_planner(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's Triton kernels on CPU tensors (they serve CUDA tensors only by default)."""
-    for module in (pooling, routing, tail, reblock):
-        monkeypatch.setattr(module, "fused_planner", lambda *xs: True)
-    monkeypatch.setattr(reblock, "CUDA_GRAPHS", False)
-
-
 def clip(text: int, audio: int, frames: int, h: int, w: int) -> SequenceLayout:
     video = frames * h * w
     return SequenceLayout.from_segments([(0, text, "text"), (text, text + audio, "audio"),
@@ -103,10 +94,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_new_clip_length_and_head_count_launch_the_same_binaries(name, launches, fused_planner, monkeypatch):
-    from adaptive_sparse_attention.backend import head_choice
-
-    monkeypatch.setattr(head_choice, "fused_planner", lambda *xs: False)
+def test_new_clip_length_and_head_count_launch_the_same_binaries(name, launches):
     config = CONFIGS[name]
     first = specialisations(launches, clip(37, 53, 3, 5, 6), 2, config)
     second = specialisations(launches, clip(29, 71, 3, 6, 6), 3, config)  # same row buckets

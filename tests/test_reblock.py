@@ -144,7 +144,7 @@ def clustered_scene(clusters=8, grid=(8, 16, 16), text=64, H=2, D=64, seed=0):
 
 def attention_mass_recall(q, k, plan, layout) -> float:
     """Share of the dense attention mass of target queries on target keys that the plan computes exactly."""
-    kp = plan.kernel
+    kp = plan
     B, H, S, D = q.shape
     bs, J = kp.block_size, kp.num_blocks
 

@@ -52,7 +52,6 @@ def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chun
     z = features(n, seed=n + bs).to(dtype)
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
-    monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
     monkeypatch.setattr(reblock_split, "CHUNK", chunk)
     monkeypatch.setattr(reblock_split, "WIDE_CHUNK", wide_chunk)
     for name, value in zip(("SAMPLE", "MARGIN", "CAP"), bracket):
@@ -61,7 +60,7 @@ def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chun
     monkeypatch.setattr(reblock_split, "FEW_PROGRAMS", 8)  # the tests' trees are few and small
     monkeypatch.setattr(reblock_split, "split_directions_triton", lambda z, rows, landmarks, *_:
                         reblock.split_directions(reblock.landmark_features(z, rows, landmarks)).squeeze(-1))
-    got = partition(z, schedule)
+    got = partition(z, schedule, "triton")
     assert torch.equal(got, want)
 
 
@@ -91,8 +90,7 @@ def test_fused_partition_is_a_capacity_exact_tiling_close_to_torch(monkeypatch):
     z = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1)).half()  # as stored
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
-    monkeypatch.setattr(reblock, "fused_planner", lambda *xs: True)
-    got = partition(z, schedule)
+    got = partition(z, schedule, "triton")
     for row in got:
         assert torch.equal(row[row >= 0].sort().values, torch.arange(n))
     assert (got == want).double().mean() > 0.99

@@ -3,6 +3,7 @@
 Tolerances: float64 end to end, so agreement is limited only by summation order; 1e-10 is
 far above that (~1e-15 per term) and far below any real bug.
 """
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
-from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, BlockSparsePlan, block_sparse_reference
+from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, block_sparse_reference
 
 TOL = 1e-10
 
@@ -43,7 +44,7 @@ def independent(q, k, v, layout, cfg, plan):
     """Sparse attention recomputed row by row from the definitions; only the selection is read
     from the plan (and is itself checked against the pooled scores in test_routing)."""
     B, H, S, D = q.shape
-    kp, bs, J = plan.kernel, plan.tiling.block_size, plan.tiling.num_blocks
+    kp, bs, J = plan, plan.tiling.block_size, plan.tiling.num_blocks
     out = torch.zeros_like(q)
     t = layout.target
     for h in range(H):
@@ -107,7 +108,7 @@ def test_coarse_adds_the_gated_pooled_branch_to_sparse_rows_only(granularity):
     plan = build_plan(q, k, v, lay, cfg)
     got = sparse_attention(q, k, v, lay, cfg, coarse_gate=gate)
     expect = sparse_attention(q, k, v, lay, base)
-    perm = plan.kernel.q_perm[0, 0]
+    perm = plan.q_perm[0, 0]
     qb = memberships(perm, 64, lay.total)
     J = plan.tiling.num_blocks
     kmean = torch.stack([k[0, :, (qb == j)].mean(1) for j in range(J)], 1)  # cube tiling: q and k share blocks
@@ -143,13 +144,10 @@ def test_selected_summaries_are_never_double_counted():
     lay = layout_awkward()
     q, k, v = qkv(lay, heads=1, seed=6)
     plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=1.0, tiling="cube", tail="mean", backend="torch"))
-    assert not plan.kernel.summary_mask().any()  # every candidate is selected -> no summary column
-    kp = plan.kernel
+    assert not plan.summary_mask().any()  # every candidate is selected -> no summary column
     # force the summaries of selected blocks in anyway: the output must move away from dense
-    doubled = BlockSparsePlan(kp.block_size, kp.q_perm, kp.k_perm, kp.block_len, kp.dense_hi,
-                              kp.q2k_idx[..., :0], torch.zeros_like(kp.q2k_num), kp.tail_k, kp.tail_v, kp.tail_bias)
-    full = BlockSparsePlan(kp.block_size, kp.q_perm, kp.k_perm, kp.block_len, torch.full_like(kp.dense_hi, kp.num_blocks),
-                           kp.q2k_idx[..., :0], torch.zeros_like(kp.q2k_num))
+    doubled = dataclasses.replace(plan, q2k_idx=plan.q2k_idx[..., :0], q2k_num=torch.zeros_like(plan.q2k_num))
+    full = dataclasses.replace(doubled, dense_hi=torch.full_like(plan.dense_hi, plan.num_blocks), tail=None)
     assert (block_sparse_reference(q, k, v, full)[0] - dense(q, k, v)).abs().max() < TOL
     assert (block_sparse_reference(q, k, v, doubled)[0] - dense(q, k, v)).abs().max() > 1e-3
 
@@ -157,13 +155,13 @@ def test_selected_summaries_are_never_double_counted():
 def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
     lay = layout_awkward()
     q, k, v = qkv(lay, seed=7)
-    plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=0.3, tiling="cube", tail="reweight", backend="torch")).kernel
+    plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=0.3, tiling="cube", tail="reweight", backend="torch"))
     out, lse = block_sparse_reference(q, k, v, plan)
     pi = torch.randperm(lay.total, generator=torch.Generator().manual_seed(8))  # new row r holds old row pi[r]
     inv = torch.argsort(pi).to(torch.int32)
     relabel = lambda p: torch.where(p >= 0, inv[p.clamp(min=0).long()], p)  # noqa: E731
-    moved = BlockSparsePlan(plan.block_size, relabel(plan.q_perm), relabel(plan.k_perm), plan.block_len, plan.dense_hi,
-                            plan.q2k_idx, plan.q2k_num, plan.tail_k, plan.tail_v, plan.tail_bias)
+    moved = dataclasses.replace(plan, tiling=dataclasses.replace(plan.tiling, q_perm=relabel(plan.q_perm),
+                                                                 k_perm=relabel(plan.k_perm)))
     out2, lse2 = block_sparse_reference(q[:, :, pi], k[:, :, pi], v[:, :, pi], moved)
     assert (out2 - out[:, :, pi]).abs().max() < 1e-13 and (lse2 - lse[:, :, pi]).abs().max() < 1e-12
 
@@ -171,11 +169,11 @@ def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
 def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
     lay = layout_awkward()
     q, k, v = qkv(lay, seed=9)
-    kp = build_plan(q, k, v, lay, SparseConfig(tiling="cube", tail="none", backend="torch")).kernel
+    kp = build_plan(q, k, v, lay, SparseConfig(tiling="cube", tail="none", backend="torch"))
     J = kp.num_blocks
     empty = torch.arange(J) % 3 == 0
-    kp.dense_hi = torch.where(empty, torch.zeros_like(kp.dense_hi), kp.dense_hi)
-    kp.q2k_num = torch.where(empty.view(1, 1, J), torch.zeros_like(kp.q2k_num), kp.q2k_num)
+    kp = dataclasses.replace(kp, dense_hi=torch.where(empty, torch.zeros_like(kp.dense_hi), kp.dense_hi),
+                             q2k_num=torch.where(empty.view(1, 1, J), torch.zeros_like(kp.q2k_num), kp.q2k_num))
     out, lse = block_sparse_reference(q, k, v, kp)
     rows = torch.cat([kp.q_perm[0, 0].view(J, -1)[i] for i in range(J) if empty[i]])
     rows = rows[rows >= 0].long()
@@ -198,7 +196,7 @@ def test_info_reports_density_budgets_and_plan():
                                                             sparse_scope="joint-video"), return_info=True)
     assert info.budgets == {"ref_video[37:127]": 1, "video[180:390]": 2}
     assert 0 < info.density < 1 and info.backend == "torch"
-    assert info.plan.kernel.q2k_idx.dtype == torch.int16  # J < 2**15: the half-width table
+    assert info.plan.q2k_idx.dtype == torch.int16  # J < 2**15: the half-width table
 
 
 @pytest.mark.parametrize("tiling,scope,ratio", [("cube", "joint-video", 0.25), ("reblock", "target-video", 0.1),
@@ -209,7 +207,7 @@ def test_density_counts_the_exact_pairs_of_the_masks(tiling, scope, ratio):
     q, k, v = qkv(lay, seed=12)
     _, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=ratio, tiling=tiling, sparse_scope=scope,
                                                           backend="torch"), return_info=True)
-    kp = info.plan.kernel
+    kp = info.plan
     n = kp.block_len.double()
     pairs = (kp.allowed_mask().double() * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2)).mean()
     assert info.density == pytest.approx(float(pairs) / lay.total ** 2, rel=1e-12)

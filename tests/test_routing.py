@@ -53,7 +53,7 @@ def test_scopes_context_exact_and_one_budget_per_key_region(scope):
     q, k, v = (torch.randn(1, 2, lay.total, 32) for _ in range(3))
     ratio = 0.3
     plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=ratio, tiling="cube", sparse_scope=scope, tail="none"))
-    t, kp = plan.tiling, plan.kernel
+    t, kp = plan.tiling, plan
     J = t.num_blocks
     spans = dict(zip([s.kind + str(s.start) for s in t.regions], t.region_blocks))
     ctx_hi = t.blocks_of("context")[1]
@@ -86,7 +86,7 @@ def test_selection_is_the_topk_of_pooled_scores():
     lo, hi = plan.tiling.blocks_of("target_video")
     for i in range(lo, hi):
         expect = sorted((torch.argsort(-e[i, lo:hi], stable=True)[: region_budget(hi - lo, 0.25)] + lo).tolist())
-        assert plan.kernel.q2k_idx[0, 0, i].tolist() == expect
+        assert plan.q2k_idx[0, 0, i].tolist() == expect
 
 
 def test_route_plan_is_built_once_per_shape_and_ratio():

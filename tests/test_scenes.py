@@ -52,7 +52,7 @@ def video_stats(scene):
     p = torch.softmax(scene.q[0][:, rows] @ scene.k[0].transpose(-1, -2) / math.sqrt(scene.q.shape[-1]), -1)
     context_mass = p[..., :layout.target.start].sum(-1).mean().item()
     plan = build_plan(scene.q, scene.k, scene.v, layout, SparseConfig(topk_ratio=0.1, tiling="cube", tail="none"))
-    recall, _ = plan_mass_metrics(scene.q, scene.k, plan.kernel, rows)
+    recall, _ = plan_mass_metrics(scene.q, scene.k, plan, rows)
     return context_mass, recall.mean().item()
 
 

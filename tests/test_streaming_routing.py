@@ -21,7 +21,7 @@ with interpreter_env():  # the kernels must be first imported in interpreter mod
 
 from adaptive_sparse_attention.backend import indexer, pooling, routing, tail
 from adaptive_sparse_attention.backend.routing import pooled_scores, route_blocks, select_blocks
-from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
+from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, Tiling
 
 CASES = [  # B, H, J, D, groups (lo, hi, budget), leading dense query blocks
     (1, 2, 150, 64, [(5, 70, 1), (70, 150, 80)], 5),  # R = 1 and R = J_r, rows 0..4 dense
@@ -87,8 +87,7 @@ def test_triton_stream_equals_todays_gpu_selection(monkeypatch, one_tile_chunks)
         q, k = means(B, H, J, D, seed=3)
         dense_hi = dense_hi_of(J, groups, n_dense)
         want, _ = select_blocks(pooled_scores_triton(q, k), dense_hi, groups)  # not CUDA: the sort
-        monkeypatch.setattr(routing, "fused_planner", lambda *xs: True)
-        got, _ = route_blocks(q, k, dense_hi, groups)
+        got, _ = route_blocks(q, k, dense_hi, groups, backend="triton")
     assert torch.equal(got, want)
 
 
@@ -145,8 +144,7 @@ def test_int8_stream_selects_identically_on_both_paths(monkeypatch, one_tile_chu
     dense_hi = dense_hi_of(J, groups, n_dense)
     want, _ = route_blocks(q, k, dense_hi, groups, "int8")
     with interpreter_env():
-        monkeypatch.setattr(routing, "fused_planner", lambda *xs: True)
-        got, _ = route_blocks(q, k, dense_hi, groups, "int8")
+        got, _ = route_blocks(q, k, dense_hi, groups, "int8", backend="triton")
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="scores='bf16'"):
         route_blocks(q, k, dense_hi, groups, "bf16")
@@ -157,7 +155,7 @@ def plan_of(idx, num, dense_hi, block_size=64):
     g = torch.Generator().manual_seed(J)
     block_len = torch.randint(1, block_size + 1, (J,), generator=g, dtype=torch.int32)
     perm = torch.zeros(1, 1, J * block_size, dtype=torch.int32)
-    return BlockSparsePlan(block_size, perm, perm, block_len, dense_hi, idx, num)
+    return BlockSparsePlan(Tiling(block_size, perm, perm, block_len), dense_hi, idx, num)
 
 
 def test_row_chunked_masks_and_block_reduction_equal_the_whole(monkeypatch):

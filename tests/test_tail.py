@@ -8,7 +8,7 @@ import torch
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
 from adaptive_sparse_attention.backend.tiling import Tiling
-from adaptive_sparse_attention.kernels import BlockSparsePlan, block_sparse_reference
+from adaptive_sparse_attention.kernels import BlockSparsePlan, QuerySummaries, block_sparse_reference
 
 
 def chunk_tiling(n: int, block: int) -> Tiling:
@@ -50,9 +50,9 @@ def _seed_mixed(tail: str) -> float:
         key, value, bias = mean_summaries(k, v8, tiling, k.view(8, 4, 8).mean(1).view(1, 1, 8, 8))
     q = a.view(1, 1, 1, 8).expand(1, 1, 32, 8).contiguous()  # every query is the anchor
     J = 8
-    plan = BlockSparsePlan(4, tiling.q_perm, tiling.k_perm, tiling.block_len, torch.zeros(J, dtype=torch.int32),
+    plan = BlockSparsePlan(tiling, torch.zeros(J, dtype=torch.int32),
                            torch.tensor([1, 5], dtype=torch.int32).expand(1, 1, J, 2).contiguous(),
-                           torch.full((1, 1, J), 2, dtype=torch.int32), key, value, bias)
+                           torch.full((1, 1, J), 2, dtype=torch.int32), tail=QuerySummaries(key, value, bias))
     out, _ = block_sparse_reference(q, k, v8, plan)
     dense = torch.softmax(a @ k[0, 0].T / math.sqrt(8), -1) @ v
     return (out[0, 0, :, :5] - dense).abs().max().item()

@@ -49,7 +49,7 @@ def test_routed_stage_is_the_metrics_recall_of_the_same_rows():
     sc = make_scene("pan", SceneSize(40, 24, (9, 8, 12), 2, 64), seed=3)
     tiling = cube_tiling(sc.layout, 64)  # one permutation for every head, so the rows are shared
     plan = build_plan(sc.q, sc.k, sc.v, sc.layout, SparseConfig(topk_ratio=0.1, tail="none", min_tokens=0),
-                      tiling=tiling).kernel
+                      tiling=tiling)
     rows = sample_rows(sc.layout, 64, 0)["video"]
     perm = tiling.q_perm[0, 0]
     slot = torch.empty(sc.layout.total, dtype=torch.long)

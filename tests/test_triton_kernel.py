@@ -22,7 +22,8 @@ with interpreter_env():
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
-from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, BlockSparsePlan, block_sparse_reference, run_block_sparse
+from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
+                                             block_sparse_attention, block_sparse_reference)
 from adaptive_sparse_attention.kernels.configs import FAMILY_ENV, KernelConfig, kernel_config
 from adaptive_sparse_attention.kernels.custom_op import block_sparse_op
 
@@ -66,14 +67,14 @@ def test_planned_cube_plans(dim, dtype, scope, tail, gran, ratio):
     layout = layout_awkward()
     q, k, v = inputs(layout, 2, dim, dtype, seed=dim)
     cfg = SparseConfig(tiling="cube", topk_ratio=ratio, sparse_scope=scope, tail=tail, tail_granularity=gran)
-    check(q, k, v, build_plan(q, k, v, layout, cfg).kernel)
+    check(q, k, v, build_plan(q, k, v, layout, cfg))
 
 
 def test_block_size_128_whole_or_split_query_blocks_and_batch_shares_plan():
     layout = layout_awkward()
     q, k, v = inputs(layout, 1, 32, torch.float32, seed=3, batch=2)
     cfg = SparseConfig(tiling="cube", topk_ratio=0.25, block_size=128, tail="reweight")
-    plan = build_plan(q, k, v, layout, cfg).kernel
+    plan = build_plan(q, k, v, layout, cfg)
     assert plan.block_size == 128
     for family in ("sm80", "sm90"):  # 64-row tiles (two programs per block) and 128-row tiles
         check(q, k, v, plan, scale=0.3, config=kernel_config(32, 128, q.device, family=family))
@@ -97,17 +98,15 @@ def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed):
     num = mask.sum(-1, dtype=torch.int32)
     idx = torch.sort(torch.where(mask, cols, torch.full_like(cols, J)), -1).values[..., : max(1, int(num.max()))]
     idx = torch.where(idx == J, torch.full_like(idx, -1), idx).to(torch.int32)
-    plan = BlockSparsePlan(block_size, perms(), perms(), block_len, dense_hi, idx, num)
     shape = (batch, heads, J)
+    tail = None
     if gran == "query":
-        plan.tail_k = torch.randn(*shape, dim, generator=g).to(dtype)
-        plan.tail_v = torch.randn(*shape, dim, generator=g).to(dtype)
-        plan.tail_bias = torch.rand(shape, generator=g) * 4
+        tail = QuerySummaries(torch.randn(*shape, dim, generator=g).to(dtype), torch.randn(*shape, dim, generator=g).to(dtype),
+                              torch.rand(shape, generator=g) * 4)
     elif gran == "block":
-        plan.block_logit = torch.where(torch.rand(shape, generator=g) < 0.2, float("-inf"),
-                                       torch.randn(shape, generator=g) * 3)
-        plan.block_value = torch.randn(*shape, dim, generator=g)
-    return plan
+        tail = BlockSummaries(torch.where(torch.rand(shape, generator=g) < 0.2, float("-inf"),
+                                          torch.randn(shape, generator=g) * 3), torch.randn(*shape, dim, generator=g))
+    return BlockSparsePlan(Tiling(block_size, perms(), perms(), block_len), dense_hi, idx, num, tail=tail)
 
 
 @pytest.mark.parametrize("gran,dtype,dim", [("query", torch.float32, 64), ("block", torch.float16, 32),
@@ -125,7 +124,7 @@ def test_selected_summaries_are_not_counted_twice():
     blocks and 16 summary columns per step give several steps per row, with picks in each and
     across their boundaries; heavy summaries (bias +6) would show any column counted twice."""
     plan = random_plan(layout_awkward().total, 1, 1, 32, 16, torch.float32, "query", seed=9)
-    plan.tail_bias = plan.tail_bias + 6.0
+    plan = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, bias=plan.tail.bias + 6.0))
     J = plan.num_blocks
     assert J > 2 * 16 and (plan.q2k_num > 16).any()
     q, k, v = inputs(layout_awkward(), 1, 32, torch.float32, seed=8)
@@ -199,9 +198,9 @@ def test_bad_inputs_raise():
 def test_custom_op_dispatch_and_compile():
     layout = layout_awkward()
     q, k, v = inputs(layout, 1, 32, torch.float32, seed=12)
-    plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3)).kernel
+    plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3))
     eager, eager_lse = block_sparse_triton(q, k, v, plan)
-    via_op, _ = run_block_sparse(q, k, v, plan, "triton")
+    via_op, _ = block_sparse_attention(q, k, v, plan, "triton")
     assert torch.equal(via_op, eager)
     compiled = torch.compile(lambda a, b, c: block_sparse_op(a, b, c, plan), fullgraph=True, backend="aot_eager")
     out, lse = compiled(q, k, v)

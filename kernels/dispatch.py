@@ -1,0 +1,107 @@
+"""The one dispatch: `SparseConfig.backend` -> the implementation every kernel of a call runs.
+
+A backend is one row of `BACKENDS`: a name, a priority for ``auto``, and an availability check
+on (device, dtype). The chosen name travels through the whole call: the planner's kernels
+(pooling, scores, TopK, summaries, reblock levels) and the attention kernel all run on it, so
+``torch`` means the pure-torch reference everywhere and ``triton`` means the Triton kernels
+everywhere (under ``TRITON_INTERPRET=1`` also on CPU tensors, which is how CI runs them).
+``auto`` takes the first available backend by priority, on CUDA only. A backend asked for by
+name that cannot run raises in strict mode and otherwise runs the torch reference, saying so
+once (still sparse).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .plan import BlockSparsePlan
+from .reference import block_sparse_reference
+
+log = logging.getLogger("adaptive_sparse_attention")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_warned: set[str] = set()
+
+
+def triton_unavailable_reason(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """Why the Triton kernels cannot run on `device` for `dtype` (None: any dtype), or None when they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the tensors are on {device.type}, and Triton runs on CUDA (or on CPU with TRITON_INTERPRET=1)"
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        return f"dtype {dtype} is not supported by the Triton kernels (expected one of " \
+               f"{', '.join(str(d) for d in TRITON_DTYPES)})"
+    return None
+
+
+def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    from .custom_op import block_sparse_op
+
+    return block_sparse_op(q, k, v, plan)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of every kernel: `unavailable(device, dtype)` says why it cannot run (None: it can)."""
+
+    name: str
+    priority: int  # lower runs first under "auto"
+    unavailable: Callable[[torch.device, torch.dtype], str | None]
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockSparsePlan], tuple[torch.Tensor, torch.Tensor]]
+    auto_on_cpu: bool  # whether "auto" may pick it for CPU tensors
+
+
+BACKENDS: dict[str, Backend] = {
+    "triton": Backend("triton", 0, triton_unavailable_reason, _triton_attention, auto_on_cpu=False),
+    "torch": Backend("torch", 1, lambda device, dtype: None, block_sparse_reference, auto_on_cpu=True),
+}
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, strict: bool = False) -> str:
+    """The backend that runs a call on `device` with `dtype`.
+
+    Args:
+        requested: "auto" or a name in `BACKENDS`.
+        device, dtype: of the call's Q/K/V.
+        strict: a named backend that cannot run raises instead of running the torch reference.
+    Returns:
+        A name in `BACKENDS`.
+    """
+    if requested == "auto":
+        for backend in sorted(BACKENDS.values(), key=lambda b: b.priority):
+            if (device.type == "cuda" or backend.auto_on_cpu) and backend.unavailable(device, dtype) is None:
+                return backend.name
+    if requested not in BACKENDS:
+        raise ValueError(f"backend={requested!r} is not allowed: expected 'auto' or one of "
+                         + ", ".join(repr(n) for n in BACKENDS))
+    reason = BACKENDS[requested].unavailable(device, dtype)
+    if reason is None:
+        return requested
+    message = f"backend={requested!r} cannot run: {reason}"
+    if strict:
+        raise RuntimeError(message + " (strict mode)")
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s; using the torch reference kernels instead (still sparse)", message)
+    return "torch"
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] natural log) of q, k, v under
+    `plan`, on the named backend (a name `resolve_backend` returned)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"block_sparse_attention: backend={backend!r} is not allowed: expected one of "
+                         + ", ".join(repr(n) for n in BACKENDS))
+    return BACKENDS[backend].attention(q, k, v, plan)
+
+
+def runs_triton(backend: str) -> bool:
+    """Whether the planner's kernels of a call on `backend` are the Triton ones."""
+    return backend == "triton"
