@@ -120,8 +120,9 @@ class BlockSparsePlan:
     tail: Tail = None
 
     def __post_init__(self) -> None:
-        owner, J, dev = "BlockSparsePlan", self.num_blocks, self.block_len.device
+        owner = "BlockSparsePlan"
         _require(isinstance(self.tiling, Tiling), owner, "tiling", self.tiling, "a Tiling")
+        J, dev = self.num_blocks, self.block_len.device
         _require(_is(self.dense_hi, (torch.int32,), 1) and self.dense_hi.shape[0] == J and self.dense_hi.device == dev,
                  owner, "dense_hi", self.dense_hi, f"int32 [{J}] on {dev}")
         idx, num = self.q2k_idx, self.q2k_num
