@@ -75,8 +75,10 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
     valid = tl.arange(0, BLOCK_S) < n
     kb = _gather_rows(K, rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, dmask, ALIGN)
     if REWEIGHT:
-        # a non-finite key row is left out (NaN and +-inf fail |x| < inf); no finite key: no summary
-        good = valid & (tl.sum(tl.where(tl.abs(kb) < float("inf"), 0, 1), 1) == 0)
+        # a non-finite key row is left out: x * 0 is NaN for NaN and +-inf and +-0 otherwise, so a
+        # row's sum is 0 exactly when all its entries are finite (the same rows as counting
+        # |x| < inf, and cheaper than that integer count); no finite key: no summary
+        good = valid & (tl.sum(kb * 0.0, 1) == 0.0)
         kb = tl.where(good[:, None], kb, 0.0)
         a = tl.load(Anchor + bh.to(tl.int64) * D + offs_d, mask=dmask, other=0.0)
         logit = tl.where(good, tl.sum(kb * a[None, :], 1) * scale, float("-inf"))
