@@ -74,6 +74,7 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
     rows, n = _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS, BLOCK_S)
     valid = tl.arange(0, BLOCK_S) < n
     kb = _gather_rows(K, rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, dmask, ALIGN)
+    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask, ALIGN)  # in flight during the key's work
     if REWEIGHT:
         # a non-finite key row is left out: x * 0 is NaN for NaN and +-inf and +-0 otherwise, so a
         # row's sum is 0 exactly when all its entries are finite (the same rows as counting
@@ -94,12 +95,11 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
     if not REWEIGHT:  # non-finite means become 0, as `pooling.block_means` makes them
         key = tl.where(tl.abs(key) < float("inf"), key, 0.0)
     key = key.to(Key.dtype.element_ty)
-    tl.store(Key + row * D + offs_d, key, mask=dmask)  # stored before V is read: fewer live registers
+    tl.store(Key + row * D + offs_d, key, mask=dmask)
     if REWEIGHT:
         bias = lse - tl.sum(key.to(tl.float32) * a, 0) * scale
     else:
         bias = tl.log(norm)
-    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask, ALIGN)
     if REWEIGHT:
         vb = tl.where(good[:, None], vb, 0.0)  # the left-out rows' values too (0 * inf would be NaN)
     value = tl.div_rn(tl.sum(p[:, None] * vb, 0), norm)
