@@ -30,7 +30,9 @@ import torch
 from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from .scenes import SIZES
+from .planner_timing import steps
+from .scenes import SIZES, h3_qkv
+from .timing import bench_ms
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
@@ -48,19 +50,6 @@ VARIANTS = {  # launch-config variants timed at the 10s shape, ratio 0.1: name -
     "bs128 m128n64t64w8s3": (128, KernelConfig(128, 64, 64, 8, 3)),
     "bs128 m128n128t64w8s2": (128, KernelConfig(128, 128, 64, 8, 2)),
 }
-
-
-def h3_qkv(layout: SequenceLayout, heads: int, dim: int, dtype: torch.dtype, seed: int):
-    """q, k, v [1, H, S, D] as views of one [1, S, 3, H, D] buffer, the way H3 produces them."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    buf = torch.randn(1, layout.total, 3, heads, dim, device="cuda", dtype=dtype, generator=g)
-    return tuple(buf[:, :, i].transpose(1, 2) for i in range(3))
-
-
-def bench_ms(fn, rep_ms: float = 1500) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median"))
 
 
 def computed_pairs(plan: BlockSparsePlan) -> tuple[float, float]:
@@ -216,8 +205,6 @@ def compiled_resources() -> list[dict]:
 def planner_profile(q, k, v, layout, ratio) -> dict:
     """Milliseconds per planner step (bench/planner_timing.py's steps: cube tiling, reweight
     tails) plus the block-granularity reduction."""
-    from .planner_timing import steps  # planner_timing reuses this module's shapes and timer
-
     parts = steps(q, k, v, layout, ratio)
     results = {name: fn() for name, fn in parts.items()}
     out = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}

@@ -24,7 +24,8 @@ from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_plan, select_blocks
 from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
-from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_qkv
+from .scenes import SIZES, h3_qkv
+from .timing import bench_ms
 
 
 @contextlib.contextmanager
@@ -81,16 +82,17 @@ def outputs(result) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--shape", default="10s", choices=sorted(H3_SHAPES))
+    parser.add_argument("--shape", default="10s", choices=("5s", "10s", "14s"), help="H3 clip (default 10s)")
     parser.add_argument("--ratio", type=float, default=0.1)
     args = parser.parse_args()
     import triton
 
-    layout = H3_SHAPES[args.shape].layout()
-    q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=11)
+    size = SIZES[f"h3-{args.shape}"]
+    layout = size.layout()
+    q, k, v = h3_qkv(layout, size.heads, size.head_dim, torch.bfloat16, seed=11)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                 "shape": {"name": args.shape, "B": 1, "H": HEADS, "S": layout.total, "D": DIM, "dtype": "bf16",
-                           "ratio": args.ratio}, "ms": {}, "max_rel_err": {}}
+                 "shape": {"name": args.shape, "B": 1, "H": size.heads, "S": layout.total, "D": size.head_dim,
+                           "dtype": "bf16", "ratio": args.ratio}, "ms": {}, "max_rel_err": {}}
     runs = {}
     for path in ("torch", "fused"):
         with fused(path == "fused"):
