@@ -1,6 +1,6 @@
 """GPU check and timing of the fused Triton kernel (run on a CUDA machine, one call).
 
-    python -m adaptive_sparse_attention.bench.kernel_check --out DIR [--quick]
+    python -m adaptive_sparse_attention kernel-check --out DIR [--quick]
 
 1. Correctness at ~8k tokens against the float64 reference: relative L2 and max error per
    dtype, head_dim, tail granularity and forced architecture family (outputs are poisoned first,
@@ -147,7 +147,7 @@ def nsight(results: dict) -> None:
                 "ComputeWorkloadAnalysis"]
     cmd = [tool, "--clock-control", "none", "--kernel-name", "regex:_block_sparse_fwd", "--launch-skip", "2",
            "--launch-count", "1", *[a for sec in sections for a in ("--section", sec)], sys.executable, "-m",
-           "adaptive_sparse_attention.bench.kernel_check", "--profile-child"]
+           "adaptive_sparse_attention", "kernel-check", "--profile-child"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         results["ncu"] = {"returncode": p.returncode, "report": (p.stdout + p.stderr)[-12000:]}
@@ -163,7 +163,7 @@ def sanitizer(results: dict) -> None:
         return
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     cmd = [tool, "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-m",
-           "adaptive_sparse_attention.bench.kernel_check", "--sanitize-child"]
+           "adaptive_sparse_attention", "kernel-check", "--sanitize-child"]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         tail = (p.stdout + p.stderr)[-1500:]
@@ -323,23 +323,22 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--quick", action="store_true", help="one correctness case per block size")
-    parser.add_argument("--shapes", default="5s,10s,14s", help="H3 shapes to time")
-    parser.add_argument("--ratios", default="0.1,0.2,0.3", help="top-k ratios to time")
-    parser.add_argument("--block-sizes", default="64", help="plan block sizes to check and time")
-    parser.add_argument("--sanitize-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: check,sanitize,ncu,probe,timing")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """Every section not in args.skip (options: `kernel-check` in bench/cli.py); writes
+    kernel_check.json and kernel_check.md to args.out and prints the table.
+
+    Args:
+        args: out, quick, shapes, ratios, block_sizes, skip, and the hidden sanitize_child and
+            profile_child flags (set when this tool runs itself under compute-sanitizer or ncu).
+    Returns:
+        0 (a failed check shows in the printed lines and the JSON, not in the status).
+    """
     if args.sanitize_child:
         sanitize_child()
-        return
+        return 0
     if args.profile_child:
         profile_child()
-        return
+        return 0
     import triton
 
     results = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
@@ -367,7 +366,4 @@ def main() -> None:
     with open(os.path.join(args.out, "kernel_check.md"), "w") as f:
         f.write(md)
     print(md)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

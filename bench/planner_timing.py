@@ -1,6 +1,6 @@
 """GPU timing of the planner with and without the fused Triton kernels (`kernels/block_stats.py`).
 
-    python -m adaptive_sparse_attention.bench.planner_timing [--out FILE] [--shape 10s] [--ratio 0.1]
+    python -m adaptive_sparse_attention planner-timing [--out FILE] [--shape 10s] [--ratio 0.1]
 
 At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
 `build_plan` (reweight and mean tails, query granularity) on the torch path (the reference, fused
@@ -79,12 +79,15 @@ def outputs(result) -> dict[str, torch.Tensor]:
     return {f".{n}": getattr(plan, n) for n in ("q2k_idx", "tail_k", "tail_v", "tail_bias")}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--shape", default="10s", choices=("5s", "10s", "14s"), help="H3 clip (default 10s)")
     parser.add_argument("--ratio", type=float, default=0.1)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time and check both paths at args.shape and args.ratio; prints a table and the JSON,
+    writes the JSON to args.out when given. Returns 0."""
     import triton
 
     size = SIZES[f"h3-{args.shape}"]
@@ -132,7 +135,4 @@ def main() -> None:
     for name, err in res["max_rel_err"].items():
         print(f"  {name:40s} {err:.3g}")
     print(f"bits identical on rerun: {res['fused_bits_identical_on_rerun']}; host sync: {res['fused_host_sync']}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
