@@ -1,4 +1,4 @@
-"""`python -m adaptive_sparse_attention demo | bench | evaluate FILE` (see bench/cli.py)."""
+"""`python -m adaptive_sparse_attention COMMAND`: demo, benchmarks and checks (bench/cli.py lists them)."""
 import sys
 
 from .bench.cli import main

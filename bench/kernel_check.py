@@ -1,6 +1,6 @@
 """GPU check and timing of the fused Triton kernel (run on a CUDA machine, one call).
 
-    python -m adaptive_sparse_attention.bench.kernel_check --out DIR [--quick]
+    python -m adaptive_sparse_attention kernel-check --out DIR [--quick]
 
 1. Correctness at ~8k tokens against the float64 reference: relative L2 and max error per
    dtype, head_dim, tail granularity and forced architecture family (outputs are poisoned first,
@@ -30,7 +30,9 @@ import torch
 from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from .scenes import SIZES
+from .planner_timing import steps
+from .scenes import SIZES, h3_qkv
+from .timing import bench_ms
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
@@ -48,19 +50,6 @@ VARIANTS = {  # launch-config variants timed at the 10s shape, ratio 0.1: name -
     "bs128 m128n64t64w8s3": (128, KernelConfig(128, 64, 64, 8, 3)),
     "bs128 m128n128t64w8s2": (128, KernelConfig(128, 128, 64, 8, 2)),
 }
-
-
-def h3_qkv(layout: SequenceLayout, heads: int, dim: int, dtype: torch.dtype, seed: int):
-    """q, k, v [1, H, S, D] as views of one [1, S, 3, H, D] buffer, the way H3 produces them."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    buf = torch.randn(1, layout.total, 3, heads, dim, device="cuda", dtype=dtype, generator=g)
-    return tuple(buf[:, :, i].transpose(1, 2) for i in range(3))
-
-
-def bench_ms(fn, rep_ms: float = 1500) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median"))
 
 
 def computed_pairs(plan: BlockSparsePlan) -> tuple[float, float]:
@@ -158,7 +147,7 @@ def nsight(results: dict) -> None:
                 "ComputeWorkloadAnalysis"]
     cmd = [tool, "--clock-control", "none", "--kernel-name", "regex:_block_sparse_fwd", "--launch-skip", "2",
            "--launch-count", "1", *[a for sec in sections for a in ("--section", sec)], sys.executable, "-m",
-           "adaptive_sparse_attention.bench.kernel_check", "--profile-child"]
+           "adaptive_sparse_attention", "kernel-check", "--profile-child"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         results["ncu"] = {"returncode": p.returncode, "report": (p.stdout + p.stderr)[-12000:]}
@@ -174,7 +163,7 @@ def sanitizer(results: dict) -> None:
         return
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     cmd = [tool, "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-m",
-           "adaptive_sparse_attention.bench.kernel_check", "--sanitize-child"]
+           "adaptive_sparse_attention", "kernel-check", "--sanitize-child"]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         tail = (p.stdout + p.stderr)[-1500:]
@@ -216,8 +205,6 @@ def compiled_resources() -> list[dict]:
 def planner_profile(q, k, v, layout, ratio) -> dict:
     """Milliseconds per planner step (bench/planner_timing.py's steps: cube tiling, reweight
     tails) plus the block-granularity reduction."""
-    from .planner_timing import steps  # planner_timing reuses this module's shapes and timer
-
     parts = steps(q, k, v, layout, ratio)
     results = {name: fn() for name, fn in parts.items()}
     out = {name: bench_ms(fn, rep_ms=300) for name, fn in parts.items()}
@@ -336,23 +323,22 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--quick", action="store_true", help="one correctness case per block size")
-    parser.add_argument("--shapes", default="5s,10s,14s", help="H3 shapes to time")
-    parser.add_argument("--ratios", default="0.1,0.2,0.3", help="top-k ratios to time")
-    parser.add_argument("--block-sizes", default="64", help="plan block sizes to check and time")
-    parser.add_argument("--sanitize-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: check,sanitize,ncu,probe,timing")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """Every section not in args.skip (options: `kernel-check` in bench/cli.py); writes
+    kernel_check.json and kernel_check.md to args.out and prints the table.
+
+    Args:
+        args: out, quick, shapes, ratios, block_sizes, skip, and the hidden sanitize_child and
+            profile_child flags (set when this tool runs itself under compute-sanitizer or ncu).
+    Returns:
+        0 (a failed check shows in the printed lines and the JSON, not in the status).
+    """
     if args.sanitize_child:
         sanitize_child()
-        return
+        return 0
     if args.profile_child:
         profile_child()
-        return
+        return 0
     import triton
 
     results = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
@@ -380,7 +366,4 @@ def main() -> None:
     with open(os.path.join(args.out, "kernel_check.md"), "w") as f:
         f.write(md)
     print(md)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -32,19 +32,11 @@ from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_blocks, route_plan, select_blocks
 from ..kernels.dispatch import block_sparse_attention, resolve_backend
 from .methods import dense_call
-from .scenes import SIZES
 from .runner import environment
+from .scenes import SIZES, h3_qkv
 from .timing import time_call
 
 SHAPES = ("10s", "30s", "60s")
-HEADS, DIM = 56, 128
-
-
-def h3_qkv(layout, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [1, H, S, D] bf16 as views of one [1, S, 3, H, D] buffer."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    buf = torch.randn(1, layout.total, 3, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    return tuple(buf[:, :, i].transpose(1, 2) for i in range(3))
 
 
 def peak_extra_mb(fn) -> tuple[object, float]:
@@ -143,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
     result = {"environment": environment(torch.device("cuda")), "ratio": args.ratio,
               "routing": [], "plans": [], "dense": []}
     for shape in args.shapes.split(","):
-        layout = SIZES[f"h3-{shape}"].layout()
-        q, k, v = h3_qkv(layout, seed=11)
+        size = SIZES[f"h3-{shape}"]
+        layout = size.layout()
+        q, k, v = h3_qkv(layout, size.heads, size.head_dim, torch.bfloat16, seed=11)
         qkv_mib = 3 * q.numel() * q.element_size() / 2 ** 20
         for tiling in args.tilings.split(","):
             config = SparseConfig(topk_ratio=args.ratio, tiling=tiling, min_tokens=0, backend="triton")

@@ -1,6 +1,6 @@
 """GPU timing of the planner with and without the fused Triton kernels (`kernels/block_stats.py`).
 
-    python -m adaptive_sparse_attention.bench.planner_timing [--out FILE] [--shape 10s] [--ratio 0.1]
+    python -m adaptive_sparse_attention planner-timing [--out FILE] [--shape 10s] [--ratio 0.1]
 
 At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
 `build_plan` (reweight and mean tails, query granularity) on the torch backend (the reference) and on the
@@ -20,7 +20,8 @@ from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_plan, select_blocks
 from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
-from .kernel_check import DIM, H3_SHAPES, HEADS, bench_ms, h3_qkv
+from .scenes import SIZES, h3_qkv
+from .timing import bench_ms
 
 
 def steps(q, k, v, layout, ratio: float, backend: str = "triton") -> dict:
@@ -65,19 +66,23 @@ def outputs(result) -> dict[str, torch.Tensor]:
     return {".q2k_idx": result.q2k_idx, ".tail.key": tail.key, ".tail.value": tail.value, ".tail.bias": tail.bias}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--shape", default="10s", choices=sorted(H3_SHAPES))
+    parser.add_argument("--shape", default="10s", choices=("5s", "10s", "14s"), help="H3 clip (default 10s)")
     parser.add_argument("--ratio", type=float, default=0.1)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time and check both paths at args.shape and args.ratio; prints a table and the JSON,
+    writes the JSON to args.out when given. Returns 0."""
     import triton
 
-    layout = H3_SHAPES[args.shape].layout()
-    q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=11)
+    size = SIZES[f"h3-{args.shape}"]
+    layout = size.layout()
+    q, k, v = h3_qkv(layout, size.heads, size.head_dim, torch.bfloat16, seed=11)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                 "shape": {"name": args.shape, "B": 1, "H": HEADS, "S": layout.total, "D": DIM, "dtype": "bf16",
-                           "ratio": args.ratio}, "ms": {}, "max_rel_err": {}}
+                 "shape": {"name": args.shape, "B": 1, "H": size.heads, "S": layout.total, "D": size.head_dim,
+                           "dtype": "bf16", "ratio": args.ratio}, "ms": {}, "max_rel_err": {}}
     runs = {}
     for path in ("torch", "fused"):
         parts = steps(q, k, v, layout, args.ratio, "triton" if path == "fused" else "torch")
@@ -116,7 +121,4 @@ def main() -> None:
     for name, err in res["max_rel_err"].items():
         print(f"  {name:40s} {err:.3g}")
     print(f"bits identical on rerun: {res['fused_bits_identical_on_rerun']}; host sync: {res['fused_host_sync']}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """Reblock tiling built on the GPU vs on the CPU from the same tensors, on a structured scene.
 
-    python -m adaptive_sparse_attention.bench.reblock_device_check [--preset h3-5s] [--scene pan] [--heads 8] [--out FILE]
+    python -m adaptive_sparse_attention reblock-check [--preset h3-5s] [--scene pan] [--heads 8] [--out FILE]
 
 Builds the scene on the GPU (bf16), the reblock tiling (q_reuse_k, block 64) on the GPU and, from
 CPU copies of the same tensors, on the CPU; routes both on the GPU (ratio 0.1, no tail) and
@@ -59,13 +59,16 @@ def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceL
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="h3-5s")
     parser.add_argument("--scene", default="pan")
     parser.add_argument("--heads", type=int, default=8, help="heads reported one by one")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The comparison above on args.scene at args.preset; prints the JSON and writes it to args.out
+    when given. Returns 0."""
     dev = torch.device("cuda")
     sc = make_scene(args.scene, args.preset, seed=0, device=dev, dtype=torch.bfloat16)
     q, k, v, layout = sc.q, sc.k, sc.v, sc.layout
@@ -93,7 +96,4 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

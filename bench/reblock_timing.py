@@ -1,6 +1,6 @@
 """GPU timing of the reblock tiling at an H3 shape, against the plan and the sparse kernel.
 
-    python -m adaptive_sparse_attention.bench.reblock_timing [--out FILE] [--video T H W] [--heads H] [--profile]
+    python -m adaptive_sparse_attention reblock-timing [--out FILE] [--video T H W] [--heads H] [--profile]
 
 Times (CUDA events, median after warm-up) `reblock_tiling` in both layout modes and its two
 stages (metric features, tree partition), `build_plan` with reblock vs cube tiling, and, when
@@ -33,13 +33,16 @@ from ..kernels.dispatch import block_sparse_attention
 from .timing import queued_ms, time_call
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--video", type=int, nargs=3, default=(72, 24, 42))
     parser.add_argument("--heads", type=int, default=56)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one partition call")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every timing and check above; prints the JSON after each stage (and writes it to args.out
+    when given) and the times at the end. Returns 0."""
     dev = torch.device("cuda")
     T, Hh, W = args.video
     layout = SceneSize(256, 810, (T, Hh, W), args.heads, 128).layout()  # the 10s preset's prefix
@@ -145,7 +148,4 @@ def main() -> None:
         res["plan_queued_share_of_kernel"] = t["plan_reblock_queued"] / t["kernel_reblock"]
     save()
     print("\n".join(f"{name:28s} {ms:9.3f} ms" for name, ms in t.items()))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

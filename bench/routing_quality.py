@@ -1,6 +1,6 @@
 """8-bit routing scores against the fp32 selection on the bench scenes (CPU or GPU).
 
-    python -m adaptive_sparse_attention.bench.routing_quality [--size cpu-small] [--scenes pan,cuts]
+    python -m adaptive_sparse_attention routing-quality [--size cpu-small] [--scenes pan,cuts]
         [--ratios 0.1,0.2] [--tiling reblock] [--rows 128] [--device auto] [--out FILE]
 
 For every scene, ratio and 8-bit format (int8, fp8 e4m3), plans with `routing_scores` fp32 and
@@ -64,8 +64,7 @@ def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, ratio: fl
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="cpu-small", choices=sorted(SIZES))
     parser.add_argument("--scenes", default=",".join(STRUCTURED_SCENES))
     parser.add_argument("--ratios", default="0.1,0.2")
@@ -74,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every scene, ratio and format; prints the table and the verdict, writes JSON with the
+    environment to args.out when given. Returns 0 when the worst mass kept passes, else 1."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = []
@@ -98,7 +101,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"environment": environment(device), "size": args.size, "tiling": args.tiling,
                        "rows": results}, f, indent=1)
     return 0 if worst >= 0.99 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

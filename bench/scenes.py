@@ -323,3 +323,21 @@ def make_scene(name: str, size: SceneSize | str, seed: int = 0, device: torch.de
         qh, kh, vh = _head(tok, KIND_WEIGHTS[kind], D, factors, gen, device)
         q[0, h], k[0, h], v[0, h] = qh.to(dtype), kh.to(dtype), vh.to(dtype)
     return Scene(name, seed, q, k, v, size.layout(), kinds)
+
+
+def h3_qkv(layout: SequenceLayout, heads: int, dim: int, dtype: torch.dtype,
+           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v [1, H, S, D] on CUDA as views of one [1, S, 3, H, D] buffer, the way H3's
+    fused projection produces them (for timings, whose cost depends on shapes and strides only).
+
+    Args:
+        layout: the sequence; S = layout.total.
+        heads, dim: H and D.
+        dtype: element type of the buffer.
+        seed: seed of the CUDA generator.
+    Returns:
+        (q, k, v), non-contiguous views with H3's strides.
+    """
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf = torch.randn(1, layout.total, 3, heads, dim, device="cuda", dtype=dtype, generator=g)
+    return tuple(buf[:, :, i].transpose(1, 2) for i in range(3))

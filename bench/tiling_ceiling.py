@@ -1,6 +1,6 @@
 """How far can a tiling go? Recall of many tilings, the best per head, and where recall is lost.
 
-    python -m adaptive_sparse_attention.bench.tiling_ceiling [--preset h3-10s] [--scene cuts pan]
+    python -m adaptive_sparse_attention tiling-ceiling [--preset h3-10s] [--scene cuts pan]
         [--part ceiling losses] [--out FILE]
 
 On a structured scene (GPU if there is one) every head's attention-mass recall at ratio 0.1 (64
@@ -151,13 +151,16 @@ def _print(label: str, row: dict[str, float]) -> None:
           + " ".join(f"{kind} {v:.3f}" for kind, v in row.items() if kind not in ("mean", "gain_points")), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="h3-10s")
     parser.add_argument("--scene", nargs="+", default=["cuts", "pan"])
     parser.add_argument("--part", nargs="+", choices=("ceiling", "losses"), default=["ceiling", "losses"])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The parts in args.part on every scene of args.scene at args.preset (on the GPU when there
+    is one); prints one line per result and writes the JSON to args.out when given. Returns 0."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {}
     for scene in args.scene:
@@ -185,7 +188,4 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "device": device, "scenes": result}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

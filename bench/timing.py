@@ -1,7 +1,8 @@
 """Timing of one callable: warm-up calls, then the median of timed repetitions.
 
 On CUDA every repetition is bracketed by CUDA events (device time, no host overhead between
-launches counted twice); on the CPU by `time.perf_counter`. `queued_ms` times a callable's
+launches counted twice); on the CPU by `time.perf_counter`. `bench_ms` is Triton's `do_bench`
+(it flushes the L2 cache between calls), for kernels timed on their own. `queued_ms` times a callable's
 device work alone: its launches are queued behind a busy GPU, as inside a model's forward pass
 where the host runs ahead of the GPU, so gaps while the host enqueues many small kernels do not
 count.
@@ -64,3 +65,11 @@ def queued_ms(fn: Callable[[], object], device: torch.device, warmup: int = 1, r
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times), host
+
+
+def bench_ms(fn: Callable[[], object], rep_ms: float = 1500) -> float:
+    """Median milliseconds of `fn` by `triton.testing.do_bench` (100 ms warm-up, `rep_ms` of
+    repetitions, CUDA only; imports Triton when called)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median"))

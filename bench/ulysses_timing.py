@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism at an H3 shape: sparse attention on each GPU's head group.
 
-    torchrun --nproc-per-node 2 -m adaptive_sparse_attention.bench.ulysses_timing [--out FILE]
+    torchrun --nproc-per-node 2 -m adaptive_sparse_attention ulysses-timing [--out FILE]
         [--video T H W] [--heads H] [--ratio R] [--tiling reblock|cube]
 
 What Raylight's xFuser path does around attention, without Ray or xFuser: every rank holds its
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,14 +36,22 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     parser.add_argument("--video", type=int, nargs=3, default=(72, 24, 42), help="latent grid (10 s clip default)")
     parser.add_argument("--heads", type=int, default=56)
     parser.add_argument("--ratio", type=float, default=0.1)
     parser.add_argument("--tiling", default="reblock", choices=("reblock", "cube"))
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """One rank of the measurement (started by torchrun, which sets the process group's
+    environment); rank 0 prints the report and writes it to args.out when given. Returns 0, or 2
+    when not started by torchrun."""
+    if "RANK" not in os.environ:
+        print("ulysses-timing runs one process per rank: start it with torchrun --nproc-per-node N -m "
+              "adaptive_sparse_attention ulysses-timing", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -96,7 +105,4 @@ def main() -> None:
                 json.dump(report, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,13 @@
-"""CLI smoke tests at reduced sizes (the real presets run in BENCHMARKS.md), method specs, and the
-FlexAttention block mask (built on the CPU; only running Flex needs CUDA)."""
+"""CLI smoke tests at reduced sizes (the real presets run in BENCHMARKS.md), method specs, the
+FlexAttention block mask (built on the CPU; only running Flex needs CUDA), the GPU tools'
+subcommands (their options, without Triton too) and the import graph of bench/ (no cycles)."""
+import ast
 import dataclasses
+import graphlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +96,61 @@ def test_time_budget_records_runs_not_made(tiny_presets):
 
     result = run_preset("cpu-small", ["ours:cube:none:query"], [0.2], torch.device("cpu"), scenes=["pan"], deadline=0.0)
     assert [r["error"] for r in result["rows"]] == ["not run: time budget spent"] * 2
+
+
+# Each GPU tool's subcommand and the options it must keep (scripts and BENCHMARKS.md commands use them).
+GPU_TOOLS = {
+    "kernel-check": ["--out", "--quick", "--shapes", "--ratios", "--block-sizes", "--skip"],
+    "planner-timing": ["--out", "--shape", "--ratio"],
+    "reblock-timing": ["--out", "--video", "--heads", "--profile"],
+    "reblock-check": ["--preset", "--scene", "--heads", "--out"],
+    "tiling-ceiling": ["--preset", "--scene", "--part", "--out"],
+    "ulysses-timing": ["--out", "--video", "--heads", "--ratio", "--tiling"],
+    "routing-quality": ["--size", "--scenes", "--ratios", "--tiling", "--rows", "--device", "--seed", "--out"],
+}
+
+
+@pytest.mark.parametrize("command", GPU_TOOLS)
+def test_gpu_tool_help_lists_its_options(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert f"adaptive_sparse_attention {command}" in out
+    assert all(option in out for option in GPU_TOOLS[command]), out
+
+
+def test_cli_needs_no_triton():
+    """Every subcommand parses where Triton is not installed (kernel-check imports it only to run)."""
+    script = ("import sys; sys.modules['triton'] = None\n"
+              "from adaptive_sparse_attention.bench.cli import build_parser\n"
+              f"for command in {list(GPU_TOOLS)!r}: build_parser().parse_args([command])\n"
+              "print('parsed')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "parsed", done.stderr[-2000:]
+
+
+def import_graph(folder: Path) -> dict[str, set[str]]:
+    """module -> modules of `folder` it imports, from relative imports anywhere in its code (lazy
+    imports inside functions included)."""
+    names = {p.stem for p in folder.glob("*.py")}
+    graph = {}
+    for name in names:
+        deps = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import ..., from . import x
+                targets = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                deps.update(t for t in targets if t in names)
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_bench_imports_form_no_cycle(tmp_path):
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    graph = import_graph(bench)
+    assert "planner_timing" in graph["kernel_check"] and graph["cli"] >= {"long_clips", "kernel_check"}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+    (tmp_path / "a.py").write_text("def f():\n    from .b import g\n")
+    (tmp_path / "b.py").write_text("from . import a\n")
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(import_graph(tmp_path)).prepare()
