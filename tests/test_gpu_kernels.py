@@ -128,8 +128,9 @@ def low_precision_reference(q, k, v, plan, dtype):
             num = num + rnd(pc) @ val
         col += c.shape[-1]
     empty = l == 0
-    out = torch.where(empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(l), l))
-    lse = torch.where(empty, torch.full_like(l, EMPTY_ROW_LSE), m + torch.log(torch.where(empty, torch.ones_like(l), l)))
+    safe = torch.where(empty, torch.ones_like(l), l)
+    out = torch.where(empty, torch.zeros_like(num), num / safe)
+    lse = torch.where(empty, torch.full_like(l, EMPTY_ROW_LSE), m + torch.log(safe))
     out = unpack(out, plan.q_perm, S)
     return (out if dtype is None else out.to(dtype)), unpack(lse, plan.q_perm, S).squeeze(-1)
 
@@ -205,7 +206,8 @@ def test_attention_kernel_error_is_within_twice_the_low_precision_reference(case
     assert (out_fast[none.unsqueeze(-1).expand_as(out_fast)] == 0).all()
     assert (lse_fast[none] == torch.tensor(EMPTY_ROW_LSE, dtype=torch.float32)).all()
     some = ~none
-    for name, fast, low, ref in (("out", out_fast, out_low, out64), ("lse", lse_fast[some], lse_low[some], lse64[some])):
+    pairs = (("out", out_fast, out_low, out64), ("lse", lse_fast[some], lse_low[some], lse64[some]))
+    for name, fast, low, ref in pairs:
         err_fast = float((fast.double() - ref).abs().max())
         err_low = float((low.double() - ref).abs().max())
         floor = FLOOR_ROUNDINGS * EPS32 * float(ref.abs().max())
