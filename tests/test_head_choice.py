@@ -146,10 +146,28 @@ def test_every_head_takes_the_candidate_with_the_largest_share():
 
 
 def test_ties_keep_the_tree():
+    """Target-video keys of zero give every key block of every candidate the same log-mass
+    (log 64: the 36 target blocks are full), so all candidates hold exactly R / 36 of the mass at
+    ratio 0.1 and the rule must break the tie: the tree, the first candidate, stays. With the
+    scene's own keys the same call moves heads 0 and 1 to tubes, so the tie decides."""
     sc = small_scene(heads=2)
-    tree = reblock_tiling(sc.q, sc.k, sc.layout, 64, tubes=False)
-    every_block = reblock_tiling(sc.q, sc.k, sc.layout, 64, ratio=1.0)  # every candidate holds all the mass
-    assert torch.equal(every_block.k_perm, tree.k_perm)
+    q, k, layout = sc.q, sc.k, sc.layout
+    tree = reblock_tiling(q, k, layout, 64, tubes=False)
+    lo, hi = tree.blocks_of("target_video")
+    flat = k.clone()
+    flat[:, :, layout.target.start:layout.target.stop] = 0
+    tubes = head_choice.tube_perms(layout, 64, q.device)
+    probes = q.index_select(2, head_choice.probe_rows(layout))[0]
+    candidates = [tree.k_perm[0]] + [t.expand(q.shape[1], -1) for t in tubes]
+    share = torch.stack([head_choice.top_share(head_choice.block_log_mass(probes, flat[0], c[:, lo * 64:hi * 64], 64),
+                                               region_budget(hi - lo, 0.1)) for c in candidates])
+    assert hi - lo == 36 and torch.equal(share, share[:1].expand_as(share))  # an exact tie, every head
+    assert all(not torch.equal(tree.k_perm[0, h], t) for h in range(q.shape[1]) for t in tubes)  # tubes differ
+    span = (lo, hi)
+    kept = head_choice.choose_tubes(q, flat, tree.k_perm.unsqueeze(0), layout, 64, span, 0.1)
+    assert torch.equal(kept[0], tree.k_perm)
+    moved = head_choice.choose_tubes(q, k, tree.k_perm.unsqueeze(0), layout, 64, span, 0.1)
+    assert not torch.equal(moved[0, 0, 0], tree.k_perm[0, 0]) and not torch.equal(moved[0, 0, 1], tree.k_perm[0, 1])
 
 
 def test_independent_layouts_follow_the_key_choice():

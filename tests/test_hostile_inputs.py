@@ -238,6 +238,10 @@ def test_random_gate_shapes_broadcast_or_are_named(monkeypatch):
 
 
 def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(interpreter):
+    """Shorter than one block, sparse attention is dense and so are its gradients. On a sparse
+    plan with summaries (selection fixed, so the output is smooth in q, k, v nearby) autograd's
+    directional derivatives match central differences in float64 (step 1e-6: agreement to ~1e-9
+    relative, asserted 1e-6)."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, SHORT.total, D, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
@@ -245,6 +249,21 @@ def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(inter
     ours = torch.autograd.grad(sparse_attention(q, k, v, SHORT, SparseConfig(backend="torch")).square().sum(), (q, k, v))
     for a, b in zip(ours, dense):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    cfg = SparseConfig(backend="torch", topk_ratio=0.25, tiling="cube", tail="reweight")
+    qkv = [torch.randn(1, 2, LAYOUT.total, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    _, info = sparse_attention(*qkv, LAYOUT, cfg, return_info=True)
+    assert info.plan.summary_mask().any() and info.density < 0.7
+
+    def loss(*xs):
+        return sparse_attention(*xs, LAYOUT, cfg).square().sum()
+
+    grads = torch.autograd.grad(loss(*qkv), qkv)
+    with torch.no_grad():
+        for i, grad in enumerate(grads):
+            step = 1e-6 * torch.randn(grad.shape, generator=g, dtype=torch.float64)
+            ahead, behind = list(qkv), list(qkv)
+            ahead[i], behind[i] = qkv[i] + step, qkv[i] - step
+            assert float((loss(*ahead) - loss(*behind)) / 2) == pytest.approx(float((grad * step).sum()), rel=1e-6)
     q32 = q.detach().float().requires_grad_()
     with pytest.raises(ValueError, match="q require grad, but the fused Triton kernel has no backward"):
         sparse_attention(q32, k.detach().float(), v.detach().float(), SHORT, SparseConfig(backend="triton"))
