@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import json
 import logging
-import math
 import os
 import re
 import sys

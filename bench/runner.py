@@ -16,7 +16,6 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..kernels import dispatch
 from .methods import expand_methods, prepare, split_spec, unavailable_reason

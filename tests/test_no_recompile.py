@@ -15,7 +15,6 @@ takes over a minute in the interpreter; its two kernels are checked launcher by 
 """
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
