@@ -204,10 +204,11 @@ def test_strict_errors_and_logged_fallbacks(caplog, monkeypatch):
         run_model(model, SparseAttentionHook(config(strict=True)), args, True)
     hook = SparseAttentionHook(config())
     layout = layout_of(PACKED)
-    x = torch.zeros(layout.total, 32, device="meta")
-    assert "device meta" in hook.unsupported(model.blocks[0].attn, x, layout)
-    assert "int" in hook.unsupported(model.blocks[0].attn, torch.zeros(layout.total, 32, dtype=torch.int32), layout)
-    assert "layout was not found" in hook.unsupported(model.blocks[0].attn, x, None)
+    attn, shape = model.blocks[0].attn, (layout.total, 32)
+    assert "device meta" in hook.unsupported(attn, shape, torch.float32, torch.device("meta"), layout)
+    assert "int" in hook.unsupported(attn, shape, torch.int32, torch.device("cpu"), layout)
+    assert "layout was not found" in hook.unsupported(attn, shape, torch.float32, torch.device("cpu"), None)
+    assert "does not match" in hook.unsupported(attn, (layout.total + 1, 32), torch.float32, torch.device("cpu"), layout)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: Triton cannot run, strict says so
     args["layout"] = PACKED
