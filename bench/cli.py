@@ -112,7 +112,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     work = Path(args.work) if args.work else default_work()
     out = Path(args.out) if args.out else work / "e2e.json"
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
-                           out, lambda s: print(s, file=sys.stderr))
+                           out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile)
     print(markdown(result))
     if result["op"]:
         print()
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s, 30s)")
     e2e.add_argument("--work", help="folder for the model, caches and output (default: a new temporary one)")
     e2e.add_argument("--out", help="JSON results (default: WORK/e2e.json)")
+    e2e.add_argument("--compile", choices=("inductor", "cudagraphs", "eager"),
+                     help="also run the main clip through ComfyUI's TorchCompileModel node with this backend, with "
+                          "and without our node (eager: dynamo only, for CPU checks)")
     e2e.set_defaults(func=cmd_e2e)
 
     long = sub.add_parser("bench-long", help="long clips on the GPU: planner memory and time, kernel, dense cuDNN")

@@ -41,7 +41,7 @@ import logging
 import sys
 import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -325,8 +325,12 @@ def block_hooks(diffusion_model: Any, hook: BlockHook, previous_replacements: di
 
 
 # ComfyUI's own "Model Sparse Attention" node (BlockSparseAttention) registers its block patches
-# from this module with set_model_patch_replace, replacing whatever was there and never calling it
+# from this module with set_model_patch_replace. Older versions replace whatever was there and
+# never call it; newer ones chain it and mark their patches with a `_block_sparse_attention_patch`
+# attribute, but still swap the attention of the calls they take and put their own attention
+# override on the rest.
 CORE_SPARSE_MODULE = "comfy_extras.nodes_sparse_attention"
+CORE_SPARSE_MARK = "_block_sparse_attention_patch"
 CORE_SPARSE_NODE = "ComfyUI's 'Model Sparse Attention' node (BlockSparseAttention)"
 
 
@@ -339,21 +343,23 @@ def double_block_patches(model_options: dict) -> dict[int, Callable]:
 def core_sparse_blocks(model_options: dict) -> list[int]:
     """Blocks whose replacement comes from ComfyUI's core sparse node."""
     return sorted(i for i, fn in double_block_patches(model_options).items()
-                  if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE)
+                  if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE or hasattr(fn, CORE_SPARSE_MARK))
 
 
 def refuse_core_sparse(model_options: dict, title: str, order: str) -> None:
     """Raise when ComfyUI's core sparse node patched the blocks too (in `order` to this node).
 
-    Both replace the attention of the same blocks and the core node drops earlier block patches,
-    so composing them would silently lose one; the user is told to keep one of them.
+    Both replace the attention of the same blocks, and the core node either drops earlier block
+    patches (older ComfyUI) or overrides the attention of every call it does not take itself (newer),
+    so composing them would silently run something else than either node says; the user is told
+    to keep one of them.
     """
     blocks = core_sparse_blocks(model_options)
     if blocks:
         raise ValueError(
             f"{title}: {CORE_SPARSE_NODE} is applied {order} this node on the same model ({len(blocks)} H3 blocks). "
-            "Both replace the attention of the same blocks and the core node discards other block patches, so one "
-            "of them would silently not run. Keep one of the two nodes (remove or bypass the other).")
+            "Both replace the attention of the same blocks, so one of them would silently not run as set. "
+            "Keep one of the two nodes (remove or bypass the other).")
 
 
 def install(model_patcher: Any, hook: BlockHook) -> Any:
@@ -395,6 +401,21 @@ def linear_weights(module: torch.nn.Module, like: torch.Tensor) -> Iterator[tupl
         return
     with comfy.ops.CastBiasWeightContext(module, like, offloadable=True) as (weight, bias):
         yield weight, bias
+
+
+def outside_allocation_graph() -> Any:
+    """A context that keeps our allocations out of ComfyUI's allocation graph, where it has one.
+
+    Current ComfyUI records the allocations of an H3 forward on CUDA and replays them
+    (``comfy.model_prefetch.pause_malloc_graph``, its "model compiler"); its own sparse node pauses
+    that for what outlives a call. The engine keeps tiling, routing and reblock tensors across
+    calls, so the whole sparse path and the kernel preparation run paused. Older ComfyUI has no
+    such graph, and under torch.compile there is nothing to pause at trace time.
+    """
+    pause = getattr(sys.modules.get("comfy.model_prefetch"), "pause_malloc_graph", None)
+    if pause is None or torch.compiler.is_compiling():
+        return nullcontext()
+    return pause()
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -534,7 +555,8 @@ class SparseAttentionHook(BlockHook):
     def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
         """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
         if resolve_backend(self.config, device) == "triton":
-            prepare_kernels(layout, self.config, dtype, device, attn.head_dim)
+            with outside_allocation_graph():
+                prepare_kernels(layout, self.config, dtype, device, attn.head_dim)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
@@ -582,17 +604,18 @@ class SparseAttentionHook(BlockHook):
         then out_proj."""
         x = unwrap_input(x)
         heads, dim = attn.heads, attn.head_dim
-        out = x.new_empty(x.shape[0], heads, dim)
-        gate = coarse_gate(attn, x, self.config)
-        with linear_weights(attn.qkv_proj, x) as (weight, bias):
-            qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
-            for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
-                q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
-                g = None if gate is None else gate[:, h0:h1]
-                o = run(q, k, v, g)
-                out[:, h0:h1] = o[0].transpose(0, 1)
-                del q, k, v, o, g
-        del x, gate
+        with outside_allocation_graph():
+            out = x.new_empty(x.shape[0], heads, dim)
+            gate = coarse_gate(attn, x, self.config)
+            with linear_weights(attn.qkv_proj, x) as (weight, bias):
+                qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
+                for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
+                    q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                    g = None if gate is None else gate[:, h0:h1]
+                    o = run(q, k, v, g)
+                    out[:, h0:h1] = o[0].transpose(0, 1)
+                    del q, k, v, o, g
+            del x, gate
         return attn.out_proj(out.view(out.shape[0], heads * dim))
 
 

@@ -104,9 +104,9 @@ def break_sites() -> Iterator[set[tuple[str, str]]]:
 
 @pytest.fixture
 def dynamo():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def test_compiled_run_matches_eager_and_breaks_once_per_call(dynamo):
