@@ -233,11 +233,15 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
 
 
 def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
-                  clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None) -> dict:
+                  clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
+                  compile_only: bool = False) -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
-    dynamo alone, for CPU tests) adds the compiled runs of the main clip."""
+    dynamo alone, for CPU tests) adds the compiled runs of the main clip; `compile_only` keeps
+    only those and the runs they compare with (ComfyUI, ours cold and warm)."""
+    if compile_only and compile_backend is None:
+        raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     scale = SCALES[scale_name]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -304,17 +308,21 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     run("comfyui", main, None)
     run("ours-cold", main, node_widgets(scale))
     run("ours", main, node_widgets(scale))
-    run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
-    run("ours-ratio-0.1", main, node_widgets(scale, topk_ratio=0.1))
-    run("ours-all-dense", main, node_widgets(scale, warmup_mode="dense"))  # our dense kernel; the rounding floor
-    for clip in ("new-length", "new-length-2"):
-        if clip in scale.frames:
-            run("ours-new-length", clip, node_widgets(scale))
+    if not compile_only:
+        run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
+        run("ours-ratio-0.1", main, node_widgets(scale, topk_ratio=0.1))
+        run("ours-all-dense", main, node_widgets(scale, warmup_mode="dense"))  # our dense kernel; the rounding floor
+        for clip in ("new-length", "new-length-2"):
+            if clip in scale.frames:
+                run("ours-new-length", clip, node_widgets(scale))
     if compile_backend is not None:
         for name, widgets in (("comfyui-compiled", None), ("ours-compiled", node_widgets(scale))):
             torch.compiler.reset()  # the first run compiles from scratch: its first call is the compile time
             run(name, main, widgets, backend=compile_backend)
             run(f"{name}-warm", main, widgets, backend=compile_backend)
+    if compile_only:
+        logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
+        return result
     for clip in clips[1:]:
         run("comfyui", clip, None)
         run("ours", clip, node_widgets(scale))

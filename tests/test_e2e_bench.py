@@ -57,6 +57,11 @@ def test_summary_splits_dense_first_and_steady_calls():
     assert "| ours | 10s (39 frames) | 4.0 | 1.25x |" in table
 
 
+def test_compile_only_needs_a_compile_backend(tmp_path: Path):
+    with pytest.raises(ValueError, match="compile_only needs a compile backend"):
+        e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], compile_only=True)
+
+
 @pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
                     reason="set COMFYUI_PATH to a ComfyUI checkout to run the benchmark in it")
 def test_tiny_run_in_real_comfyui(tmp_path: Path):
