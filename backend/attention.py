@@ -110,7 +110,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     config = SparseConfig() if config is None else config
     check_inputs(q, k, v, layout, config, coarse_gate)
     backend = resolve_backend(config.backend, q.device, q.dtype, config.strict)
-    marks = [_now(q, timings)]
+    marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
     plan = build_plan(q, k, v, layout, config, backend=backend)
     marks.append(_now(q, timings))
     out, _ = block_sparse_attention(q, k, v, plan, backend)
@@ -128,7 +128,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     return out, info
 
 
-def _now(x: torch.Tensor, sync: bool) -> float:
-    if sync and x.is_cuda:
+def _now(x: torch.Tensor, timed: bool) -> float:
+    """The host clock after the device's queued work when `timed`; 0.0 otherwise (reading the
+    clock in every call would break a torch.compile graph and guard on the value)."""
+    if not timed:
+        return 0.0
+    if x.is_cuda:
         torch.cuda.synchronize(x.device)
     return time.perf_counter()

@@ -119,10 +119,14 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         print(f"e2e: --comfyui (or COMFYUI_PATH) must point at a ComfyUI checkout, got {args.comfyui!r}",
               file=sys.stderr)
         return 2
+    if args.compile_only and args.compile is None:
+        print("e2e: --compile-only needs --compile BACKEND", file=sys.stderr)
+        return 2
     work = Path(args.work) if args.work else default_work()
     out = Path(args.out) if args.out else work / "e2e.json"
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
-                           out, lambda s: print(s, file=sys.stderr))
+                           out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile,
+                           compile_only=args.compile_only)
     print(markdown(result))
     if result["op"]:
         print()
@@ -181,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s, 30s)")
     e2e.add_argument("--work", help="folder for the model, caches and output (default: a new temporary one)")
     e2e.add_argument("--out", help="JSON results (default: WORK/e2e.json)")
+    e2e.add_argument("--compile", choices=("inductor", "cudagraphs", "eager"),
+                     help="also run the main clip through ComfyUI's TorchCompileModel node with this backend, with "
+                          "and without our node (eager: dynamo only, for CPU checks)")
+    e2e.add_argument("--compile-only", action="store_true",
+                     help="with --compile: only the compiled runs and ComfyUI / ours uncompiled on the main clip")
     e2e.set_defaults(func=cmd_e2e)
 
     long = sub.add_parser("bench-long", help="long clips on the GPU: planner memory and time, kernel, dense cuDNN")

@@ -13,6 +13,12 @@ our node first with an empty Triton cache and no saved dense-kernel choice (cold
 `speed` mode, ratio 0.1, every step dense on our dense kernel (its latent error is the rounding
 floor of two exact kernels), then two new clip lengths. On CUDA it also times the isolated op at the same
 shape (plan, kernel, dense SDPA backends) to split a steady block.
+
+With a compile backend, ComfyUI's TorchCompileModel node goes after our node (after the loader
+without it) and four more runs follow on the main clip: the graph without our node compiled,
+the same again (compiled code reused), then ours compiled and again. Dynamo's caches are reset
+before each first compiled run, so its first call holds the whole compilation (and ours also
+recompiles at its first sparse call). Their timer wraps apply_model, outside the compiled module.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import torch
 from . import e2e_nodes
 
 REPO = Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+).*sparse attention time ([\d.]+) s")
+SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+|n/a).*sparse attention time ([\d.]+) s")
 
 
 @dataclass(frozen=True)
@@ -134,15 +140,20 @@ def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device) -
     del net, sd
 
 
-def graph(ckpt: str, scale: Scale, frames: int, steps: int, cfg: float, widgets: dict | None, label: str) -> dict:
-    """API-format prompt: UNETLoader -> [our node] -> timer -> KSampler -> sink."""
+def graph(ckpt: str, scale: Scale, frames: int, steps: int, cfg: float, widgets: dict | None, label: str,
+          compile_backend: str | None = None) -> dict:
+    """API-format prompt: UNETLoader -> [our node] -> [TorchCompileModel] -> timer -> KSampler -> sink."""
     model = ["1", 0]
     prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}}}
     if widgets is not None:
         prompt["2"] = {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": model, **widgets}}
         model = ["2", 0]
+    if compile_backend is not None:
+        prompt["9"] = {"class_type": "TorchCompileModel", "inputs": {"model": model, "backend": compile_backend}}
+        model = ["9", 0]
+    around = "diffusion_model" if compile_backend is None else "apply_model"
     prompt.update({
-        "3": {"class_type": "ASABenchTimer", "inputs": {"model": model, "label": label}},
+        "3": {"class_type": "ASABenchTimer", "inputs": {"model": model, "label": label, "around": around}},
         "4": {"class_type": "ASABenchConditioning", "inputs": {"seed": 1, "tokens": scale.text_tokens, "dim": scale.text_dim}},
         "5": {"class_type": "ASABenchConditioning", "inputs": {"seed": 2, "tokens": scale.text_tokens, "dim": scale.text_dim}},
         "6": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": scale.width, "height": scale.height,
@@ -185,8 +196,8 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
         row["rel_l2"] = float((latent - reference).norm() / reference.norm())
     for line in log_lines:
         if m := SUMMARY.search(line):
-            row.update(dense_blocks=int(m[1]), sparse_blocks=int(m[2]), density=float(m[3]),
-                       attention_s=float(m[4]))
+            row.update(dense_blocks=int(m[1]), sparse_blocks=int(m[2]),
+                       density=None if m[3] == "n/a" else float(m[3]), attention_s=float(m[4]))
         if m := re.search(r"kernels ready in ([\d.]+) s", line):
             row["prepare_s"] = float(m[1])
     return row
@@ -221,8 +232,15 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
 
 
 def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
-                  clips: list[str], out: Path | None = None, echo=print) -> dict:
-    """Every run of the benchmark; returns (and with `out`, writes after each run) the results."""
+                  clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
+                  compile_only: bool = False) -> dict:
+    """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
+
+    `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
+    dynamo alone, for CPU tests) adds the compiled runs of the main clip; `compile_only` keeps
+    only those and the runs they compare with (ComfyUI, ours cold and warm)."""
+    if compile_only and compile_backend is None:
+        raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     scale = SCALES[scale_name]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -232,10 +250,13 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     logging.getLogger("adaptive_sparse_attention").addHandler(lines)
     logging.getLogger("adaptive_sparse_attention").setLevel(logging.INFO)
     nodes, execution = load_comfyui(comfyui, work, cpu=not cuda)
+    if compile_backend is not None and "TorchCompileModel" not in nodes.NODE_CLASS_MAPPINGS:
+        raise RuntimeError("e2e: this ComfyUI has no TorchCompileModel node (comfy_extras/nodes_torch_compile.py)")
     ckpt = f"h3_random_{scale_name}_{blocks}blocks.safetensors"
     start = time.perf_counter()
     save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device)
     result: dict[str, Any] = {"scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
+                              "compile": compile_backend,
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                               "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}
     executor = execution.PromptExecutor(ServerStub(), cache_type=execution.CacheType.CLASSIC,
@@ -246,7 +267,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     references: dict[str, torch.Tensor] = {}
     counter = itertools.count()
 
-    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps) -> dict:
+    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None) -> dict:
         lines.lines.clear()
         e2e_nodes.STATE["calls"].clear()
         if cuda:
@@ -254,7 +275,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             torch.cuda.reset_peak_memory_stats()
         label = f"{name}-{next(counter)}"
         t0 = time.perf_counter()
-        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label), label, {}, ["8"])
+        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend), label, {},
+                         ["8"])
         if not executor.success:
             raise RuntimeError(f"e2e: run {name} failed: {executor.status_messages[-1:]}")
         total = time.perf_counter() - t0
@@ -269,7 +291,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         row = summarise(name, calls, total, peak, dense, latent, references.get(clip) if widgets else None,
                         lines.lines)
         row["clip"], row["frames"] = clip, scale.frames[clip]
-        if widgets is None and n_steps == steps:
+        if widgets is None and n_steps == steps and backend is None:
             references[clip] = latent
         echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
              "".join(f", {k} {row[k]:.4g}" for k in ("dense_call_ms", "first_sparse_ms", "steady_sparse_ms",
@@ -285,12 +307,21 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     run("comfyui", main, None)
     run("ours-cold", main, node_widgets(scale))
     run("ours", main, node_widgets(scale))
-    run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
-    run("ours-ratio-0.1", main, node_widgets(scale, topk_ratio=0.1))
-    run("ours-all-dense", main, node_widgets(scale, warmup_mode="dense"))  # our dense kernel; the rounding floor
-    for clip in ("new-length", "new-length-2"):
-        if clip in scale.frames:
-            run("ours-new-length", clip, node_widgets(scale))
+    if not compile_only:
+        run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
+        run("ours-ratio-0.1", main, node_widgets(scale, topk_ratio=0.1))
+        run("ours-all-dense", main, node_widgets(scale, warmup_mode="dense"))  # our dense kernel; the rounding floor
+        for clip in ("new-length", "new-length-2"):
+            if clip in scale.frames:
+                run("ours-new-length", clip, node_widgets(scale))
+    if compile_backend is not None:
+        for name, widgets in (("comfyui-compiled", None), ("ours-compiled", node_widgets(scale))):
+            torch.compiler.reset()  # the first run compiles from scratch: its first call is the compile time
+            run(name, main, widgets, backend=compile_backend)
+            run(f"{name}-warm", main, widgets, backend=compile_backend)
+    if compile_only:
+        logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
+        return result
     for clip in clips[1:]:
         run("comfyui", clip, None)
         run("ours", clip, node_widgets(scale))
@@ -312,7 +343,7 @@ def default_work() -> Path:
 
 def markdown(result: dict) -> str:
     """The runs as a markdown table, with each run's speed-up over the graph without our node."""
-    base = {r["clip"]: r for r in result["runs"] if r["run"] == "comfyui"}
+    base = {r["clip"]: r for r in result["runs"] if r["run"] == "comfyui"}  # the compiled runs too are vs this
 
     def f(x: Any, digits: int = 0) -> str:
         return "-" if x is None else f"{x:,.{digits}f}"

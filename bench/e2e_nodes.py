@@ -51,21 +51,30 @@ class CallTimer:
 
 
 class ASABenchTimer:
-    """Times every model call of the sampler that uses this MODEL; `label` only forces a re-run."""
+    """Times every model call of the sampler that uses this MODEL; `label` only forces a re-run.
+
+    `around` = "diffusion_model" times the diffusion model's forward (a DIFFUSION_MODEL wrapper);
+    "apply_model" times ComfyUI's apply_model around it (an APPLY_MODEL wrapper), which stays
+    outside what TorchCompileModel compiles, so the timer itself is never traced.
+    """
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "label": ("STRING", {"default": ""})}}
+        return {"required": {"model": ("MODEL",), "label": ("STRING", {"default": ""})},
+                "optional": {"around": (["diffusion_model", "apply_model"], {"default": "diffusion_model"})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "wrap"
     CATEGORY = "testing"
 
-    def wrap(self, model, label: str):
+    def wrap(self, model, label: str, around: str = "diffusion_model"):
         import comfy.patcher_extension as pe
 
+        kinds = {"diffusion_model": pe.WrappersMP.DIFFUSION_MODEL, "apply_model": pe.WrappersMP.APPLY_MODEL}
+        if around not in kinds:
+            raise ValueError(f"ASABenchTimer.around={around!r}: expected one of {sorted(kinds)}")
         m = model.clone()
-        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "asa_bench_timer", CallTimer())
+        m.add_wrapper_with_key(kinds[around], "asa_bench_timer", CallTimer())
         return (m,)
 
 

@@ -134,7 +134,12 @@ def _write_cache(path: Path, key: str, choice: str | None) -> None:
 
 
 def cached_choice(key: str, measure: Callable[[], str | None]) -> str | None:
-    """The choice stored for `key` (in memory, else in the cache file), else `measure()`, stored."""
+    """The choice stored for `key` (in memory, else in the cache file), else `measure()`, stored.
+
+    A choice already in memory is read without the lock: torch.compile cannot trace a lock, so
+    every compiled dense block would break its graph here."""
+    if key in _choices:
+        return _choices[key]
     with _lock:
         if key in _choices:
             return _choices[key]

@@ -26,6 +26,12 @@ can recurse. The calls it does not take (dense blocks) get, on a copy of their
 The packed-sequence layout comes from the block args (``args["layout"]``, current upstream),
 ``transformer_options["minimax_h3_layout"]``, or a DIFFUSION_MODEL wrapper that reads
 ``minimax_payload["layout"]`` (older upstream); conversions are cached per signature (bounded).
+
+Under torch.compile (ComfyUI's TorchCompileModel compiles the whole diffusion model, these hooks
+included) the step is read on the host once per model call and every block's decision is made
+there too (`BlockHook.begin_call`), published in the module global `COMPILED_CALLS`, so the
+compiled blocks hold no host synchronisation and no decision baked in through the guards that
+TorchCompileModel drops (all under ``transformer_options``).
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import logging
 import sys
 import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -56,6 +62,11 @@ log = logging.getLogger("adaptive_sparse_attention")
 LAYOUT_CACHE_SIZE = 8
 DEVICES = ("cuda", "cpu")
 _ids = itertools.count()
+# Hook key -> the block tokens of the model call now running under torch.compile. ComfyUI's
+# TorchCompileModel drops every guard whose source passes through transformer_options (the block
+# patches, the hooks and their state included), so a decision read there would be baked into the
+# compiled graph; this module global keeps its guards: a changed decision recompiles.
+COMPILED_CALLS: dict[str, tuple] = {}
 
 
 def check_h3(diffusion_model: Any) -> None:
@@ -81,6 +92,13 @@ class LayoutCache(BoundedCache[SequenceLayout]):
     def of(self, packed: Any) -> SequenceLayout:
         key = (getattr(packed, "signature", None), tuple(tuple(s) for s in packed.segments))
         return self.get(key, lambda: SequenceLayout.from_packed(packed))
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The token of a block call planned by `SparseAttentionHook.plan_call`: it runs sparse on `layout`."""
+
+    layout: SequenceLayout
 
 
 @dataclass
@@ -132,18 +150,49 @@ class BlockHook(ABC):
     # --- per-call plumbing -------------------------------------------------------------------
     def diffusion_model_wrapper(self, executor: Any, x: Any, timestep: Any, context: torch.Tensor,
                                 transformer_options: dict, *args: Any, **kwargs: Any) -> Any:
-        """DIFFUSION_MODEL wrapper: finds the step and the layout once per model call."""
-        step, total = self.tracker.step_of(transformer_options)
-        packed = None
-        try:
-            packed = payload_layout(executor.class_obj, x, context, kwargs.get("minimax_payload") or {})
-        except Exception as err:  # layout discovery must never break sampling; blocks report it
-            self.tracker.log_once(f"could not rebuild the packed layout from minimax_payload ({err})")
-        transformer_options[self.key] = CallContext(step, total, packed)
+        """DIFFUSION_MODEL wrapper: finds the step and the layout once per model call (`begin_call`)."""
+        transformer_options[self.key] = self.begin_call(executor.class_obj, x, context, transformer_options,
+                                                        kwargs.get("minimax_payload") or {},
+                                                        torch.compiler.is_compiling())
         try:
             return executor(x, timestep, context, transformer_options, *args, **kwargs)
         finally:
             transformer_options.pop(self.key, None)
+            COMPILED_CALLS.pop(self.key, None)
+
+    @torch.compiler.disable
+    def begin_call(self, model: Any, x: Any, context: torch.Tensor, transformer_options: dict, payload: dict,
+                   compiled: bool) -> CallContext:
+        """The `CallContext` of a model call; under torch.compile also the plan of all its blocks.
+
+        It always runs eagerly: the step comes from the sigmas on the host, which is one graph break
+        per model call under torch.compile (H3's forward reads its sigma on the host there too).
+        `compiled` says whether the model call is being compiled; then `plan_call` decides every
+        block here and its tokens go to `COMPILED_CALLS`, where the compiled blocks read them.
+        """
+        step, total = self.tracker.step_of(transformer_options)
+        packed = None
+        try:
+            packed = payload_layout(model, x, context, payload)
+        except Exception as err:  # layout discovery must never break sampling; blocks report it
+            self.tracker.log_once(f"could not rebuild the packed layout from minimax_payload ({err})")
+        ctx = CallContext(step, total, packed)
+        if compiled:
+            tokens = self.plan_call(model, ctx, context.dtype, x[0].device, transformer_options)
+            if tokens is not None:
+                COMPILED_CALLS[self.key] = tokens
+        return ctx
+
+    def plan_call(self, model: Any, ctx: CallContext, dtype: torch.dtype, device: torch.device,
+                  transformer_options: dict) -> tuple | None:
+        """Under torch.compile: the token (or None) of every block of this call, counted here; or None
+        to let each block `decide` (the default)."""
+        return None
+
+    def token(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+        """The token of a block call: planned for the whole call under torch.compile, else `decide`."""
+        planned = COMPILED_CALLS.get(self.key)
+        return planned[layer] if planned is not None else self.decide(layer, attn, args)
 
     def call_context(self, transformer_options: dict) -> CallContext:
         ctx = transformer_options.get(self.key)
@@ -165,11 +214,13 @@ class BlockHook(ABC):
 
     def on_pre_run(self, patcher: Any = None) -> None:
         self.tracker.finish()
+        COMPILED_CALLS.pop(self.key, None)
         if patcher is not None:  # a node applied after this one may have replaced its block patches
             refuse_core_sparse(patcher.model_options, self.title, "after")
 
     def on_cleanup(self, patcher: Any = None) -> None:
         self.tracker.finish()
+        COMPILED_CALLS.pop(self.key, None)
 
     # --- subclass contract -------------------------------------------------------------------
     @abstractmethod
@@ -239,7 +290,7 @@ class BlockReplacement:
         current = args.get("attention")
         if isinstance(current, HookedAttention):  # a hook nearer the sampler already took this call
             return inner(args)
-        token = self.hook.decide(self.layer, self.attn, args)
+        token = self.hook.token(self.layer, self.attn, args)
         if token is None:
             return inner(self.hook.dense_args(args))
         args = dict(args)
@@ -275,8 +326,12 @@ def block_hooks(diffusion_model: Any, hook: BlockHook, previous_replacements: di
 
 
 # ComfyUI's own "Model Sparse Attention" node (BlockSparseAttention) registers its block patches
-# from this module with set_model_patch_replace, replacing whatever was there and never calling it
+# from this module with set_model_patch_replace. Older versions replace whatever was there and
+# never call it; newer ones chain it and mark their patches with a `_block_sparse_attention_patch`
+# attribute, but still swap the attention of the calls they take and put their own attention
+# override on the rest.
 CORE_SPARSE_MODULE = "comfy_extras.nodes_sparse_attention"
+CORE_SPARSE_MARK = "_block_sparse_attention_patch"
 CORE_SPARSE_NODE = "ComfyUI's 'Model Sparse Attention' node (BlockSparseAttention)"
 
 
@@ -289,21 +344,23 @@ def double_block_patches(model_options: dict) -> dict[int, Callable]:
 def core_sparse_blocks(model_options: dict) -> list[int]:
     """Blocks whose replacement comes from ComfyUI's core sparse node."""
     return sorted(i for i, fn in double_block_patches(model_options).items()
-                  if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE)
+                  if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE or hasattr(fn, CORE_SPARSE_MARK))
 
 
 def refuse_core_sparse(model_options: dict, title: str, order: str) -> None:
     """Raise when ComfyUI's core sparse node patched the blocks too (in `order` to this node).
 
-    Both replace the attention of the same blocks and the core node drops earlier block patches,
-    so composing them would silently lose one; the user is told to keep one of them.
+    Both replace the attention of the same blocks, and the core node either drops earlier block
+    patches (older ComfyUI) or overrides the attention of every call it does not take itself (newer),
+    so composing them would silently run something else than either node says; the user is told
+    to keep one of them.
     """
     blocks = core_sparse_blocks(model_options)
     if blocks:
         raise ValueError(
             f"{title}: {CORE_SPARSE_NODE} is applied {order} this node on the same model ({len(blocks)} H3 blocks). "
-            "Both replace the attention of the same blocks and the core node discards other block patches, so one "
-            "of them would silently not run. Keep one of the two nodes (remove or bypass the other).")
+            "Both replace the attention of the same blocks, so one of them would silently not run as set. "
+            "Keep one of the two nodes (remove or bypass the other).")
 
 
 def install(model_patcher: Any, hook: BlockHook) -> Any:
@@ -345,6 +402,21 @@ def linear_weights(module: torch.nn.Module, like: torch.Tensor) -> Iterator[tupl
         return
     with comfy.ops.CastBiasWeightContext(module, like, offloadable=True) as (weight, bias):
         yield weight, bias
+
+
+def outside_allocation_graph() -> Any:
+    """A context that keeps our allocations out of ComfyUI's allocation graph, where it has one.
+
+    Current ComfyUI records the allocations of an H3 forward on CUDA and replays them
+    (``comfy.model_prefetch.pause_malloc_graph``, its "model compiler"); its own sparse node pauses
+    that for what outlives a call. The engine keeps tiling, routing and reblock tensors across
+    calls, so the whole sparse path and the kernel preparation run paused. Older ComfyUI has no
+    such graph, and under torch.compile there is nothing to pause at trace time.
+    """
+    pause = getattr(sys.modules.get("comfy.model_prefetch"), "pause_malloc_graph", None)
+    if pause is None or torch.compiler.is_compiling():
+        return nullcontext()
+    return pause()
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -404,51 +476,88 @@ class SparseAttentionHook(BlockHook):
     def title(self) -> str:
         return "adaptive sparse attention"
 
-    def unsupported(self, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout | None) -> str | None:
-        """Why this block call cannot run sparse, or None."""
+    def unsupported(self, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                    layout: SequenceLayout | None) -> str | None:
+        """Why a block call with input of this shape (rows, hidden), dtype and device cannot run sparse, or None."""
         if layout is None:
             return ("the packed-sequence layout was not found (no args['layout'], "
                     "transformer_options['minimax_h3_layout'] or minimax_payload layout)")
-        if x.dim() != 2 or x.shape[0] != layout.total:
-            return f"block input of shape {tuple(x.shape)} does not match the layout's {layout.total} rows"
+        if len(shape) != 2 or shape[0] != layout.total:
+            return f"block input of shape {tuple(shape)} does not match the layout's {layout.total} rows"
         if attn.head_dim not in HEAD_DIMS:
             return f"head_dim={attn.head_dim} is not supported (expected one of {HEAD_DIMS})"
-        if x.dtype not in DTYPES:
-            return f"dtype {x.dtype} is not supported (expected one of {', '.join(str(d) for d in DTYPES)})"
-        if x.device.type not in DEVICES:
-            return f"device {x.device} is not supported (expected one of {', '.join(DEVICES)})"
+        if dtype not in DTYPES:
+            return f"dtype {dtype} is not supported (expected one of {', '.join(str(d) for d in DTYPES)})"
+        if device.type not in DEVICES:
+            return f"device {device} is not supported (expected one of {', '.join(DEVICES)})"
+        return None
+
+    def choose(self, layer: int, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device, layout: SequenceLayout | None, step: int | None, total: int | None) -> str | None:
+        """Why this block call runs dense, or None when it runs sparse.
+
+        Prepares the kernels of the calls that run sparse and of the warmup steps of sparse layers;
+        an unsupported call raises under `strict`, else its reason is logged once per run.
+        """
+        reason = schedule_reason(self.config, layer, step, total, shape[0])
+        problem = self.unsupported(attn, shape, dtype, device, layout)
+        if reason is not None:
+            if problem is None and schedule_reason(self.config, layer, None, None, shape[0]) is None:
+                self.prepare(attn, dtype, device, layout)  # a warmup step of a sparse layer
+            return reason
+        if problem is not None:
+            message = f"layer {layer} runs dense: {problem}"
+            if self.config.strict:
+                raise RuntimeError(f"{self.title} (strict): {message}")
+            self.tracker.log_once(message)
+            return problem
+        self.prepare(attn, dtype, device, layout)  # strict raises here when Triton is asked for and missing
         return None
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
         to = args.get("transformer_options", {})
         ctx = self.call_context(to)
         x = args["img"]
-        reason = schedule_reason(self.config, layer, ctx.step, ctx.total, x.shape[0])
+        layout = self.layout(args, ctx)
+        reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, ctx.step, ctx.total)
         if reason is None:
-            layout = self.layout(args, ctx)
-            problem = self.unsupported(attn, x, layout)
-            if problem is not None:
-                message = f"layer {layer} runs dense: {problem}"
-                if self.config.strict:
-                    raise RuntimeError(f"{self.title} (strict): {message}")
-                self.tracker.log_once(message)
-            else:
-                self.prepare(attn, x, layout)  # strict raises here when Triton is asked for and missing
-                if to.get("optimized_attention_override") is not None:
-                    self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
-                                          "only; sparse blocks run adaptive sparse attention")
-                return (ctx.step, layout)
-        elif schedule_reason(self.config, layer, None, None, x.shape[0]) is None:  # a warmup step of a sparse layer
-            layout = self.layout(args, ctx)
-            if self.unsupported(attn, x, layout) is None:
-                self.prepare(attn, x, layout)
-        self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason or problem)
+            self.note_other_override(to)
+            return ctx.step, layout
+        self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
-    def prepare(self, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout) -> None:
+    def plan_call(self, model: Any, ctx: CallContext, dtype: torch.dtype, device: torch.device,
+                  transformer_options: dict) -> tuple:
+        """Under torch.compile: `Planned` (sparse) or None (dense) for every block of this call.
+
+        The blocks are counted here; the compiled sparse blocks are neither timed nor is their
+        density measured, as both would synchronise the host in every block.
+        """
+        layout = None if ctx.packed is None else self.layouts.of(ctx.packed)
+        rows = 0 if layout is None else layout.total
+        tokens = []
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            reason = self.choose(layer, attn, (rows, attn.qkv_proj.in_features), dtype, device, layout,
+                                 ctx.step, ctx.total)
+            tokens.append(None if reason is not None else Planned(layout))
+            self.tracker.note_block(ctx.step, sparse=reason is None, density=None, layer=layer, reason=reason)
+        if any(tokens):
+            self.note_other_override(transformer_options)
+            self.tracker.log_once("the model runs under torch.compile: sparse blocks are not timed and their "
+                                  "density is not measured (each would synchronise the host in every block)")
+        return tuple(tokens)
+
+    def note_other_override(self, transformer_options: dict) -> None:
+        if transformer_options.get("optimized_attention_override") is not None:
+            self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
+                                  "only; sparse blocks run adaptive sparse attention")
+
+    def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
         """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
-        if resolve_backend(self.config.backend, x.device, x.dtype, self.config.strict) == "triton":
-            prepare_kernels(layout, self.config, x.dtype, x.device, attn.head_dim)
+        if resolve_backend(self.config.backend, device, dtype, self.config.strict) == "triton":
+            with outside_allocation_graph():
+                prepare_kernels(layout, self.config, dtype, device, attn.head_dim)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
@@ -464,32 +573,50 @@ class SparseAttentionHook(BlockHook):
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        if isinstance(token, Planned):  # a compiled call: counted in plan_call, nothing to measure
+            return self.output(attn, x, rope_freqs, transformer_options,
+                               lambda q, k, v, g: sparse_attention(q, k, v, token.layout, self.config, coarse_gate=g))
         step, layout = token
+        timer = self.tracker.start_timer(x[0] if isinstance(x, list) else x)
+        key = layout.signature()
+        tracker = self.tracker
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+            if key not in tracker.densities:  # measured once per shape and run: it needs a host sync
+                o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
+                tracker.densities[key] = info.density
+            elif key not in tracker.timed:  # the next call (kernels compiled): vs dense
+                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.config, g)
+                tracker.note_timing(key, sparse_ms, dense_ms)
+            else:
+                o = sparse_attention(q, k, v, layout, self.config, coarse_gate=g)
+            return o
+
+        out = self.output(attn, x, rope_freqs, transformer_options, run)
+        self.tracker.stop_timer(timer)
+        self.tracker.note_block(step, sparse=True, density=tracker.densities[key], layer=layer)
+        return out
+
+    def output(self, attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,
+               run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+               ) -> torch.Tensor:
+        """The attention output [S, hidden] of block input x (or KJNodes' one-item list, freed early):
+        Q/K/V per head group (``minimax_head_chunks``), `run(q, k, v, gate)` -> [1, h, S, D] on each,
+        then out_proj."""
         x = unwrap_input(x)
         heads, dim = attn.heads, attn.head_dim
-        out = x.new_empty(x.shape[0], heads, dim)
-        timer = self.tracker.start_timer(x)
-        density_key = layout.signature()
-        density = self.tracker.densities.get(density_key)
-        gate = coarse_gate(attn, x, self.config)
-        with linear_weights(attn.qkv_proj, x) as (weight, bias):
-            qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
-            for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
-                q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
-                g = None if gate is None else gate[:, h0:h1]
-                if density is None:  # measured once per shape and run: it needs a host sync
-                    o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
-                    density = self.tracker.densities[density_key] = info.density
-                elif density_key not in self.tracker.timed:  # the next call (kernels compiled): vs dense
-                    o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.config, g)
-                    self.tracker.note_timing(density_key, sparse_ms, dense_ms)
-                else:
-                    o = sparse_attention(q, k, v, layout, self.config, coarse_gate=g)
-                out[:, h0:h1] = o[0].transpose(0, 1)
-                del q, k, v, o, g
-        del x, gate
-        self.tracker.stop_timer(timer)
-        self.tracker.note_block(step, sparse=True, density=density, layer=layer)
+        with outside_allocation_graph():
+            out = x.new_empty(x.shape[0], heads, dim)
+            gate = coarse_gate(attn, x, self.config)
+            with linear_weights(attn.qkv_proj, x) as (weight, bias):
+                qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
+                for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
+                    q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                    g = None if gate is None else gate[:, h0:h1]
+                    o = run(q, k, v, g)
+                    out[:, h0:h1] = o[0].transpose(0, 1)
+                    del q, k, v, o, g
+            del x, gate
         return attn.out_proj(out.view(out.shape[0], heads * dim))
 
 

@@ -71,6 +71,11 @@ class RaylightSparseAttention(SparseAttentionHook):
     def title(self) -> str:
         return "adaptive sparse attention (Raylight)"
 
+    def plan_call(self, model: Any, ctx: Any, dtype: torch.dtype, device: torch.device,
+                  transformer_options: dict) -> None:
+        """Not planned ahead under torch.compile: each rank's block decides on its own row shard."""
+        return None
+
     def refuse(self, layer: int, problem: str) -> None:
         """Strict: raise. Otherwise log the reason once per run (the call then runs dense)."""
         message = f"layer {layer} runs dense: {problem}"

@@ -1,6 +1,8 @@
 """A tiny H3-shaped DiT block written from the documented block contract (no ComfyUI).
 
-It follows REFERENCE.md's description of ComfyUI's MiniMax-H3 block: fused qkv_proj (no bias),
+Two ComfyUI versions are mirrored: the pinned fork (upstream 0f1fa67a) and the newest stored
+upstream (Comfy-Org/ComfyUI, comfy/ldm/minimax/model.py at 2c64d4aa); `Block`/`OldBlock` and
+`h3_blocks` say what differs. It follows REFERENCE.md's description of ComfyUI's MiniMax-H3 block: fused qkv_proj (no bias),
 per-head RMSNorm of q and k, split-half RoPE on the first rot_dim dims from a [1, S, 1, r/2, 2, 2]
 rotation table, dense attention, out_proj, adaLN modulation per (start, stop, row) segment and
 gated residuals accumulated in place into the block input. Written independently of
@@ -162,3 +164,33 @@ def block_wrap(block: Block, new: bool):
 
 def layout_of(packed: PackedLayout) -> SequenceLayout:
     return SequenceLayout.from_packed(packed)
+
+
+UPSTREAMS = ("pinned", "current")
+
+
+def h3_blocks(model: MiniMaxH3Model, patches: dict, args: dict, transformer_options: dict,
+              packed: PackedLayout, upstream: str) -> torch.Tensor:
+    """H3's block loop (its forward after the embeddings) as `upstream` has it.
+
+    "current": the forward puts the layout in ``transformer_options["minimax_h3_layout"]`` and,
+    before each block, its index in ``transformer_options["block_index"]`` (the caller's dict,
+    not a copy); the block args carry "layout" and the original block passes on
+    ``args["attention"]``. "pinned": none of these. `patches`: ("double_block", i) -> replacement;
+    a "layout" already in `args` stands for the one H3 computed (tests give a wrong one there).
+    """
+    if upstream not in UPSTREAMS:
+        raise ValueError(f"upstream={upstream!r}: expected one of {UPSTREAMS}")
+    current = upstream == "current"
+    if current:
+        transformer_options["minimax_h3_layout"] = packed
+    h = args["img"]
+    for i, block in enumerate(model.blocks):
+        if current:
+            transformer_options["block_index"] = i
+        call = {**({"layout": packed} if current else {}), **args, "img": h, "transformer_options": transformer_options}
+        if ("double_block", i) in patches:
+            h = patches[("double_block", i)](call, {"original_block": block_wrap(block, current)})["img"]
+        else:
+            h = block(h, args["t_emb"], args["mod_segments"], args["rope_freqs"], transformer_options=transformer_options)
+    return h

@@ -1,12 +1,14 @@
 """Our node and ComfyUI's core "Model Sparse Attention" node on one model, in both orders (real ComfyUI, CPU).
 
-The core node replaces every H3 block patch and never calls the one it replaced, and both nodes
-swap the same attention; so our node refuses the combination with a message naming both, at
-patch time when the core node came first and when sampling starts when it came after. Uses the
-real core node when the checkout has it, else `core_sparse_standin` (its patching behaviour).
+Both nodes swap the attention of the same blocks; the core node either replaces every H3 block
+patch without calling the one it replaced (older ComfyUI) or chains it while overriding the
+attention of the calls it leaves (newer). Our node refuses the combination with a message naming
+both, at patch time when the core node came first and when sampling starts when it came after.
+Uses the real core node when the checkout has it, else both forms of `core_sparse_standin`.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -19,25 +21,29 @@ from test_comfyui_real import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
                                 reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
 MESSAGE = r"Model Sparse Attention.*applied {} this node.*Keep one of the two nodes"
+NAME = "comfy_extras.nodes_sparse_attention"
 
 
-@pytest.fixture(scope="module")
-def core_node(comfy):  # noqa: F811
-    """apply(model) of the core node: the real one when ComfyUI has it, else the stand-in."""
-    name = "comfy_extras.nodes_sparse_attention"
-    if importlib.util.find_spec(name) is not None:
-        real = importlib.import_module(name)
+@pytest.fixture(scope="module", params=["real-or-replaces", "chains"])
+def core_node(comfy, request):  # noqa: F811
+    """apply(model) of the core node: the real one when ComfyUI has it, else a stand-in form."""
+    if importlib.util.find_spec(NAME) is not None:
+        if request.param == "chains":
+            pytest.skip("this ComfyUI has the real core node (tested in the other parametrization)")
+        real = importlib.import_module(NAME)
 
         def apply(model):
             return real.BlockSparseAttention.execute(model, selection={"selection": "sol-attn", "tau": 1.3},
                                                      start_percent=0.2, end_percent=1.0).result[0]
-        return apply
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("core_sparse_standin.py"))
+        yield apply
+        return
+    spec = importlib.util.spec_from_file_location(NAME, Path(__file__).with_name("core_sparse_standin.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[NAME] = module
     spec.loader.exec_module(module)
-    yield module.apply_block_sparse_attention
-    del sys.modules[name]
+    form = "chains" if request.param == "chains" else "replaces"
+    yield functools.partial(module.apply_block_sparse_attention, form=form)
+    del sys.modules[NAME]
 
 
 def test_core_node_first_then_ours_stops_at_patch_time(comfy, core_node):  # noqa: F811
@@ -54,7 +60,7 @@ def test_ours_first_then_core_node_stops_when_sampling_starts(comfy, core_node):
     both = core_node(ours)
     from adaptive_sparse_attention.nodes.h3_patch import core_sparse_blocks, double_block_patches
 
-    # without the check our node would not run at all: every block patch is the core node's now
+    # every block patch is the core node's now (which may or may not call ours)
     assert len(double_block_patches(ours.model_options)) == 2 and core_sparse_blocks(both.model_options) == [0, 1]
     with pytest.raises(ValueError, match=MESSAGE.format("after")):
         sample(nodes, both, steps=2)

@@ -24,6 +24,17 @@ def test_graph_puts_our_node_between_loader_and_timer():
     assert ours["2"]["class_type"] == "AdaptiveSparseAttentionH3" and ours["3"]["inputs"]["model"] == ["2", 0]
     assert "2" not in plain and plain["3"]["inputs"]["model"] == ["1", 0]
     assert ours["7"]["inputs"]["cfg"] == 3.0 and ours["6"]["inputs"]["length"] == 243
+    assert "9" not in ours and ours["3"]["inputs"]["around"] == "diffusion_model"
+
+
+def test_compiled_graph_puts_torch_compile_after_our_node():
+    widgets = e2e.node_widgets(e2e.SCALES["h3"])
+    ours = e2e.graph("m.safetensors", e2e.SCALES["h3"], 243, 19, 3.0, widgets, "a", "inductor")
+    plain = e2e.graph("m.safetensors", e2e.SCALES["h3"], 243, 19, 3.0, None, "b", "inductor")
+    assert ours["9"] == {"class_type": "TorchCompileModel", "inputs": {"model": ["2", 0], "backend": "inductor"}}
+    assert plain["9"]["inputs"]["model"] == ["1", 0]
+    for prompt in (ours, plain):  # the timer wraps apply_model, outside the compiled diffusion model
+        assert prompt["3"]["inputs"]["model"] == ["9", 0] and prompt["3"]["inputs"]["around"] == "apply_model"
 
 
 def test_summary_splits_dense_first_and_steady_calls():
@@ -38,8 +49,17 @@ def test_summary_splits_dense_first_and_steady_calls():
     assert (row["dense_blocks"], row["sparse_blocks"], row["density"], row["attention_s"]) == (4, 12, 0.25, 1.5)
     plain = e2e.summarise("comfyui", calls, 5.0, None, None, reference, None, [])
     assert "first_sparse_ms" not in plain and plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
+    compiled = line.replace("mean density 0.250 in sparse blocks (0.4 over all blocks)",
+                            "mean density n/a in sparse blocks (12 sparse block calls ran under torch.compile: ...)")
+    row_compiled = e2e.summarise("ours-compiled", calls, 4.0, 2.5, 2, reference, reference, [compiled])
+    assert row_compiled["sparse_blocks"] == 12 and row_compiled["density"] is None
     table = e2e.markdown({"blocks": 1, "runs": [dict(plain, clip="10s", frames=39), dict(row, clip="10s", frames=39)]})
     assert "| ours | 10s (39 frames) | 4.0 | 1.25x |" in table
+
+
+def test_compile_only_needs_a_compile_backend(tmp_path: Path):
+    with pytest.raises(ValueError, match="compile_only needs a compile backend"):
+        e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], compile_only=True)
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
@@ -49,10 +69,16 @@ def test_tiny_run_in_real_comfyui(tmp_path: Path):
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     proc = subprocess.run([sys.executable, "-m", "adaptive_sparse_attention", "e2e", "--comfyui", COMFYUI,
                            "--scale", "tiny", "--blocks", "1", "--steps", "2", "--clips", "10s",
-                           "--work", str(tmp_path), "--out", str(out)], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=tmp_path)
+                           "--work", str(tmp_path), "--out", str(out), "--compile", "eager"], capture_output=True,
+                          text=True, env=env, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {(r["run"], r["clip"]): r for r in json.loads(out.read_text())["runs"]}
     assert runs[("ours", "10s")]["calls"] == 4 and runs[("ours-all-dense", "10s")]["density"] == 1.0
     assert 0 < runs[("ours", "10s")]["rel_l2"] < 0.1 and runs[("ours", "10s")]["sparse_blocks"] == 2
     assert "| comfyui | 10s (39 frames)" in proc.stdout
+    # TorchCompileModel after our node: the same latent, every sparse block counted (not measured)
+    for name in ("ours-compiled", "ours-compiled-warm"):
+        row = runs[(name, "10s")]
+        assert row["calls"] == 4 and row["sparse_blocks"] == 2 and row["density"] is None
+        assert row["rel_l2"] == pytest.approx(runs[("ours", "10s")]["rel_l2"], rel=1e-3)
+    assert runs[("comfyui-compiled-warm", "10s")]["calls"] == 4

@@ -6,6 +6,8 @@ must match their oracles to ~1e-12 (only summation order differs).
 from __future__ import annotations
 
 import logging
+import sys
+import types
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from adaptive_sparse_attention.backend import producer
 from adaptive_sparse_attention.nodes import h3_patch
 from adaptive_sparse_attention.nodes.h3_patch import (AttentionDispatch, LayoutCache, SparseAttentionHook,
                                                         block_hooks, check_h3, head_groups)
-from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, block_wrap, layout_of
+from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, h3_blocks, layout_of
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 PACKED = PackedLayout(5, 4, 16, 16, 3)  # text 5, audio 6, video 4x8x8: S = 267, 4 video cubes of 64
@@ -60,17 +62,16 @@ class Executor:
 
 
 def run_model(model, hook, args: dict, new: bool, previous=None, object_patches=None):
-    """H3's block loop with every block replaced, entered through the hook's DIFFUSION_MODEL wrapper."""
+    """H3's block loop with every block replaced, entered through the hook's DIFFUSION_MODEL wrapper
+    (`new`: current upstream's block forward and loop, else the pinned fork's)."""
     replacements, patches = block_hooks(model, hook, previous or {}, object_patches or {})
     for key, fn in {**(object_patches or {}), **patches}.items():
         set_path(model, key, fn)
 
     def forward(x, timestep, context, transformer_options, minimax_payload=None):
-        h = args["img"].clone()
-        for i, block in enumerate(model.blocks):
-            call = {**args, "img": h, "transformer_options": transformer_options}
-            h = replacements[i](call, {"original_block": block_wrap(block, new)})["img"]
-        return h
+        patches = {("double_block", i): fn for i, fn in replacements.items()}
+        return h3_blocks(model, patches, {**args, "img": args["img"].clone()}, transformer_options, PACKED,
+                         "current" if new else "pinned")
 
     text, t, h, w, audio = PACKED.signature
     x = [torch.zeros(1, 24, t, h, w), torch.zeros(1, 32, 2, audio)]
@@ -100,6 +101,22 @@ def sparse_oracle(cfg: SparseConfig):
             return block.attn.out_proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
         return attention
     return attention_of
+
+
+@pytest.mark.parametrize("new", [True, False], ids=["current", "pinned"])
+def test_what_each_upstream_publishes_to_the_blocks(new):
+    """Current upstream writes the layout and the block index into the caller's transformer_options;
+    the hook finds the layout there alone, leaves both as H3 set them and leaves nothing of its own."""
+    model = model_of(new, seed=21)
+    args = block_args(model.blocks[0], PACKED, seed=22, new=False)  # no "layout" in the base args
+    to = args["transformer_options"] = options()
+    hook = SparseAttentionHook(config(topk_ratio=0.25))
+    out = run_model(model, hook, args, new)
+    torch.testing.assert_close(out, reference(model, args, sparse_oracle(config(topk_ratio=0.25))), **TOL)
+    assert hook.tracker.stats.sparse_blocks == 2 and hook.key not in to
+    assert (to.get("block_index"), to.get("minimax_h3_layout")) == ((1, PACKED) if new else (None, None))
+    ctx = h3_patch.CallContext(3, 10, None)  # no payload layout: current upstream's options alone suffice
+    assert (hook.layout({"transformer_options": to}, ctx) is not None) == new
 
 
 @pytest.mark.parametrize("new", [True, False], ids=["args-attention", "attn-object-patch"])
@@ -204,10 +221,11 @@ def test_strict_errors_and_logged_fallbacks(caplog, monkeypatch):
         run_model(model, SparseAttentionHook(config(strict=True)), args, True)
     hook = SparseAttentionHook(config())
     layout = layout_of(PACKED)
-    x = torch.zeros(layout.total, 32, device="meta")
-    assert "device meta" in hook.unsupported(model.blocks[0].attn, x, layout)
-    assert "int" in hook.unsupported(model.blocks[0].attn, torch.zeros(layout.total, 32, dtype=torch.int32), layout)
-    assert "layout was not found" in hook.unsupported(model.blocks[0].attn, x, None)
+    attn, shape = model.blocks[0].attn, (layout.total, 32)
+    assert "device meta" in hook.unsupported(attn, shape, torch.float32, torch.device("meta"), layout)
+    assert "int" in hook.unsupported(attn, shape, torch.int32, torch.device("cpu"), layout)
+    assert "layout was not found" in hook.unsupported(attn, shape, torch.float32, torch.device("cpu"), None)
+    assert "does not match" in hook.unsupported(attn, (layout.total + 1, 32), torch.float32, torch.device("cpu"), layout)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: Triton cannot run, strict says so
     args["layout"] = PACKED
@@ -320,3 +338,48 @@ def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     assert hook.tracker.stats.sparse_blocks == 0  # a warmup step
     (layout, cfg, dtype, device, head_dim), = prepared  # layer 0 only: layer 1 is always dense
     assert layout == layout_of(PACKED) and cfg is hook.config and head_dim == model.blocks[0].attn.head_dim
+
+
+def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_graph(monkeypatch):
+    """Current upstream records the allocations of an H3 forward on CUDA and pauses that with
+    comfy.model_prefetch.pause_malloc_graph() (the pinned fork has neither): the engine's tensors
+    that outlive a call must not come from that record."""
+    depth = []
+
+    class Pause:
+        def __enter__(self):
+            depth.append(1)
+
+        def __exit__(self, *exc):
+            depth.pop()
+
+    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
+    seen = []
+    attention = h3_patch.sparse_attention
+    monkeypatch.setattr(h3_patch, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
+    monkeypatch.setattr(h3_patch, "resolve_backend", lambda requested, device, dtype, strict: "triton")
+    monkeypatch.setattr(h3_patch, "prepare_kernels", lambda *a: seen.append(("prepare", len(depth))))
+    model = model_of(True, seed=23, layers=1)
+    args = block_args(model.blocks[0], PACKED, seed=24, new=True)
+    hook = SparseAttentionHook(config(warmup_mode="fidelity", warmup_ratio=0.3))
+    for step in (0, 5):  # a warmup step (kernels prepared), then a sparse one
+        args["transformer_options"] = options(step)
+        run_model(model, hook, args, True)
+    assert {kind for kind, _ in seen} == {"sparse", "prepare"} and all(d == 1 for _, d in seen) and not depth
+
+
+def test_core_sparse_patches_are_found_by_their_module_or_their_mark():
+    """Older core nodes are known by the module of their block patches, newer ones also by the
+    `_block_sparse_attention_patch` attribute they set on them."""
+    def ours(args, extra):
+        return extra["original_block"](args)
+
+    def marked(args, extra):
+        return extra["original_block"](args)
+
+    marked._block_sparse_attention_patch = object()
+    dit = {("double_block", 0): ours, ("double_block", 1): marked}
+    options = {"transformer_options": {"patches_replace": {"dit": dit}}}
+    assert h3_patch.core_sparse_blocks(options) == [1]
+    with pytest.raises(ValueError, match="Model Sparse Attention.*applied after this node.*Keep one"):
+        h3_patch.refuse_core_sparse(options, "t", "after")
