@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
 import re
 from contextlib import contextmanager
 from typing import Iterator
@@ -18,13 +19,14 @@ from typing import Iterator
 import pytest
 import torch
 
+import adaptive_sparse_attention
 from adaptive_sparse_attention.kernels import dense
 from adaptive_sparse_attention.nodes.h3_patch import COMPILED_CALLS, SparseAttentionHook, block_hooks
 from h3_block import block_args, block_wrap
 from test_h3_patch import PACKED, Executor, config, model_of, options
 
 STEPS = 3  # 1 warmup step (dense), then sparse
-PACKAGE = "adaptive_sparse_attention/"
+PACKAGE = os.path.realpath(os.path.dirname(adaptive_sparse_attention.__file__)) + os.sep  # wherever it is checked out
 WRAPPER = ("nodes/h3_patch.py", "diffusion_model_wrapper")  # begin_call: the step, on the host, once per call
 
 
@@ -84,8 +86,9 @@ def break_sites() -> Iterator[set[tuple[str, str]]]:
     class Sites(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             m = where.match(record.getMessage())
-            if m and PACKAGE in m[1]:
-                sites.add((m[1].split(PACKAGE)[-1], function_at(m[1], int(m[2]))))
+            path = os.path.realpath(m[1]) if m else ""
+            if path.startswith(PACKAGE) and not path.startswith(PACKAGE + "tests" + os.sep):  # the package, not tests
+                sites.add((path[len(PACKAGE):], function_at(path, int(m[2]))))
 
     handler = Sites()
     logger = logging.getLogger("torch._dynamo")
