@@ -34,16 +34,20 @@ def _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS: tl.constexpr, BLOCK_S:
 
 
 @triton.jit
-def _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask):
-    """Rows of x[b, h] as fp32 [BLOCK_S, BLOCK_D]; padding slots and columns past D are zero."""
-    ptr = X + b * sx_b + h * sx_h + rows.to(tl.int64)[:, None] * sx_s + offs_d[None, :] * sx_d
+def _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask, ALIGN: tl.constexpr):
+    """Rows of x[b, h] as fp32 [BLOCK_S, BLOCK_D]; padding slots and columns past D are zero.
+
+    The (batch, head) strides are not specialised (they change with the clip length), so ALIGN
+    (which divides them) tells the compiler the rows stay aligned: vector loads, not one per element."""
+    base = tl.multiple_of(b * sx_b + h * sx_h, ALIGN)
+    ptr = X + base + rows.to(tl.int64)[:, None] * sx_s + offs_d[None, :] * sx_d
     return tl.load(ptr, mask=(rows >= 0)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=['H', 'J', 'sx_b', 'sx_h', 'sp_b', 'sp_h'])
 def _block_sums(X, Perm, BlockLen, Out,
                 sx_b, sx_h, sx_s, sx_d, sp_b, sp_h, H, J, D,
-                BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr):
     j = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -51,7 +55,7 @@ def _block_sums(X, Perm, BlockLen, Out,
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     rows, _ = _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS, BLOCK_S)
-    x = _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask)
+    x = _gather_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, dmask, ALIGN)
     tl.store(Out + (bh.to(tl.int64) * J + j) * D + offs_d, tl.sum(x, 0), mask=dmask)
 
 
@@ -59,7 +63,7 @@ def _block_sums(X, Perm, BlockLen, Out,
 def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
                      sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, H, J, D, scale,
                      BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                     REWEIGHT: tl.constexpr):
+                     ALIGN: tl.constexpr, REWEIGHT: tl.constexpr):
     j = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -69,10 +73,13 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
     dmask = offs_d < D
     rows, n = _block_slots(Perm, BlockLen, b, h, j, sp_b, sp_h, BS, BLOCK_S)
     valid = tl.arange(0, BLOCK_S) < n
-    kb = _gather_rows(K, rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, dmask)
+    kb = _gather_rows(K, rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, dmask, ALIGN)
+    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask, ALIGN)  # in flight during the key's work
     if REWEIGHT:
-        # a non-finite key row is left out (NaN and +-inf fail |x| < inf); no finite key: no summary
-        good = valid & (tl.sum(tl.where(tl.abs(kb) < float("inf"), 0, 1), 1) == 0)
+        # a non-finite key row is left out: x * 0 is NaN for NaN and +-inf and +-0 otherwise, so a
+        # row's sum is 0 exactly when all its entries are finite (the same rows as counting
+        # |x| < inf, and cheaper than that integer count); no finite key: no summary
+        good = valid & (tl.sum(kb * 0.0, 1) == 0.0)
         kb = tl.where(good[:, None], kb, 0.0)
         a = tl.load(Anchor + bh.to(tl.int64) * D + offs_d, mask=dmask, other=0.0)
         logit = tl.where(good, tl.sum(kb * a[None, :], 1) * scale, float("-inf"))
@@ -88,12 +95,11 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
     if not REWEIGHT:  # non-finite means become 0, as `pooling.block_means` makes them
         key = tl.where(tl.abs(key) < float("inf"), key, 0.0)
     key = key.to(Key.dtype.element_ty)
-    tl.store(Key + row * D + offs_d, key, mask=dmask)  # stored before V is read: fewer live registers
+    tl.store(Key + row * D + offs_d, key, mask=dmask)
     if REWEIGHT:
         bias = lse - tl.sum(key.to(tl.float32) * a, 0) * scale
     else:
         bias = tl.log(norm)
-    vb = _gather_rows(V, rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, dmask)
     if REWEIGHT:
         vb = tl.where(good[:, None], vb, 0.0)  # the left-out rows' values too (0 * inf would be NaN)
     value = tl.div_rn(tl.sum(p[:, None] * vb, 0), norm)
@@ -117,12 +123,25 @@ def _check(name: str, x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tens
                          f"(block_len has {J} blocks of {block_size}), got {perm.dtype} {tuple(perm.shape)}")
 
 
-def _launch_args(head_dim: int, block_size: int) -> dict:
+def _row_align(*tensors: torch.Tensor) -> int:
+    """Largest power of two, at most one 16-byte vector of elements, dividing the batch, head and row
+    strides of every tensor (a size-1 dimension's stride never counts). With the row stride in it,
+    it does not change with the clip length for contiguous tensors or views of H3's qkv buffer."""
+    align = 16 // tensors[0].element_size()
+    for t in tensors:
+        for size, stride in zip(t.shape[:3], t.stride()[:3]):
+            while size > 1 and stride % align:
+                align //= 2
+    return align
+
+
+def _launch_args(head_dim: int, block_size: int, *tensors: torch.Tensor) -> dict:
     block_s, block_d = triton.next_power_of_2(block_size), triton.next_power_of_2(head_dim)
     # one fp32 [rows, D] tile per tensor, 128 values per thread: at the 10 s H3 shape on the H200
     # (64 x 128 tiles) 2 warps gather at close to full bandwidth where 8 warps took twice as long
     # (block sums 0.31 vs 0.66 ms for 1 GB of rows, summaries 0.85 vs 1.66 ms for 2 GB)
-    return dict(BS=block_size, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=max(1, block_s * block_d // 4096))
+    return dict(BS=block_size, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=max(1, block_s * block_d // 4096),
+                ALIGN=_row_align(*tensors))
 
 
 def block_sums_triton(x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tensor, block_size: int
@@ -135,7 +154,7 @@ def block_sums_triton(x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tens
     perm = perm.contiguous()
     out = torch.empty(B, H, J, D, dtype=torch.float32, device=x.device)
     _block_sums[(J, B * H)](x, perm, block_len.contiguous(), out, *x.stride(), *_perm_strides(perm),
-                            H, J, D, **_launch_args(D, block_size))
+                            H, J, D, **_launch_args(D, block_size, x))
     return out
 
 
@@ -160,5 +179,5 @@ def block_summaries_triton(k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor,
     a = key if anchor is None else anchor.to(torch.float32).contiguous()  # unread without an anchor
     _block_summaries[(J, B * H)](k, v, perm, block_len.contiguous(), a, key, value, bias,
                                  *k.stride(), *v.stride(), *_perm_strides(perm), H, J, D, D ** -0.5,
-                                 REWEIGHT=anchor is not None, **_launch_args(D, block_size))
+                                 REWEIGHT=anchor is not None, **_launch_args(D, block_size, k, v))
     return key, value, bias

@@ -47,7 +47,7 @@ def attention(capability: int, head_dim: int, query_tail: bool) -> dict:
 
 
 def planner(capability: int) -> dict:
-    stats = dict(BS=64, BLOCK_S=64, BLOCK_D=128)
+    stats = dict(BS=64, BLOCK_S=64, BLOCK_D=128, ALIGN=8)  # ALIGN: bf16 rows of H3 buffers, as the launchers find
     return {
         "block_sums": compile_for(block_stats._block_sums, {"X": "*bf16", "Perm": "*i32", "BlockLen": "*i32",
                                                             "Out": "*fp32"}, set(), stats, capability, 2, 3),

@@ -17,7 +17,7 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels.block_stats import block_sums_triton, block_summaries_triton
+    from adaptive_sparse_attention.kernels.block_stats import _row_align, block_sums_triton, block_summaries_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend import planner
@@ -125,6 +125,19 @@ def test_build_plan_on_both_backends(tail_kind):
         for gran in ("query", "block"):
             torch.testing.assert_close(coarse_branch(q, k, v, got, gran, "triton"),
                                        coarse_branch(q, k, v, ref, gran, "torch"), **FP32_TOL)
+
+
+def test_row_alignment_divides_the_strides_and_does_not_change_with_the_clip_length():
+    """The kernels are told that (batch, head) offsets are multiples of `_row_align` (their strides
+    are not specialised): it must divide every stride that is used, capped at one 16-byte vector,
+    and stay the same when only the clip length changes (no new binary)."""
+    for seq_len in (301, 302):
+        k, v = h3_views(1, 3, seq_len, 48, torch.float16, seed=0)  # batch stride unused at B = 1
+        assert _row_align(k, v) == 8
+        assert _row_align(torch.zeros(2, 3, seq_len, 48)) == 4  # fp32: 4 per vector
+        assert _row_align(torch.zeros(2, 3, seq_len, 50, dtype=torch.float16)[..., :48]) == 2
+        assert _row_align(torch.zeros(2, 3, seq_len, 5, dtype=torch.bfloat16)) == 1
+        assert _row_align(k, torch.zeros(2, 3, seq_len, 36, dtype=torch.float16)) == 4  # the least aligned decides
 
 
 def test_bad_inputs_name_the_field():
