@@ -67,17 +67,17 @@ def planner(capability: int) -> dict:
         **{f"gram{' normalised' * norm}": compile_for(
             reblock_features._gram, {"A": "*bf16", "L": "*bf16", "Out": "*fp32"}, set(),
             {"DP": 128, "BLOCK": reblock_features.GRAM_ROWS, "SPLITS": reblock_features.SPLITS, "NORMALISE": norm,
-             "PRECISION": "tf32"}, capability, 8, 3) for norm in (False, True)},
+             "PRECISION": "tf32", "ALIGN": 8}, capability, 8, 3) for norm in (False, True)},
         **{f"top share {head}+{tail}": compile_for(
             block_mass._top_share, {"LogMass": "*fp32", "Out": "*fp32"}, set(), {"HEAD": head, "TAIL": tail},
             capability, max(1, head // 1024), 3) for head, tail in ((2048, 1), (1024, 128))},
         "features": compile_for(reblock_features._metric_project, {"X": "*bf16", "L": "*bf16", "P": "*bf16",
                                                                    "Out": "*fp16"}, set(),
                                 {"R": 16, "DP": 128, "BLOCK": reblock_features.BLOCK_M, "TILES": reblock_features.TILES,
-                                 "PRECISION": "tf32"}, capability, 4, 3),
+                                 "PRECISION": "tf32", "ALIGN": 8}, capability, 4, 3),
         "block mass": compile_for(block_mass._block_log_mass, {"Q": "*bf16", "K": "*bf16", "Perm": "*i32", "Out": "*fp32"},
                                   {"scale"}, {"P": 64, "DP": 128, "BS": 64, "BLOCKS": block_mass.BLOCKS,
-                                              "PRECISION": "tf32"}, capability, 4, 3),
+                                              "PRECISION": "tf32", "ALIGN": 8}, capability, 4, 3),
         **{f"directions M{mp}": compile_for(
             reblock_split._split_directions, {"Z": "*fp16", "Rows": "*i32", "Landmarks": "*i64", "Out": "*fp32"}, set(),
             {"RP": 16, "MP": mp, "CH": min(mp, 64), "SQUARINGS": 4, "STEPS": 3}, capability, max(1, min(8, mp // 256)), 3)
