@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import dot_precision
+from .configs import dot_precision, row_align
 from .radix_select import row_split, top_k_mask_pair
 
 BLOCKS = 4  # key blocks per program: the probes are loaded once for all of them
@@ -29,7 +29,8 @@ BLOCKS = 4  # key blocks per program: the probes are loaded once for all of them
 
 @triton.jit(do_not_specialize=['n_blocks', 'sk_g'])
 def _block_log_mass(Q, K, Perm, Out, n_blocks, D, scale, sq_g, sq_p, sk_g, sk_s, sp_g, P: tl.constexpr,
-                    DP: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, PRECISION: tl.constexpr):
+                    DP: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+                    ALIGN: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
     p = tl.arange(0, P)
     d = tl.arange(0, DP)
@@ -40,8 +41,9 @@ def _block_log_mass(Q, K, Perm, Out, n_blocks, D, scale, sq_g, sq_p, sk_g, sk_s,
         j = tl.program_id(0) * BLOCKS + t
         ids = tl.load(Perm + g * sp_g + j * BS + r, mask=j < n_blocks, other=-1)
         live = ids >= 0
-        k = tl.load(K + g * sk_g + ids[:, None].to(tl.int64) * sk_s + d[None, :],
-                    mask=live[:, None] & dmask[None, :], other=0.0)
+        # ALIGN divides the unspecialised head stride and the row stride (`configs.row_align`): vector loads
+        krow = tl.multiple_of(g * sk_g + ids.to(tl.int64) * sk_s, ALIGN)
+        k = tl.load(K + krow[:, None] + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units
         s = tl.where(live[None, :], s, float("-inf"))
         m = tl.max(s, 1)
@@ -93,7 +95,7 @@ def block_log_mass_triton(probes: torch.Tensor, k: torch.Tensor, perm: torch.Ten
     _block_log_mass[grid](probes, k, perm, out, n, D, D ** -0.5 * math.log2(math.e), probes.stride(0),
                           probes.stride(1), k.stride(0), k.stride(1), perm.stride(0) if perm.shape[0] > 1 else 0,
                           P=P, DP=max(16, triton.next_power_of_2(D)), BS=block_size, BLOCKS=BLOCKS,
-                          PRECISION=dot_precision(k.dtype), num_warps=4)
+                          PRECISION=dot_precision(k.dtype), ALIGN=row_align(k), num_warps=4)
     return out
 
 

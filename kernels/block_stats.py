@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import row_align
 from .triton_attention import _perm_strides
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,25 +124,13 @@ def _check(name: str, x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tens
                          f"(block_len has {J} blocks of {block_size}), got {perm.dtype} {tuple(perm.shape)}")
 
 
-def _row_align(*tensors: torch.Tensor) -> int:
-    """Largest power of two, at most one 16-byte vector of elements, dividing the batch, head and row
-    strides of every tensor (a size-1 dimension's stride never counts). With the row stride in it,
-    it does not change with the clip length for contiguous tensors or views of H3's qkv buffer."""
-    align = 16 // tensors[0].element_size()
-    for t in tensors:
-        for size, stride in zip(t.shape[:3], t.stride()[:3]):
-            while size > 1 and stride % align:
-                align //= 2
-    return align
-
-
 def _launch_args(head_dim: int, block_size: int, *tensors: torch.Tensor) -> dict:
     block_s, block_d = triton.next_power_of_2(block_size), triton.next_power_of_2(head_dim)
     # one fp32 [rows, D] tile per tensor, 128 values per thread: at the 10 s H3 shape on the H200
     # (64 x 128 tiles) 2 warps gather at close to full bandwidth where 8 warps took twice as long
     # (block sums 0.31 vs 0.66 ms for 1 GB of rows, summaries 0.85 vs 1.66 ms for 2 GB)
     return dict(BS=block_size, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=max(1, block_s * block_d // 4096),
-                ALIGN=_row_align(*tensors))
+                ALIGN=row_align(*tensors))
 
 
 def block_sums_triton(x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tensor, block_size: int

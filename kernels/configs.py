@@ -7,6 +7,9 @@ A config is picked from the device capability; ``ADAPTIVE_SPARSE_KERNEL_FAMILY=s
 `family` argument) forces one family, so the small-memory configs can be proven on a Hopper GPU.
 Configs are chosen explicitly rather than autotuned: autotuning with several configs cannot run
 under the CPU interpreter, and a fixed choice keeps runs reproducible.
+
+`row_align` is the launch-time alignment hint of every kernel that gathers rows through strides
+it does not let Triton specialise (so a new clip length compiles nothing new).
 """
 from __future__ import annotations
 
@@ -86,6 +89,22 @@ def kernel_config(head_dim: int, block_size: int, device: torch.device, family: 
         raise ValueError(f"block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
                          f"{sorted({d for _, d, _ in CONFIGS})}")
     return CONFIGS[key]
+
+
+def row_align(*tensors: torch.Tensor) -> int:
+    """Largest power of two, at most one 16-byte vector of the first tensor's elements, dividing
+    every stride but the innermost of every tensor (a size-1 dimension's stride never counts).
+
+    Kernels state it with `tl.multiple_of` on their row offsets: the batch, head and row strides
+    they leave unspecialised would otherwise hide that rows start on a vector boundary, and every
+    row would be loaded one element at a time. With the row stride in it, the value does not change
+    with the clip length for contiguous tensors, views of H3's qkv buffer or strided samples of them."""
+    align = 16 // tensors[0].element_size()
+    for t in tensors:
+        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+            while size > 1 and stride % align:
+                align //= 2
+    return align
 
 
 def dot_precision(dtype: torch.dtype) -> str:

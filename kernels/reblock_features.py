@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import dot_precision
+from .configs import dot_precision, row_align
 
 BLOCK_M = 64  # rows per tile
 TILES = 4  # tiles per program: the [D, D] and [D, r] weights are loaded once for all of them
@@ -35,7 +35,7 @@ SPLITS = 4  # ... and programs per head (one per head left most SMs idle)
 
 @triton.jit(do_not_specialize=['n', 'sa_g', 'sa_n'])
 def _gram(A, L, Out, n, D, sa_g, sa_n, DP: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-          NORMALISE: tl.constexpr, PRECISION: tl.constexpr):
+          NORMALISE: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, DP)
     dmask = d < D
@@ -44,8 +44,8 @@ def _gram(A, L, Out, n, D, sa_g, sa_n, DP: tl.constexpr, BLOCK: tl.constexpr, SP
     acc = tl.zeros([DP, DP], tl.float32)
     for start in range(tl.program_id(0) * BLOCK, n, SPLITS * BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        a = tl.load(A + g * sa_g + rows[:, None].to(tl.int64) * sa_n + d[None, :],
-                    mask=(rows[:, None] < n) & dmask[None, :], other=0.0)
+        arow = tl.multiple_of(g * sa_g + rows.to(tl.int64) * sa_n, ALIGN)  # ALIGN: as in `_metric_project`
+        a = tl.load(A + arow[:, None] + d[None, :], mask=(rows[:, None] < n) & dmask[None, :], other=0.0)
         if NORMALISE:
             s = tl.dot(a, factor, input_precision=PRECISION)
             a = (s / (tl.sqrt(tl.sum(s * s, 1))[:, None] + TINY)).to(A.dtype.element_ty)
@@ -56,7 +56,7 @@ def _gram(A, L, Out, n, D, sa_g, sa_n, DP: tl.constexpr, BLOCK: tl.constexpr, SP
 
 @triton.jit(do_not_specialize=['N', 'sx_g', 'sx_n'])
 def _metric_project(X, L, P, Out, N, D, sx_g, sx_n, R: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                    TILES: tl.constexpr, PRECISION: tl.constexpr):
+                    TILES: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, DP)
     rr = tl.arange(0, R)
@@ -66,8 +66,10 @@ def _metric_project(X, L, P, Out, N, D, sx_g, sx_n, R: tl.constexpr, DP: tl.cons
     for t in tl.static_range(TILES):
         rows = (tl.program_id(0) * TILES + t) * BLOCK + tl.arange(0, BLOCK)
         live = rows < N
-        x = tl.load(X + g * sx_g + rows[:, None].to(tl.int64) * sx_n + d[None, :],
-                    mask=live[:, None] & dmask[None, :], other=0.0)
+        # the head and row strides are not specialised (they change with the clip length); ALIGN
+        # (`configs.row_align`) divides both, so rows are still read in vectors, not element by element
+        xrow = tl.multiple_of(g * sx_g + rows.to(tl.int64) * sx_n, ALIGN)
+        x = tl.load(X + xrow[:, None] + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
         full = tl.dot(x, factor, input_precision=PRECISION)
         norm = tl.sqrt(tl.sum(full * full, 1))
         f = tl.dot(x, proj, input_precision=PRECISION) / (norm[:, None] + TINY)
@@ -88,7 +90,8 @@ def gram_triton(a: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Te
     out = torch.empty(G, SPLITS, D, D, dtype=torch.float32, device=a.device)
     _gram[(SPLITS, G)](a, a if factor is None else factor.contiguous(), out, n, D, a.stride(0), a.stride(1),
                        DP=max(16, triton.next_power_of_2(D)), BLOCK=GRAM_ROWS, SPLITS=SPLITS,
-                       NORMALISE=factor is not None, PRECISION=dot_precision(a.dtype), num_warps=8)
+                       NORMALISE=factor is not None, PRECISION=dot_precision(a.dtype), ALIGN=row_align(a),
+                       num_warps=8)
     return out.double().sum(1)
 
 
@@ -113,5 +116,5 @@ def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Ten
     grid = (triton.cdiv(N, BLOCK_M * TILES), G)
     _metric_project[grid](x, factor.contiguous(), proj.contiguous(), out, N, D, x.stride(0), x.stride(1), R=r,
                           DP=max(16, triton.next_power_of_2(D)), BLOCK=BLOCK_M, TILES=TILES,
-                          PRECISION=dot_precision(x.dtype), num_warps=4)
+                          PRECISION=dot_precision(x.dtype), ALIGN=row_align(x), num_warps=4)
     return out

@@ -2,11 +2,14 @@
 
 Run as a script in a fresh process (Triton must not be in interpreter mode when the kernels are
 imported). Prints one JSON object: for every (kernel, target), the shared memory the compiled
-kernel uses and whether a cubin came out, or the compile error. Argument types mirror what the
-launchers pass at the H3 shapes: bf16 tensors, int32 tables, unit innermost strides (Triton
-specialises those to constants) and 16-divisible pointers and strides.
+kernel uses, whether a cubin came out and its global loads by width, or the compile error.
+Argument types and specialisations mirror what Triton gives the launches at the H3 shapes: bf16
+tensors, int32 tables, unit innermost strides (constants), 16-divisible pointers, strides, head
+dim and feature rank, except the arguments a kernel leaves unspecialised (`do_not_specialize`,
+`do_not_specialize_on_alignment`), which get no divisibility, as at run time.
 """
 import json
+import re
 
 import triton
 import triton.language as tl
@@ -19,19 +22,35 @@ from adaptive_sparse_attention.kernels.configs import CONFIGS, family_of
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
 UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}
+ALIGNED_SIZES = {"D", "r"}  # head dim 128 and feature rank 16 at the H3 shapes
+
+
+def global_load_widths(ptx: str) -> dict[str, int]:
+    """Global loads of a PTX listing by bytes per load (vector width x element size), cp.async included."""
+    counts: dict[str, int] = {}
+    for mods in re.findall(r"\bld\.global((?:\.[\w:]+)*)", ptx):
+        vec = next((int(m[1:]) for m in mods.split(".") if re.fullmatch(r"v\d", m)), 1)
+        bits = next((int(m[1:]) for m in mods.split(".") if re.fullmatch(r"[bfsu]\d+", m)), 0)
+        counts[str(vec * bits // 8)] = counts.get(str(vec * bits // 8), 0) + 1
+    for size in re.findall(r"cp\.async\.\w+\.shared(?:::cta)?\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]", ptx):
+        counts[str(int(size, 0))] = counts.get(str(int(size, 0)), 0) + 1
+    return counts
 
 
 def compile_for(fn, pointers: dict, floats: set, const: dict, capability: int, warps: int, stages: int) -> dict:
     const = dict(const, **{n: 1 for n in fn.arg_names if n in UNIT_STRIDES})
     sig = {n: pointers.get(n) or ("constexpr" if n in const else "fp32" if n in floats else "i32") for n in fn.arg_names}
+    kept = {p.name for p in fn.params if not p.do_not_specialize}
+    kept_aligned = {p.name for p in fn.params if not p.do_not_specialize_on_alignment}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if n in pointers or (sig[n] == "i32" and n.startswith("s") and "_" in n)}
+               if n in kept and (n in pointers and n in kept_aligned
+                                 or sig[n] == "i32" and (n in ALIGNED_SIZES or n.startswith("s") and "_" in n))}
     try:
         k = triton.compile(ASTSource(fn, signature=sig, constexprs=const, attrs=aligned),
                            target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": stages})
     except Exception as e:  # reported, so the test names the kernel and target that failed
         return {"error": repr(e)[-600:]}
-    return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm}
+    return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"])}
 
 
 def attention(capability: int, head_dim: int, query_tail: bool) -> dict:
@@ -67,17 +86,17 @@ def planner(capability: int) -> dict:
         **{f"gram{' normalised' * norm}": compile_for(
             reblock_features._gram, {"A": "*bf16", "L": "*bf16", "Out": "*fp32"}, set(),
             {"DP": 128, "BLOCK": reblock_features.GRAM_ROWS, "SPLITS": reblock_features.SPLITS, "NORMALISE": norm,
-             "PRECISION": "tf32"}, capability, 8, 3) for norm in (False, True)},
+             "PRECISION": "tf32", "ALIGN": 8}, capability, 8, 3) for norm in (False, True)},
         **{f"top share {head}+{tail}": compile_for(
             block_mass._top_share, {"LogMass": "*fp32", "Out": "*fp32"}, set(), {"HEAD": head, "TAIL": tail},
             capability, max(1, head // 1024), 3) for head, tail in ((2048, 1), (1024, 128))},
         "features": compile_for(reblock_features._metric_project, {"X": "*bf16", "L": "*bf16", "P": "*bf16",
                                                                    "Out": "*fp16"}, set(),
                                 {"R": 16, "DP": 128, "BLOCK": reblock_features.BLOCK_M, "TILES": reblock_features.TILES,
-                                 "PRECISION": "tf32"}, capability, 4, 3),
+                                 "PRECISION": "tf32", "ALIGN": 8}, capability, 4, 3),
         "block mass": compile_for(block_mass._block_log_mass, {"Q": "*bf16", "K": "*bf16", "Perm": "*i32", "Out": "*fp32"},
                                   {"scale"}, {"P": 64, "DP": 128, "BS": 64, "BLOCKS": block_mass.BLOCKS,
-                                              "PRECISION": "tf32"}, capability, 4, 3),
+                                              "PRECISION": "tf32", "ALIGN": 8}, capability, 4, 3),
         **{f"directions M{mp}": compile_for(
             reblock_split._split_directions, {"Z": "*fp16", "Rows": "*i32", "Landmarks": "*i64", "Out": "*fp32"}, set(),
             {"RP": 16, "MP": mp, "CH": min(mp, 64), "SQUARINGS": 4, "STEPS": 3}, capability, max(1, min(8, mp // 256)), 3)

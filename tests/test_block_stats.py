@@ -17,13 +17,14 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels.block_stats import _row_align, block_sums_triton, block_summaries_triton
+    from adaptive_sparse_attention.kernels.block_stats import block_sums_triton, block_summaries_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend import planner
 from adaptive_sparse_attention.backend.pooling import block_means
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
 from adaptive_sparse_attention.backend.tiling import Tiling
+from adaptive_sparse_attention.kernels.configs import row_align
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 STORED_TOL = {torch.float32: FP32_TOL, torch.float16: dict(rtol=1e-3, atol=1e-5)}
@@ -128,16 +129,22 @@ def test_build_plan_on_both_backends(tail_kind):
 
 
 def test_row_alignment_divides_the_strides_and_does_not_change_with_the_clip_length():
-    """The kernels are told that (batch, head) offsets are multiples of `_row_align` (their strides
-    are not specialised): it must divide every stride that is used, capped at one 16-byte vector,
-    and stay the same when only the clip length changes (no new binary)."""
+    """The gather kernels are told that their row offsets are multiples of `row_align` (their batch,
+    head and row strides are not all specialised): it must divide every stride that is used, capped
+    at one 16-byte vector, and stay the same when only the clip length changes (no new binary),
+    for [B, H, S, D] inputs and the [heads, rows, D] views and strided samples the reblock features
+    and the head choice read."""
     for seq_len in (301, 302):
         k, v = h3_views(1, 3, seq_len, 48, torch.float16, seed=0)  # batch stride unused at B = 1
-        assert _row_align(k, v) == 8
-        assert _row_align(torch.zeros(2, 3, seq_len, 48)) == 4  # fp32: 4 per vector
-        assert _row_align(torch.zeros(2, 3, seq_len, 50, dtype=torch.float16)[..., :48]) == 2
-        assert _row_align(torch.zeros(2, 3, seq_len, 5, dtype=torch.bfloat16)) == 1
-        assert _row_align(k, torch.zeros(2, 3, seq_len, 36, dtype=torch.float16)) == 4  # the least aligned decides
+        assert row_align(k, v) == 8
+        assert row_align(torch.zeros(2, 3, seq_len, 48)) == 4  # fp32: 4 per vector
+        assert row_align(torch.zeros(2, 3, seq_len, 50, dtype=torch.float16)[..., :48]) == 2
+        assert row_align(torch.zeros(2, 3, seq_len, 5, dtype=torch.bfloat16)) == 1
+        assert row_align(k, torch.zeros(2, 3, seq_len, 36, dtype=torch.float16)) == 4  # the least aligned decides
+        heads = k[0]  # [G, S, D] view of the qkv buffer (block log-masses, features)
+        step = -(-seq_len // 100)  # a strided sample, as `reblock.metric_features` takes (the step follows the length)
+        assert row_align(heads) == row_align(heads[:, ::step]) == 8
+        assert row_align(torch.zeros(3, seq_len, 40, dtype=torch.bfloat16)[:, ::step]) == 8
 
 
 def test_bad_inputs_name_the_field():

@@ -4,7 +4,9 @@ The H200 runs only sm90 code; this compiles each kernel ahead of time for the ot
 our users run (`kernel_targets.py`, in a fresh process so Triton is not in interpreter mode),
 with the launch configs the launchers pick there, and checks the compiled shared memory
 against the per-block limit of the family: 99 KB on sm86/89/120 (the sm80 family plans for
-the smallest of its members), 227 KB on sm90.
+the smallest of its members), 227 KB on sm90. The kernels that gather bf16 rows must read them
+in vectors: a two-byte global load means a row went element by element (what unspecialised
+strides without an alignment hint compile to).
 """
 import json
 import os
@@ -17,6 +19,7 @@ import pytest
 pytest.importorskip("triton")
 
 SHARED_LIMIT = {"sm80": 99 * 1024, "sm90": 227 * 1024}
+ROW_GATHERS = {"block_sums", "block_summaries", "gram", "gram normalised", "features", "block mass"}
 
 
 def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
@@ -33,4 +36,6 @@ def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
             problems.append(f"{name}: {r.get('error', 'no cubin')}")
         elif r["shared"] > SHARED_LIMIT[family]:
             problems.append(f"{name}: {r['shared']} bytes of shared memory > {SHARED_LIMIT[family]} ({family})")
+        elif name.split(" ", 1)[1] in ROW_GATHERS and r["loads"].get("2"):
+            problems.append(f"{name}: {r['loads']['2']} two-byte global loads (bf16 rows read one element at a time)")
     assert not problems, "\n".join(problems)
