@@ -252,8 +252,8 @@ class SparseConfig:
     tail_granularity: `query` (every query scores the summaries) or `block` (one shared
         summary result per query block).
     tiling / reblock_layout: the adaptive reblock layout, per head the tree or space-time tubes
-        (default: at 10% it halves the output error of cube tiling on the H3 scenes for ~15% more
-        time at 10 s, BENCHMARKS.md) or fixed 3D cubes.
+        (default: a lower output error than cube tiling at the same ratio, for some planning time
+        every step; BENCHMARKS.md, "Reblock quality") or fixed 3D cubes.
     tail: what stands in for unselected candidate blocks.
     dense_layers: layer indices that always run dense; min_tokens: shorter sequences run dense.
     block_size: tokens per block (64 or 128). strict: raise instead of falling back to dense.

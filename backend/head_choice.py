@@ -2,9 +2,9 @@
 
 The tree (backend/reblock.py) groups tokens whose attention wants the same keys, which wins
 for heads that attend by content. Heads that attend by position (a local window, a temporal
-line) are served better by fixed tubes that keep a token's neighbours in one block. At the 10 s
-shape on the H200 (56 heads, ratio 0.1) the tree alone raised recall over cube tiling by +1.5
-points on `cuts` and +4.7 on `pan`; with this choice +3.9 and +8.3 (BENCHMARKS.md).
+line) are served better by fixed tubes that keep a token's neighbours in one block, so taking
+the better of the two per head raises recall over the tree alone on the structured scenes
+(BENCHMARKS.md, "Reblock quality").
 
 Rule: sample PROBES target-video queries; for every candidate tiling and head, the share of
 those queries' exact softmax mass over the target-video keys that falls in the candidate's R

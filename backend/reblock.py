@@ -6,8 +6,8 @@ cosine of q^T L_K with L_K L_K^T = M_K = K^T K / N (uncentered second moment of 
 small ridge relative to trace/d), and keys by the cosine of k^T L_Q. Moments are estimated per
 (batch, head) from an evenly strided sample of the region's rows; the factor is a Cholesky
 factor (`cholesky_ex`, no host sync). The small moment, factor and basis math runs in float64 and
-a failed factorization falls back to the diagonal factor: in float32 the metric's factorization
-failed on the H200 (info != 0, NaN factor) for 33 of 56 heads of a structured scene, which
+a failed factorization falls back to the diagonal factor: in float32 the factorization of the
+metric failed on the GPU (info != 0, NaN factor) for most heads of a structured scene, which
 turned their features into zeros and their blocks into raster order (docs/performance-notes.md,
 "Reblock v3").
 
@@ -269,7 +269,8 @@ def split_directions(marks: torch.Tensor) -> torch.Tensor:
     underflows in fp32); the largest column of its 2**SQUARINGS-th power is that eigenvector up
     to scale. Then REFINE_STEPS steps of balanced 2-means: split the landmarks at their median
     projection and point the direction from the lower half's sum to the upper half's, which is
-    the split the capacity cut makes (measured: +1 to +2 points of recall over PCA alone).
+    the split the capacity cut makes (more recall than the PCA direction alone;
+    docs/performance-notes.md, "Reblock").
     """
     centred = marks - marks.mean(2, keepdim=True)
     c = centred.transpose(-1, -2) @ centred

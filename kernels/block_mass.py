@@ -4,12 +4,13 @@ For a few probe queries per head and one tiling's key permutation, the natural l
 block's exact softmax numerator, log sum_i exp(q . k_i / sqrt(D)) over the block's rows. One
 program per (run of blocks, head) keeps the head's probes in registers, gathers each block's key
 rows by index (no permuted copy of K) and reduces their probe logits on tensor cores to one
-value per (probe, block). The torch path would hold the [heads, probes, keys] logits (about 1 GB
-per tiling at the 10 s H3 shape); this writes only [heads, probes, blocks].
+value per (probe, block). The torch path would hold the [heads, probes, keys] logits (a
+gigabyte per tiling at long clips); this writes only [heads, probes, blocks].
 
 Top share: per row of log-masses, the share of the row's mass in its `budget` heaviest blocks,
-one program per row with a radix select (`radix_select.top_k_mask_pair`); torch's TopK, log-sum-exp
-and exponentials of the same [3, heads, probes, blocks] tensor cost 0.6 ms at the 10 s shape.
+one program per row with a radix select (`radix_select.top_k_mask_pair`), in place of torch's
+TopK, log-sum-exp and exponentials of the same [3, heads, probes, blocks] tensor
+(docs/performance-notes.md, "Reblock v7").
 
 Importing this module imports Triton: the backend imports it only on demand.
 """

@@ -75,8 +75,8 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
         raise ValueError(f"select_blocks_triton: out must be contiguous int16 (J < 2**15) or int32 "
                          f"[{B}, {H}, {J}, {R}], got {out.dtype} {tuple(out.shape)}")
     col0 = 0
-    for lo, hi, budget in groups:  # about 32 scores per thread: at the 10 s shape on the H200 (1,134 blocks held
-        # as 1,024 + 128 lanes) 1 warp 0.91 ms, 2: 0.92, 4: 1.08; 2,048 lanes on 2 warps took 1.55
+    for lo, hi, budget in groups:  # about 32 scores per thread: more warps were no faster on rows of
+        # about a thousand blocks (docs/performance-notes.md, "Reblock v7")
         head, tail = row_split(hi - lo)
         _select_group[(n_rows, B * H)](scores, dense_hi, out, J, R, lo, hi - lo, budget, col0, i0, n_rows, n_cols, c0,
                                        HEAD=head, TAIL=tail, num_warps=max(1, min(8, head // 1024)))

@@ -40,8 +40,8 @@ class KernelConfig:
 
 # (family, head_dim, plan block size) -> config. Shared memory is about block_m * head_dim * 2
 # bytes for Q plus, per stage, block_n * head_dim * 2 bytes each for K and V: two stages of 64
-# keys with 64 queries at head_dim 128 need ~82 KB, under sm80's ~99 KB. Measured on the H200
-# (docs/performance-notes.md, "Kernel"): three stages beat two there; 8 warps on a 64-row query
+# keys with 64 queries at head_dim 128 need ~82 KB, under sm80's ~99 KB. Measured on sm90
+# (BENCHMARKS.md, "Kernel alone"): three stages beat two where they fit; 8 warps on a 64-row query
 # tile and key tiles spanning two blocks were slower. With 128-row blocks, sm90 takes the whole
 # query block in one 8-warp program, so each gathered K/V tile serves twice the queries.
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {

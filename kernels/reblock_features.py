@@ -3,17 +3,18 @@
 Sample moments: A^T A / n of a head's sampled rows (any row stride, so a strided sample of Q/K
 is read in place), SPLITS programs per head whose partial sums are added in float64;
 16-bit inputs on tensor cores with fp32 accumulation (torch has no 16-bit product with an fp32
-result on every supported version, and an fp32 SIMT product of the samples cost 1.3 ms at the
-10 s shape). Given a factor L, the rows are first mapped to a L / |a L| and rounded to A's
+result on every supported version, and an fp32 SIMT product of the samples is several times
+slower). Given a factor L, the rows are first mapped to a L / |a L| and rounded to A's
 dtype, the moment of the normalised metric-space rows that the feature basis comes from (in
-torch: a gather, a GEMM, a norm, a division and two casts of the sample, 1.1 ms at the 10 s
-shape). The moments stay positive semidefinite: both operands are the same rounded rows.
+torch: a gather, a GEMM, a norm, a division and two casts of the sample, each a pass over it).
+The moments stay positive semidefinite: both operands are the same rounded rows. Timings:
+docs/performance-notes.md, "Reblock v5" and "Reblock v7".
 
 Projection: every token x of a head becomes (x L W) / |x L|: its coordinates on the top principal
 directions of the metric space, divided by its length in the full metric space (cosine
 geometry). On the torch path that is one GEMM into a [N, D + r] buffer in the input dtype, a
-norm over its first D columns, a division and a NaN clean-up (about 2.4 ms at the 10 s H3 shape
-on the H200, most of it moving the buffer). Here one program per tile of rows does both
+norm over its first D columns, a division and a NaN clean-up, bound by moving the buffer
+(docs/performance-notes.md, "Reblock v5"). Here one program per tile of rows does both
 products in fp32 accumulators and writes only the r feature columns, in half precision.
 
 Importing this module imports Triton: the backend imports it only on demand.
