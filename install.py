@@ -19,6 +19,7 @@ MIN_CAPABILITY = (8, 0)  # the Triton kernel's bf16 tensor-core path needs Amper
 
 
 def version(dist: str) -> str | None:
+    """The installed version of distribution `dist`, or None when it is not installed."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -34,6 +35,7 @@ def kernel_families():
 
 
 def report() -> list[str]:
+    """The report's lines: torch, Triton, comfy-kitchen and, per GPU, which attention kernel runs there."""
     lines = [f"Adaptive Sparse Attention (MiniMax-H3): install check on {platform.system()} / Python "
              f"{platform.python_version()}"]
     try:

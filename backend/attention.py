@@ -101,11 +101,20 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                      coarse_gate: torch.Tensor | None = None, timings: bool = False):
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
-    Returns the output [B, H, S, D] (same order and dtype as q) and, with `return_info`, a
-    `SparseInfo`. `coarse_gate` (broadcastable to the output, e.g. [H, 1, 1]) scales the coarse
-    branch of ``tail="coarse"``; without it there is no coarse term, as for a model without gates.
-    `timings` synchronises the device to report plan and kernel milliseconds. Every kernel of the
-    call runs on the backend `config.backend` resolves to (`kernels/dispatch.py`).
+    Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
+    kernel of the call runs on the backend `config.backend` resolves to (`kernels/dispatch.py`).
+    Bad inputs raise before anything is computed (`check_inputs`).
+
+    Args:
+        q, k, v: one dtype and device, head_dim in HEAD_DIMS, S = layout.total.
+        layout: the segments of the packed sequence.
+        config: the engine's settings (default `SparseConfig()`).
+        return_info: also return a `SparseInfo` (reading its density synchronises once).
+        coarse_gate: broadcastable to the output (e.g. [H, 1, 1]); scales the coarse branch of
+            ``tail="coarse"``. Without it there is no coarse term, as for a model without gates.
+        timings: synchronise the device to report plan and kernel milliseconds in the info.
+    Returns:
+        The output [B, H, S, D] (same order and dtype as q), and the info with `return_info`.
     """
     config = SparseConfig() if config is None else config
     check_inputs(q, k, v, layout, config, coarse_gate)

@@ -12,6 +12,8 @@ T = TypeVar("T")
 
 
 class BoundedCache(Generic[T]):
+    """Least-recently-used map of at most `size` entries, each built on its first `get`."""
+
     def __init__(self, size: int):
         self.size = size
         self.entries: "OrderedDict[Hashable, T]" = OrderedDict()

@@ -88,9 +88,19 @@ def top_share(log_mass: torch.Tensor, budget: int, backend: str = "torch") -> to
 
 def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: SequenceLayout, block_size: int,
                  span: tuple[int, int], ratio: float, backend: str = "torch") -> torch.Tensor:
-    """Per head, the tree's permutations or the best tube's: tree [sides, B, H, L] (the last side
-    is the key layout the rule scores; every side of a head takes that head's choice), span the
-    target video's [lo, hi) blocks. Returns the chosen permutations, same shape and dtype."""
+    """Per head, the tree's permutations or the best tube's, by the rule of the module docstring.
+
+    Args:
+        q, k: the call's queries and keys [B, H, S, D], model order.
+        tree: the tree's permutations [sides, B, H, L]; the last side is the key layout the rule
+            scores, and every side of a head takes that head's choice.
+        layout, block_size: the call's layout and block size (the tubes are cut from them).
+        span: the target video's [lo, hi) blocks.
+        ratio: the routing ratio whose budget the shares are taken at.
+        backend: the kernels to run (`kernels/dispatch.py`).
+    Returns:
+        The chosen permutations, tree's shape and dtype.
+    """
     sides, B, H, L = tree.shape
     D = q.shape[-1]
     lo, hi = span

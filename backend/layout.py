@@ -34,10 +34,13 @@ class Segment:
 
     @property
     def length(self) -> int:
+        """Rows of the segment."""
         return self.stop - self.start
 
     @property
     def region(self) -> str:
+        """The segment's attention region: `video` is the target, `ref_video` or a `ref_img` of
+        several frames a reference video, anything else context."""
         if self.kind == "video":
             return TARGET_VIDEO
         if self.kind == "ref_video" or (self.kind == "ref_img" and self.grid is not None and self.grid[0] > 1):
@@ -131,6 +134,7 @@ class SequenceLayout:
 
     @property
     def target(self) -> Segment:
+        """The target-video segment (exactly one, checked at construction)."""
         return next(s for s in self.segments if s.region == TARGET_VIDEO)
 
     def rows_of(self, region: str) -> torch.Tensor:
@@ -139,6 +143,7 @@ class SequenceLayout:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     def signature(self) -> tuple:
+        """A hashable value equal for equal layouts: the key of every per-shape cache."""
         return tuple((s.start, s.stop, s.kind, s.grid) for s in self.segments)
 
     def __eq__(self, other: object) -> bool:

@@ -26,10 +26,12 @@ def row_chunks(rows: tuple[int, int], per_row: int, align: int = 64) -> list[tup
 
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
+    """Dtype the planner reduces x in: float64 for float64 inputs (the reference), else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def head_slice(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    """Heads h0:h1 of a [Bp, Hp, L] permutation; a permutation shared by all heads (Hp = 1) as it is."""
     return perm if perm.shape[1] == 1 else perm[:, h0:h1]
 
 

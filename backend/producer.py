@@ -64,10 +64,19 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float, rope: torch.Tensor | None,
                 heads: tuple[int, int] | None = None, chunk_rows: int = CHUNK_ROWS
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [1, g, S, D] of heads [h0, h1) (all heads by default) from x [S, hidden].
+    """H3's q, k, v of block input x, produced in chunks of rows straight into the kernel's layout.
 
-    weight [3*H*D, hidden] and bias are the fused projection's, already in x's dtype and device;
-    q_scale/k_scale [D] are the q/k RMSNorm weights; rope is H3's rotation table or None.
+    Args:
+        x: the block's attention input [S, hidden].
+        weight, bias: the fused qkv projection's ([3*H*D, hidden], [3*H*D] or None), already in
+            x's dtype and device.
+        num_heads, head_dim: H and D of the layer.
+        q_scale, k_scale, eps: the q/k RMSNorm weights [D] and epsilon.
+        rope: H3's rotation table, or None for no RoPE.
+        heads: the head range [h0, h1) to produce (default: all), e.g. one low-VRAM head group.
+        chunk_rows: rows projected at a time, so the fused [S, 3*H*D] output never exists whole.
+    Returns:
+        q, k, v [1, h1 - h0, S, D] in x's dtype, model order.
     """
     if x.dim() != 2:
         raise ValueError(f"produce_qkv: x must be [S, hidden], got shape {tuple(x.shape)}")

@@ -162,6 +162,7 @@ class StaticLayout:
 
 
 def build_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
+    """The `StaticLayout` of `layout`: a tree `Schedule` per video region, 1D chunks for context."""
     parts, lens, spans, lo = [], [], [], 0
     for seg in layout.regions():
         members, lengths = chunk_tiles(seg.length, block_size)  # a video region's edge block is last too
@@ -176,6 +177,7 @@ def build_static(layout: SequenceLayout, block_size: int, device: torch.device) 
 
 
 def cached_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
+    """`build_static`, once per (layout, block size, device): it is built on the host."""
     return _STATIC.get((layout.signature(), block_size, str(device)), lambda: build_static(layout, block_size, device))
 
 
@@ -369,6 +371,8 @@ class CapturedPartition:
 
 
 def capture_partition(z: torch.Tensor, schedule: Schedule, backend: str) -> CapturedPartition:
+    """`partition` of a copy of z captured as a CUDA graph (after one warm-up run on a side stream);
+    raises RuntimeError where capture fails."""
     static = z.clone()
     stream = torch.cuda.Stream(z.device)
     stream.wait_stream(torch.cuda.current_stream(z.device))
@@ -423,6 +427,8 @@ def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int, backend:
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int, layout_mode: str) -> None:
+    """Raise ValueError naming the argument and its value when `reblock_tiling` cannot run on these
+    inputs (decided from metadata only)."""
     if layout_mode not in REBLOCK_LAYOUTS:
         raise ValueError(f"reblock_tiling: layout_mode={layout_mode!r} is not allowed: expected one of "
                          + ", ".join(repr(m) for m in REBLOCK_LAYOUTS))

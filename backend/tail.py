@@ -40,9 +40,13 @@ def target_anchor(q_mean: torch.Tensor, tiling: Tiling) -> torch.Tensor:
 
 def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor, backend: str = "torch"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(key [B,H,J,D] stored dtype, value [B,H,J,D] stored dtype, bias log(n) [B,H,J]).
+    """Mean tail summaries: every block's mean key and value with a log(n) mass bias, so a summary
+    weighs as much as its n keys would if they were equal.
 
-    On the Triton backend one pass over K and V replaces `k_mean` (the same fp32 block sums)."""
+    Returns:
+        (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias log(n) [B,H,J]). On the
+        Triton backend one pass over K and V replaces `k_mean` (the same fp32 block sums).
+    """
     if runs_triton(backend):
         from ..kernels.block_stats import block_summaries_triton
 
@@ -54,7 +58,18 @@ def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: tor
 
 def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor: torch.Tensor,
                        backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Anchor-weighted key and value of every block and the log-mass bias (seed 001, section 08)."""
+    """Reweighted tail summaries (seed 001, section 08): every block's key and value weighted by
+    softmax(anchor . k / sqrt(D)) and its log-mass bias, so a query at the anchor gets the block's
+    exact mass and numerator from one column.
+
+    Args:
+        k, v: [B, H, S, D], model order; tiling: their block layout (`k_perm`).
+        anchor: [B, H, D], the mean target-video query (`target_anchor`).
+        backend: the kernels to run (`kernels/dispatch.py`).
+    Returns:
+        (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias [B,H,J] in the accumulation
+        dtype, -inf for a block without a finite key).
+    """
     if runs_triton(backend):
         from ..kernels.block_stats import block_summaries_triton
 

@@ -74,6 +74,7 @@ class Tiling:
 
     @property
     def num_blocks(self) -> int:
+        """J, the number of blocks."""
         return int(self.block_len.shape[0])
 
     def blocks_of(self, region: str) -> tuple[int, int]:
@@ -157,22 +158,27 @@ class BlockSparsePlan:
 
     @property
     def block_size(self) -> int:
+        """The tiling's block size (kernels read the tiling's fields through the plan)."""
         return self.tiling.block_size
 
     @property
     def q_perm(self) -> torch.Tensor:
+        """The tiling's query permutation [Bp, Hp, J * block_size]."""
         return self.tiling.q_perm
 
     @property
     def k_perm(self) -> torch.Tensor:
+        """The tiling's key (and value) permutation [Bp, Hp, J * block_size]."""
         return self.tiling.k_perm
 
     @property
     def block_len(self) -> torch.Tensor:
+        """The tiling's block lengths, int32 [J]."""
         return self.tiling.block_len
 
     @property
     def num_blocks(self) -> int:
+        """J, the number of blocks."""
         return self.tiling.num_blocks
 
     def selected_mask(self, rows: slice = slice(None)) -> torch.Tensor:

@@ -204,9 +204,15 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
 
-    Returns (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log;
-    rows with nothing allowed get zeros and EMPTY_ROW_LSE). Every model row must appear once in
-    q_perm (true of every tiling). `config` overrides the per-architecture choice.
+    Args:
+        q, k, v: one fp16/bf16/fp32 dtype, head_dim a power of two >= 16, any strides.
+        plan: the plan; every model row must appear once in q_perm (true of every tiling).
+        scale: the logit scale (default head_dim ** -0.5).
+        config: tile sizes and launch parameters instead of the per-architecture choice
+            (`configs.kernel_config`).
+    Returns:
+        (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log; rows with
+        nothing allowed get zeros and EMPTY_ROW_LSE).
     """
     _check(q, k, v, plan)
     B, H, S, D = q.shape

@@ -26,6 +26,7 @@ def layout_to_json(layout: SequenceLayout) -> list[list[Any]]:
 
 
 def layout_from_json(raw: list[list[Any]]) -> SequenceLayout:
+    """The `SequenceLayout` of segments written by `layout_to_json` (validated again)."""
     return SequenceLayout.from_segments([(int(a), int(b), str(kind), tuple(g) if g else None) for a, b, kind, g in raw])
 
 

@@ -44,9 +44,12 @@ class CaptureHook(BlockHook):
 
     @property
     def title(self) -> str:
+        """The node's display name (log messages)."""
         return CAPTURE_NODE_NAME
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+        """(step, total steps, layout, sigma) for the conditional call of a chosen (layer, step) not yet
+        captured, else None."""
         to = args.get("transformer_options", {})
         ctx = self.call_context(to)
         if layer not in self.layers or ctx.step not in self.steps or 1 in to.get("cond_or_uncond", [0]):
@@ -62,6 +65,8 @@ class CaptureHook(BlockHook):
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        """Keep CPU copies of the call's q, k, v (written when its step ends), then run the block's own
+        attention unchanged."""
         step, total, layout, sigma = token
         x = unwrap_input(x)
         if self.pending and (self.pending[0]["step"] != step or self.pending_layout != layout):
@@ -91,6 +96,7 @@ class CaptureHook(BlockHook):
         self.pending, self.pending_layout, self.meta = [], None, {}
 
     def on_cleanup(self, patcher: Any = None) -> None:
+        """End of sampling: write what is pending, then end the run."""
         self.flush()
         super().on_cleanup(patcher)
 
@@ -100,6 +106,7 @@ class CaptureH3Attention(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
+        """The node's V3 schema (widgets from `widgets.CAPTURE_WIDGETS`)."""
         return io.Schema(
             node_id=CAPTURE_NODE_ID,
             display_name=CAPTURE_NODE_NAME,
@@ -127,6 +134,7 @@ class CaptureH3Attention(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, layers: str, steps: str, filename_prefix: str) -> io.NodeOutput:
+        """A clone of `model` that captures the chosen blocks and steps into ComfyUI's output folder."""
         import folder_paths
 
         chosen_layers, chosen_steps = capture_selection(layers, steps, model_layer_count(model))

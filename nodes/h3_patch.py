@@ -90,6 +90,7 @@ class LayoutCache(BoundedCache[SequenceLayout]):
         super().__init__(size)
 
     def of(self, packed: Any) -> SequenceLayout:
+        """The layout of a ComfyUI ``PackedLayout``, converted once per signature."""
         key = (getattr(packed, "signature", None), tuple(tuple(s) for s in packed.segments))
         return self.get(key, lambda: SequenceLayout.from_packed(packed))
 
@@ -145,6 +146,7 @@ class BlockHook(ABC):
 
     @property
     def title(self) -> str:
+        """The hook's name in log messages and errors."""
         return type(self).__name__
 
     # --- per-call plumbing -------------------------------------------------------------------
@@ -195,6 +197,8 @@ class BlockHook(ABC):
         return planned[layer] if planned is not None else self.decide(layer, attn, args)
 
     def call_context(self, transformer_options: dict) -> CallContext:
+        """The `CallContext` the DIFFUSION_MODEL wrapper stored for this model call (built here, and
+        the step counted, when the wrapper did not run)."""
         ctx = transformer_options.get(self.key)
         if not isinstance(ctx, CallContext):  # wrapper bypassed: count the step here, once per call
             ctx = CallContext(*self.tracker.step_of(transformer_options))
@@ -202,6 +206,7 @@ class BlockHook(ABC):
         return ctx
 
     def layout(self, args: dict, ctx: CallContext) -> SequenceLayout | None:
+        """The call's layout: from the block args, transformer_options or the wrapper, else None."""
         to = args.get("transformer_options", {})
         for packed in (args.get("layout"), to.get("minimax_h3_layout"), ctx.packed):
             if packed is not None:
@@ -213,12 +218,15 @@ class BlockHook(ABC):
         return args
 
     def on_pre_run(self, patcher: Any = None) -> None:
+        """Start of sampling: end the previous run and refuse ComfyUI's core sparse node applied after
+        this one."""
         self.tracker.finish()
         COMPILED_CALLS.pop(self.key, None)
         if patcher is not None:  # a node applied after this one may have replaced its block patches
             refuse_core_sparse(patcher.model_options, self.title, "after")
 
     def on_cleanup(self, patcher: Any = None) -> None:
+        """End of sampling: end the run (its report is kept)."""
         self.tracker.finish()
         COMPILED_CALLS.pop(self.key, None)
 
@@ -474,6 +482,7 @@ class SparseAttentionHook(BlockHook):
 
     @property
     def title(self) -> str:
+        """The hook's name in log messages and errors."""
         return "adaptive sparse attention"
 
     def unsupported(self, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -515,6 +524,8 @@ class SparseAttentionHook(BlockHook):
         return None
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+        """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
+        dense with its reason)."""
         to = args.get("transformer_options", {})
         ctx = self.call_context(to)
         x = args["img"]
@@ -573,6 +584,9 @@ class SparseAttentionHook(BlockHook):
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in
+        a run measures the density, the second is timed against dense attention for the report; a
+        compiled call (a `Planned` token) was counted when its model call was planned."""
         if isinstance(token, Planned):  # a compiled call: counted in plan_call, nothing to measure
             return self.output(attn, x, rope_freqs, transformer_options,
                                lambda q, k, v, g: sparse_attention(q, k, v, token.layout, self.config, coarse_gate=g))

@@ -69,6 +69,7 @@ class RaylightSparseAttention(SparseAttentionHook):
 
     @property
     def title(self) -> str:
+        """The hook's name in log messages and errors."""
         return "adaptive sparse attention (Raylight)"
 
     def plan_call(self, model: Any, ctx: Any, dtype: torch.dtype, device: torch.device,

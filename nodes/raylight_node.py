@@ -20,6 +20,7 @@ class AdaptiveSparseAttentionH3Raylight(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
+        """The node's V3 schema (the sparse node's widgets, on Raylight's RAY_ACTORS)."""
         return io.Schema(
             node_id=RAYLIGHT_NODE_ID,
             display_name=RAYLIGHT_NODE_NAME,
@@ -36,6 +37,7 @@ class AdaptiveSparseAttentionH3Raylight(io.ComfyNode):
 
     @classmethod
     def execute(cls, ray_actors, **widgets) -> io.NodeOutput:
+        """Send the patch of these widgets' config to every Ray worker (`raylight.worker_patch`)."""
         config = config_from_widgets(widgets)
         try:
             from raylight.comfy_extra_dist.ray_patch_decorator import ray_patch

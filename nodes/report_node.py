@@ -29,6 +29,7 @@ class SparseAttentionReport(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
+        """The node's V3 schema: the sampler's latent and the patched model in, the latent out."""
         return io.Schema(
             node_id=REPORT_NODE_ID,
             display_name=REPORT_NODE_NAME,
@@ -46,6 +47,7 @@ class SparseAttentionReport(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, model) -> io.NodeOutput:
+        """Pass the latent through and show the report text on the node."""
         text = report_text(model)
         from server import PromptServer
 

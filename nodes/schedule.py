@@ -101,13 +101,23 @@ class RunTracker:
         return denoising_step(sigma, cpu)
 
     def log_once(self, message: str) -> None:
+        """Log a warning once per run (a reason that holds for every block is not repeated per block)."""
         if message not in self.logged:
             self.logged.add(message)
             log.warning("%s: %s", self.name, message)
 
     def note_block(self, step: int | None, sparse: bool, density: float | None = 1.0, layer: int | None = None,
                    reason: str | None = None) -> None:
-        """Count one block call; a sparse one with density None was not measured (torch.compile)."""
+        """Count one block call: sparse with its density, or dense with the reason why.
+
+        Args:
+            step: the call's denoising step (None when unknown: counted as step -1).
+            sparse: whether the block ran sparse attention.
+            density: its exact-pair density; None for a sparse call that was not measured
+                (torch.compile).
+            layer: the block index, for the per-layer counts.
+            reason: why a dense call ran dense, for the report.
+        """
         s = self.stats
         key = -1 if step is None else step
         if layer is not None:
@@ -140,6 +150,7 @@ class RunTracker:
         return time.perf_counter()
 
     def stop_timer(self, token: object) -> None:
+        """Stop the timer `start_timer` returned; CUDA times are added up at the next `flush_timers`."""
         if isinstance(token, float):
             self.stats.attention_ms += (time.perf_counter() - token) * 1e3
             return
@@ -164,6 +175,7 @@ class RunTracker:
         return s.density_sum / measured if measured else None
 
     def summary(self) -> str | None:
+        """One log line of the run's counters, or None when no block ran."""
         s = self.stats
         if not (s.dense_blocks or s.sparse_blocks):
             return None

@@ -15,6 +15,7 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
+        """The node's V3 schema (widgets from `widgets.SPARSE_WIDGETS`)."""
         return io.Schema(
             node_id=SPARSE_NODE_ID,
             display_name=SPARSE_NODE_NAME,
@@ -39,6 +40,8 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, **widgets) -> io.NodeOutput:
+        """A clone of `model` whose H3 blocks run sparse attention under the widgets' config (dense
+        layers checked against the model's block count first)."""
         config = config_from_widgets(widgets)
         check_dense_layers(config, model_layer_count(model))
         return io.NodeOutput(apply_sparse_attention(model, config))
