@@ -110,16 +110,12 @@ def assemble(layout: SequenceLayout, block_size: int,
     return perm, torch.cat(lens).to(torch.int32), tuple(spans)
 
 
-def cube_tiling(layout: SequenceLayout, block_size: int = 64, device: torch.device | str = "cpu",
-                tile: tuple[int, int, int] | None = None) -> Tiling:
-    """Seed-000 tiling: 3D cubes for video regions, 1D chunks for context; shared by all heads.
-    `tile` (bT, bH, bW) replaces the block size's default cube (its volume must be block_size)."""
+def cube_tiling(layout: SequenceLayout, block_size: int = 64, device: torch.device | str = "cpu") -> Tiling:
+    """Seed-000 tiling: 3D cubes (`CUBE_TILES` of the block size) for video regions, 1D chunks for
+    context; shared by all heads. It depends on the shape only, so the planner caches it."""
     if block_size not in CUBE_TILES:
         raise ValueError(f"cube tiling: block_size={block_size} is not allowed: expected one of {sorted(CUBE_TILES)}")
-    tile = CUBE_TILES[block_size] if tile is None else tuple(tile)
-    if len(tile) != 3 or min(tile) < 1 or tile[0] * tile[1] * tile[2] != block_size:
-        raise ValueError(f"cube tiling: tile={tile} is not allowed: expected three positive sizes whose product "
-                         f"is block_size={block_size}")
+    tile = CUBE_TILES[block_size]
     perm, block_len, spans = assemble(layout, block_size, lambda grid: cube_tiles(grid, tile))
     perm = perm.view(1, 1, -1).to(device)
     return Tiling(block_size, perm, perm, block_len.to(device), tuple(layout.regions()), spans)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 
 import torch
 
@@ -35,7 +36,7 @@ from ..backend.planner import build_plan
 from ..backend.reblock import reblock_tiling
 from ..backend.routing import region_budget
 from .scenes import Scene, make_scene
-from ..backend.tiling import Tiling, cube_tiling, snake_perm
+from ..backend.tiling import Tiling, assemble, cube_tiles, cube_tiling, snake_perm
 from ..kernels.plan import BlockSparsePlan
 
 PATCHES = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (1, 4), (4, 2), (2, 1))  # snake tube patches (bH, bW)
@@ -43,6 +44,17 @@ CUBES = ((4, 4, 4), (8, 2, 4), (16, 2, 2), (2, 4, 8), (1, 8, 8), (8, 4, 2), (32,
 MIXED = ("tree", "tube(1, 2)", "tube(2, 4)", "tube(1, 1)", "tube(2, 2)")  # query/key pairings among these
 SHIPPED_SET = ("tree", "tube(1, 2)", "tube(2, 4)")  # the shipped choice's candidates (head_choice.TUBES)
 STAGES = ("token oracle", "best blocks per query", "best blocks per query block", "routed")
+
+
+def cube_shape_tiling(layout: SequenceLayout, tile: tuple[int, int, int], device: torch.device | str = "cpu"
+                      ) -> Tiling:
+    """`cube_tiling` of 64-row blocks with (bT, bH, bW) tiles `tile` instead of the shipped (4, 4, 4)."""
+    if len(tile) != 3 or min(tile) < 1 or math.prod(tile) != 64:
+        raise ValueError(f"cube_shape_tiling: tile={tile} is not allowed: expected three positive sizes whose "
+                         "product is the block size, 64")
+    perm, block_len, spans = assemble(layout, 64, lambda grid: cube_tiles(grid, tuple(tile)))
+    perm = perm.view(1, 1, -1).to(device)
+    return Tiling(64, perm, perm, block_len.to(device), tuple(layout.regions()), spans)
 
 
 def routed_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, tiling: Tiling,
@@ -79,7 +91,7 @@ def per_head_recalls(sc: Scene, ratio: float = 0.1) -> dict[str, torch.Tensor]:
         return Tiling(64, q_perm, k_perm, tree.block_len, tree.regions, tree.region_blocks)
 
     out = {name: recall(paired(p, p)) for name, p in family.items()}
-    out.update({f"cube{tile}": recall(cube_tiling(layout, 64, q.device, tile=tile)) for tile in CUBES})
+    out.update({f"cube{tile}": recall(cube_shape_tiling(layout, tile, q.device)) for tile in CUBES})
     out["reblock (shipped)"] = recall(reblock_tiling(q, k, layout, 64, ratio=ratio))
     out.update({f"q:{a} k:{b}": recall(paired(family[a], family[b]))
                 for a, b in itertools.permutations(MIXED, 2)})

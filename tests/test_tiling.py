@@ -1,5 +1,4 @@
 """Cube tiling (seed 000 section 1, 3): members, edge tiles with true lengths, pack/unpack."""
-import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout
@@ -57,14 +56,3 @@ def test_pack_unpack_round_trip_with_per_head_permutations():
     assert (packed[:, perms < 0] == 0).all()
     assert torch.equal(unpack(packed, perms.view(1, 3, L).int(), S), x)
 
-
-def test_cube_tiling_takes_other_tile_shapes_of_the_block_volume():
-    lay = SequenceLayout.from_segments([(0, 10, "text"), (10, 10 + 5 * 6 * 7, "video", (5, 6, 7))])
-    tube = cube_tiling(lay, 64, tile=(16, 2, 2))
-    members = tube.k_perm.view(-1, 64)[tube.region_blocks[-1][0]]
-    rows = members[members >= 0] - 10  # the first tube: 5 frames (the grid has 5) x 2 x 2
-    t, y, x = rows // 42, rows % 42 // 7, rows % 7
-    assert rows.numel() == 20 and t.unique().numel() == 5 and y.max() <= 1 and x.max() <= 1
-    for bad in ((4, 4, 8), (64, 1), (0, 8, 8)):
-        with pytest.raises(ValueError, match="tile="):
-            cube_tiling(lay, 64, tile=bad)

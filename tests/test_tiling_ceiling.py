@@ -9,6 +9,7 @@ metrics module reports for the same rows.
 """
 import json
 
+import pytest
 import torch
 
 from adaptive_sparse_attention.backend.config import SparseConfig
@@ -16,6 +17,7 @@ from adaptive_sparse_attention.bench.metrics import plan_mass_metrics, sample_ro
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.backend.reblock import reblock_tiling
 from adaptive_sparse_attention.bench.scenes import SceneSize, make_scene
+from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 from adaptive_sparse_attention.bench import tiling_ceiling
 from adaptive_sparse_attention.bench.cli import main
@@ -73,3 +75,17 @@ def test_cli_writes_every_ceiling_and_loss(tmp_path, capsys):
                          "best of tree + all tubes", "best of tree + tubes + cubes", "best with query/key pairings"}
     assert rows["cube (4, 4, 4)"]["gain_points"] == 0.0
     assert "demo pan best of shipped candidates" in capsys.readouterr().out
+
+
+def test_cube_shapes_are_tiles_of_the_block_volume():
+    lay = SequenceLayout.from_segments([(0, 10, "text"), (10, 10 + 5 * 6 * 7, "video", (5, 6, 7))])
+    tube = tiling_ceiling.cube_shape_tiling(lay, (16, 2, 2))
+    members = tube.k_perm.view(-1, 64)[tube.region_blocks[-1][0]]
+    rows = members[members >= 0] - 10  # the first tube: 5 frames (the grid has 5) x 2 x 2
+    t, y, x = rows // 42, rows % 42 // 7, rows % 7
+    assert rows.numel() == 20 and t.unique().numel() == 5 and y.max() <= 1 and x.max() <= 1
+    shipped = tiling_ceiling.cube_shape_tiling(lay, (4, 4, 4))
+    assert torch.equal(shipped.k_perm, cube_tiling(lay, 64).k_perm)
+    for bad in ((4, 4, 8), (64, 1), (0, 8, 8)):
+        with pytest.raises(ValueError, match="tile="):
+            tiling_ceiling.cube_shape_tiling(lay, bad)
