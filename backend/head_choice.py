@@ -35,10 +35,10 @@ def tube_perms(layout: SequenceLayout, block_size: int, device: torch.device) ->
     return cached_statics(layout, block_size, device)[0]
 
 
-def probe_rows(layout: SequenceLayout, count: int = PROBES) -> torch.Tensor:
-    """`count` model-order rows spread over the target video (int64, deterministic)."""
+def probe_rows(layout: SequenceLayout) -> torch.Tensor:
+    """PROBES model-order rows spread over the target video (int64, deterministic)."""
     target = layout.target
-    return target.start + golden_positions(count, target.length)
+    return target.start + golden_positions(PROBES, target.length)
 
 
 def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

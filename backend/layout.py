@@ -107,14 +107,14 @@ class SequenceLayout:
         return cls([_segment(i, raw) for i, raw in enumerate(segments)])
 
     @classmethod
-    def from_packed(cls, packed: Any, position_ids: torch.Tensor | None = None) -> "SequenceLayout":
+    def from_packed(cls, packed: Any) -> "SequenceLayout":
         """Build from ComfyUI's H3 ``PackedLayout`` (its ``segments`` and ``position_ids``).
 
         Grids come from the distinct (t, h, w) coordinates of each segment's rows; a ``ref_img``
         segment spanning several t values is a reference video.
         """
-        pos = packed.position_ids if position_ids is None else position_ids
-        if pos is None or pos.dim() != 2 or pos.shape[1] != 3:
+        pos = getattr(packed, "position_ids", None)
+        if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 3:
             raise ValueError("SequenceLayout.from_packed: position_ids must be a [S, 3] tensor of (t, h, w)")
         raw = []
         for start, stop, kind in packed.segments:

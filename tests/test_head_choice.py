@@ -195,5 +195,5 @@ def test_choice_raises_recall_on_a_structured_scene():
 
 def test_probe_rows_lie_in_the_target_video():
     layout = SequenceLayout.from_segments([(0, 10, "text"), (10, 10 + 2 * 12, "video", (2, 3, 4))])
-    rows = head_choice.probe_rows(layout, 16)
+    rows = head_choice.probe_rows(layout)
     assert rows.min() >= 10 and rows.max() < 34 and math.isclose(float(rows.float().mean()), 22, abs_tol=3)

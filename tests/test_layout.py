@@ -64,5 +64,6 @@ def test_from_packed_reads_grids_and_reference_videos():
 
 def test_from_packed_rejects_bad_positions():
     packed = FakePackedLayout(text=3, ref_video=(2, 1, 1), ref_image=(1, 1, 1), audio=2, video=(2, 2, 2))
+    packed.position_ids = torch.zeros(5, 2)
     with pytest.raises(ValueError, match="position_ids"):
-        SequenceLayout.from_packed(packed, position_ids=torch.zeros(5, 2))
+        SequenceLayout.from_packed(packed)
