@@ -560,6 +560,7 @@ class SparseAttentionHook(BlockHook):
         return tuple(tokens)
 
     def note_other_override(self, transformer_options: dict) -> None:
+        """Say once per run that another node's attention override does not reach the sparse blocks."""
         if transformer_options.get("optimized_attention_override") is not None:
             self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                   "only; sparse blocks run adaptive sparse attention")
