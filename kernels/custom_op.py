@@ -18,7 +18,7 @@ def block_sparse_attention(
     q2k_idx: torch.Tensor, q2k_num: torch.Tensor,
     tail_k: Optional[torch.Tensor], tail_v: Optional[torch.Tensor], tail_bias: Optional[torch.Tensor],
     block_logit: Optional[torch.Tensor], block_value: Optional[torch.Tensor],
-    block_size: int, scale: float,
+    block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the fused kernel; see `triton_attention.block_sparse_triton`."""
     from .triton_attention import block_sparse_triton
@@ -29,19 +29,19 @@ def block_sparse_attention(
     elif block_logit is not None:
         tail = BlockSummaries(block_logit, block_value)
     plan = BlockSparsePlan(Tiling(block_size, q_perm, k_perm, block_len), dense_hi, q2k_idx, q2k_num, tail=tail)
-    return block_sparse_triton(q, k, v, plan, scale)
+    return block_sparse_triton(q, k, v, plan)
 
 
 @block_sparse_attention.register_fake
 def _fake(q, k, v, q_perm, k_perm, block_len, dense_hi, q2k_idx, q2k_num,
-          tail_k, tail_v, tail_bias, block_logit, block_value, block_size, scale):
+          tail_k, tail_v, tail_bias, block_logit, block_value, block_size):
     B, H, S, _ = q.shape
     return torch.empty_like(q), q.new_empty(B, H, S, dtype=torch.float32)
 
 
-def block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-                    scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call the custom op with the tensors of `plan` (scale defaults to head_dim ** -0.5).
+def block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call the custom op with the tensors of `plan`.
 
     The kernel is forward only: inputs that require grad (with grad mode on) are refused here,
     before anything runs, instead of returning outputs whose backward fails later."""
@@ -50,11 +50,10 @@ def block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Blo
         raise ValueError(f"backend='triton': {', '.join(needs_grad)} require grad, but the fused Triton kernel has no "
                          "backward: call it under torch.no_grad() or torch.inference_mode(), detach the inputs, or use "
                          "backend='torch' (the differentiable reference)")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     query = plan.tail if isinstance(plan.tail, QuerySummaries) else None
     block = plan.tail if isinstance(plan.tail, BlockSummaries) else None
     return block_sparse_attention(q, k, v, plan.q_perm, plan.k_perm, plan.block_len, plan.dense_hi,
                                   plan.q2k_idx, plan.q2k_num,
                                   query.key if query else None, query.value if query else None,
                                   query.bias if query else None, block.logit if block else None,
-                                  block.value if block else None, plan.block_size, scale)
+                                  block.value if block else None, plan.block_size)

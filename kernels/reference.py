@@ -15,22 +15,21 @@ from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk
 
 
-def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q, k, v [B, H, S, D] under `plan`, the oracle every fast path is tested against
     (and the `torch` backend's kernel: differentiable, any device and dtype).
 
     Args:
         q, k, v: model order, one dtype and device.
-        plan: the plan (its tail, if any, joins the same softmax).
-        scale: the logit scale (default head_dim ** -0.5).
+        plan: the plan (its tail, if any, joins the same softmax); logits are scaled by head_dim ** -0.5.
     Returns:
         (out [B, H, S, D] in q's dtype, lse [B, H, S] natural log in the compute dtype; a row with
         nothing allowed gets zeros and EMPTY_ROW_LSE).
     """
     B, H, S, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = D ** -0.5 if scale is None else scale
+    scale = D ** -0.5
     bs, J, tail = plan.block_size, plan.num_blocks, plan.tail
     qt = pack(q, plan.q_perm).to(acc)
     kt = pack(k, plan.k_perm).to(acc)

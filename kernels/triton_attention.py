@@ -200,14 +200,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparseP
 
 
 def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-                        scale: float | None = None, config: KernelConfig | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
 
     Args:
         q, k, v: one fp16/bf16/fp32 dtype, head_dim a power of two >= 16, any strides.
-        plan: the plan; every model row must appear once in q_perm (true of every tiling).
-        scale: the logit scale (default head_dim ** -0.5).
+        plan: the plan; every model row must appear once in q_perm (true of every tiling). Logits
+            are scaled by head_dim ** -0.5.
         config: tile sizes and launch parameters instead of the per-architecture choice
             (`configs.kernel_config`).
     Returns:
@@ -217,9 +216,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     _check(q, k, v, plan)
     B, H, S, D = q.shape
     J, bs = plan.num_blocks, plan.block_size
-    scale = D ** -0.5 if scale is None else float(scale)
-    if not 0.0 < scale < float("inf"):  # the softmax folds it into a multiply-add: 0 * -inf is NaN
-        raise ValueError(f"block_sparse_triton: scale={scale} is not allowed: expected a positive finite number")
+    scale = D ** -0.5
     cfg = kernel_config(D, bs, q.device) if config is None else config
     block_m, block_n = min(cfg.block_m, bs), min(cfg.block_n, bs)  # tiles never span two blocks
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

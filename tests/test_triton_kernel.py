@@ -46,9 +46,9 @@ def inputs(layout, heads, dim, dtype, seed, batch=1):
     return [torch.randn(batch, heads, layout.total, dim, generator=g).to(dtype) for _ in range(3)]
 
 
-def check(q, k, v, plan, scale=None, **kwargs):
-    out, lse = block_sparse_triton(q, k, v, plan, scale, **kwargs)
-    ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan, scale)
+def check(q, k, v, plan, **kwargs):
+    out, lse = block_sparse_triton(q, k, v, plan, **kwargs)
+    ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan)
     assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=TOL[q.dtype])
@@ -77,7 +77,7 @@ def test_block_size_128_whole_or_split_query_blocks_and_batch_shares_plan():
     plan = build_plan(q, k, v, layout, cfg)
     assert plan.block_size == 128
     for family in ("sm80", "sm90"):  # 64-row tiles (two programs per block) and 128-row tiles
-        check(q, k, v, plan, scale=0.3, config=kernel_config(32, 128, q.device, family=family))
+        check(q, k, v, plan, config=kernel_config(32, 128, q.device, family=family))
 
 
 def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed):
@@ -191,9 +191,6 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="block_size=48"):
         plan48 = random_plan(layout.total, 1, 1, 32, 48, torch.float32, "none", seed=1)
         block_sparse_triton(q.float(), k.float(), v.float(), plan48)
-    for scale in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="scale="):
-            block_sparse_triton(q.float(), k.float(), v.float(), plan, scale=scale)
 
 
 def test_custom_op_dispatch_and_compile():
