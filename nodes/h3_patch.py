@@ -556,7 +556,9 @@ class SparseAttentionHook(BlockHook):
         if any(tokens):
             self.note_other_override(transformer_options)
             self.tracker.log_once("the model runs under torch.compile: sparse blocks are not timed and their "
-                                  "density is not measured (each would synchronise the host in every block)")
+                                  "density is not measured (each would synchronise the host in every block); "
+                                  "compiled sparse steps measured slower than uncompiled ones, so for speed leave "
+                                  "TorchCompileModel out of graphs with this node (BENCHMARKS.md, torch.compile)")
         return tuple(tokens)
 
     def note_other_override(self, transformer_options: dict) -> None:
