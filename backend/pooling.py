@@ -18,8 +18,12 @@ CHUNK_ELEMENTS = 1 << 26  # per-block planner buffers that grow with J x J are s
 def row_chunks(rows: tuple[int, int], per_row: int, align: int = 64) -> list[tuple[int, int]]:
     """[lo, hi) split into chunks of whole `align`-row tiles (counted from 0, so chunks start at
     multiples of `align` except possibly the first) holding at most CHUNK_ELEMENTS elements of
-    `per_row` each (at least one tile per chunk)."""
+    `per_row` each (at least one tile per chunk). A range that fits in twice that is one chunk:
+    a second pass would cost more time than its memory saves (10 s clips), while long clips,
+    where the bound matters, still stream."""
     lo, hi = rows
+    if (hi - lo) * per_row <= 2 * CHUNK_ELEMENTS:
+        return [(lo, hi)] if hi > lo else []
     step = max(align, CHUNK_ELEMENTS // max(1, per_row) // align * align)
     starts = [lo] + list(range((lo // step + 1) * step, hi, step))
     return [(a, min(hi, b)) for a, b in zip(starts, starts[1:] + [hi]) if a < min(hi, b)]

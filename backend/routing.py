@@ -68,7 +68,8 @@ def index_table(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def route_plan(tiling: Tiling, scope: str, ratio: float) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Shape-only part of routing: dense_hi [J] int32 per query block, and the candidate groups
-    (lo, hi, budget) that sparse query blocks route over. Cached per (tiling shape, scope, ratio,
+    (lo, hi, budget) that sparse query blocks route over; the sparse query blocks are exactly the
+    span [first lo, last hi) of the groups, every other block is dense. Cached per (tiling shape, scope, ratio,
     device): built on the host once, so planning a block copies nothing from the host (a copy
     from pageable host memory waits for the GPU to drain, which would stop the host running ahead)."""
     key = (tiling.regions, tiling.region_blocks, scope, ratio, str(tiling.block_len.device))
@@ -119,8 +120,8 @@ def _counts(idx: torch.Tensor, dense_hi: torch.Tensor) -> torch.Tensor:
 
 
 def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Tensor,
-                 groups: list[tuple[int, int, int]], scores: str = "fp32", backend: str = "torch"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 groups: list[tuple[int, int, int]], scores: str = "fp32", backend: str = "torch",
+                 sparse_rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_blocks(pooled_scores(q_mean, k_mean), dense_hi, groups)` without the [B, H, J, J]
     scores: streamed in chunks of query blocks (see the module docstring).
 
@@ -130,6 +131,9 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
         groups: candidate key block ranges (lo, hi, budget), ascending and disjoint.
         scores: "fp32" (the exact pooled scores) or "int8" / "fp8" (`backend/indexer.py`).
         backend: the kernels to run (`kernels/dispatch.py`).
+        sparse_rows: [lo, hi) query blocks that may be sparse, when the caller knows that every
+            block outside is dense (for `route_plan`'s groups: `plan.group_span(groups)`); only
+            these rows are scored. None: every row is scored.
     Returns:
         (q2k_idx [B, H, J, R] ascending, int16 while J < 2**15 else int32; q2k_num [B, H, J]
         int32), R = sum of the budgets.
@@ -143,8 +147,14 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
     c1 = max(hi for _, hi, _ in groups)
     fused = runs_triton(backend) and q_mean.dtype == torch.float32
     means = q_mean if scores == "fp32" else quantise_means(q_mean, k_mean, scores)
+    lo, hi = (0, J) if sparse_rows is None else sparse_rows
+    if not (0 <= lo <= hi <= J):
+        raise ValueError(f"route_blocks: sparse_rows={sparse_rows!r} is not allowed: expected 0 <= lo <= hi <= {J}")
+    lo = lo // TILE * TILE  # windows start on a score tile, as in the full matrix (bit-identical scores)
     idx = torch.empty(B, H, J, R, dtype=torch.int16 if J < 2 ** 15 else torch.int32, device=q_mean.device)
-    for i0, i1 in row_chunks((0, J), B * H * (c1 - c0)):  # dense rows too: they cost little and get -1
+    if (lo, hi) != (0, J):
+        idx.fill_(-1)  # rows never scored are dense ones
+    for i0, i1 in row_chunks((lo, hi), B * H * (c1 - c0)):  # dense rows inside get -1 from the selection
         window = _score_window(means, k_mean, (i0, i1), (c0, c1), fused)
         if fused:
             from ..kernels.block_select import select_blocks_triton

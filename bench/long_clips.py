@@ -31,6 +31,7 @@ from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_blocks, route_plan, select_blocks
 from ..kernels.dispatch import block_sparse_attention, resolve_backend
+from ..kernels.plan import group_span
 from .methods import dense_call
 from .runner import environment
 from .scenes import SIZES, h3_qkv
@@ -68,10 +69,10 @@ def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
     rows, picks = [], {}
     for scores in ("fp32", "int8", "fp8"):
-        (idx, _), peak = peak_extra_mb(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend))
+        (idx, _), peak = peak_extra_mb(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend, group_span(groups)))
         picks[scores] = idx
         rows.append({"shape": shape, "tiling": config.tiling, "routing": f"streamed {scores}", "J": tiling.num_blocks,
-                     "ms": ms(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend)), "peak_mib": peak,
+                     "ms": ms(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend, group_span(groups))), "peak_mib": peak,
                      "shared_picks_vs_fp32": shared_picks(picks["fp32"], idx)})
     full = lambda: select_blocks(pooled_scores(q_mean, k_mean, backend=backend), dense_hi, groups, backend)  # noqa: E731
     row = {"shape": shape, "tiling": config.tiling, "routing": "full matrix (today)", "J": tiling.num_blocks}

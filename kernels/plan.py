@@ -203,6 +203,15 @@ class BlockSparsePlan:
         return (cols.view(1, -1) >= self.dense_hi[rows].view(-1, 1)) & ~self.selected_mask(rows)
 
 
+def group_span(groups: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]]) -> tuple[int, int]:
+    """[first lo, last hi) of routing groups (lo, hi, budget): the query blocks that routing makes
+    sparse, each with that span's start as its dense prefix; every other block is dense (the rule of
+    `routing.route_plan`, which made the groups). (0, 0) without groups."""
+    if not groups:
+        return (0, 0)
+    return min(g[0] for g in groups), max(g[1] for g in groups)
+
+
 def pack(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Rows of x [B, H, S, D] in tiled order [B, H, L, D] (perm [Bp, Hp, L]); padding slots are zero.
 

@@ -79,6 +79,22 @@ def test_torch_stream_equals_the_full_matrix_selection(monkeypatch, one_tile_chu
     assert windows == [(B, H, min(64, J - i0), groups[-1][1] - lo) for i0 in range(0, J, 64)]  # never J x J
 
 
+@pytest.mark.parametrize("B,H,J,D,groups,n_dense", CASES)
+def test_scoring_only_the_sparse_rows_selects_the_same(monkeypatch, one_tile_chunks, B, H, J, D, groups, n_dense):
+    """The planner passes route_plan's sparse span: rows before it are never scored and stay -1,
+    windows still start on a score tile, and the selection is the full one."""
+    q, k = means(B, H, J, D, seed=J + 1)
+    dense_hi = dense_hi_of(J, groups, n_dense)
+    want_idx, want_num = select_blocks(pooled_scores(q, k), dense_hi, groups)
+    windows = recorded_windows(monkeypatch)
+    idx, num = route_blocks(q, k, dense_hi, groups, sparse_rows=(n_dense, J))
+    assert torch.equal(idx, want_idx) and torch.equal(num, want_num)
+    assert [w[2] for w in windows] == [min(64, J - i0) for i0 in range(n_dense // 64 * 64, J, 64)]
+    for bad in ((-1, J), (5, J + 1), (6, 5)):
+        with pytest.raises(ValueError, match="sparse_rows"):
+            route_blocks(q, k, dense_hi, groups, sparse_rows=bad)
+
+
 def test_triton_stream_equals_todays_gpu_selection(monkeypatch, one_tile_chunks):
     """Interpreter: the streamed kernels (score windows, windowed select) against the full
     tf32x3 score matrix of today's kernel, selected by the stable sort."""
