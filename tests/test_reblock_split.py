@@ -41,9 +41,9 @@ def features(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,bs,chunk,wide_chunk,bracket,dtype", [
-    (600, 16, 8192, 2048, (4096, 128, 8192), torch.float32), (600, 16, 64, 64, (64, 8, 128), torch.float32),
-    (600, 16, 128, 32, (64, 8, 128), torch.float16), (600, 16, 64, 64, (16, 0, 16), torch.float32),
-    (600, 16, 64, 64, (64, 48, 512), torch.float32), (97, 8, 16, 16, (16, 2, 16), torch.float16),
+    (600, 16, 8192, 2048, (4096, 128, 8192), torch.float32), (320, 16, 64, 64, (64, 8, 128), torch.float32),
+    (320, 16, 128, 32, (64, 8, 128), torch.float16), (320, 16, 64, 64, (16, 0, 16), torch.float32),
+    (320, 16, 64, 64, (64, 48, 512), torch.float32), (97, 8, 16, 16, (16, 2, 16), torch.float16),
     (5, 16, 8192, 2048, (4096, 128, 8192), torch.float32)])
 def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk, bracket, dtype):
     """bracket (SAMPLE, MARGIN, CAP) of the wide nodes' threshold: a tight one (the full selection
