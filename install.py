@@ -1,7 +1,8 @@
 """Install check run by ComfyUI-Manager after `requirements.txt`: reports, never installs.
 
-It checks torch, Triton (``triton`` on Linux, ``triton-windows`` on Windows), comfy-kitchen and
-each GPU's architecture, and prints which attention kernel will run where. It never installs,
+It checks torch, Triton (``triton`` on Linux, ``triton-windows`` on Windows), comfy-kitchen, the
+optional ``nvidia-cudnn-frontend`` and each GPU's architecture, and prints which attention kernel
+will run where. It never installs,
 upgrades or replaces torch (or anything else): ComfyUI owns its torch and comfy-kitchen pins, so
 this only tells what to install by hand when something is missing. Exit code 0 always: a missing
 optional piece makes the pack slower, not broken.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 MIN_CAPABILITY = (8, 0)  # the Triton kernel's bf16 tensor-core path needs Ampere or newer
+CUDNN_FAMILIES = (9,)  # kernels/cudnn_attention.py FAMILIES (the pack is not importable by name here)
 
 
 def version(dist: str) -> str | None:
@@ -55,6 +57,13 @@ def report() -> list[str]:
     else:
         lines.append(f"  {triton_dist} {triton_version}: fast Triton kernel available on supported GPUs")
 
+    frontend = version("nvidia-cudnn-frontend")
+    if frontend is None:
+        lines.append("  nvidia-cudnn-frontend: not installed (optional) -> on Hopper (sm90) the exact keys run on the "
+                     "Triton kernel; pip install nvidia-cudnn-frontend for its faster block-sparse kernel there")
+    else:
+        lines.append(f"  nvidia-cudnn-frontend {frontend}: its block-sparse kernel runs the exact keys on sm90")
+
     kitchen = version("comfy-kitchen")
     if kitchen is None:
         lines.append("  comfy-kitchen: not installed -> Q/K norm + RoPE use the equivalent torch code")
@@ -79,6 +88,8 @@ def report() -> list[str]:
             where = "torch reference kernel (the Triton kernel needs compute capability 8.0+)"
         elif triton_version is None:
             where = "torch reference kernel (install Triton for the fast kernel)"
+        elif frontend is not None and cap[0] in CUDNN_FAMILIES:
+            where = f"cuDNN-frontend block-sparse kernel for the exact keys, Triton ({family_of(cap)} configs) for the rest"
         else:
             where = f"Triton kernel, {family_of(cap)} configs"
         lines.append(f"  cuda:{i} {name} (sm{cap[0]}{cap[1]}): {where}")

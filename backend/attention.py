@@ -118,7 +118,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """
     config = SparseConfig() if config is None else config
     check_inputs(q, k, v, layout, config, coarse_gate)
-    backend = resolve_backend(config.backend, q.device, q.dtype, config.strict)
+    backend = resolve_backend(config.backend, q.device, q.dtype, config.strict, q.shape[-1], config.block_size)
     marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
     plan = build_plan(q, k, v, layout, config, backend=backend)
     marks.append(_now(q, timings))

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from ..kernels.dispatch import resolve_backend
-from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling
+from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling, group_span
 from .cache import BoundedCache
 from .config import SparseConfig
 from .indexer import fp8_unavailable_reason
@@ -58,12 +58,13 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         (`tail.coarse_branch`).
     """
     if backend is None:
-        backend = resolve_backend(config.backend, q.device, q.dtype, config.strict)
+        backend = resolve_backend(config.backend, q.device, q.dtype, config.strict, q.shape[-1], config.block_size)
     tiling = make_tiling(q, k, layout, config, backend) if tiling is None else tiling
     q_mean = block_means(q, tiling.q_perm, tiling, backend)
     k_mean = block_means(k, tiling.k_perm, tiling, backend)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
-    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device), backend)
+    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device), backend,
+                                    group_span(groups))
     tail: Tail = None
     if config.tail in ("mean", "reweight"):
         if config.tail == "mean":

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from ..kernels import dispatch
 from ..nodes.capture import load_capture
 from . import (long_clips, planner_timing, reblock_device_check, reblock_timing, routing_quality, tiling_ceiling,
                ulysses_timing)
@@ -149,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser, ratios: str) -> None:
         p.add_argument("--ratios", type=_floats, default=_floats(ratios), help=f"top-k ratios (default {ratios})")
         p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
-        p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                       help="kernel of ours: auto = Triton on CUDA when available, else the torch reference")
+        p.add_argument("--backend", default="auto", choices=("auto", *dispatch.BACKENDS),
+                       help="kernels of ours: auto = the first that runs of cuDNN-frontend (optional package, sm90), "
+                            "Triton on CUDA, else the torch reference")
         p.add_argument("--seed", type=int, default=0)
 
     demo = sub.add_parser("demo", help="small synthetic scene: dense vs sparse at a few ratios and tail modes")
@@ -206,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--block-sizes", default="64", help="plan block sizes to check and time")
     kc.add_argument("--sanitize-child", action="store_true", help=argparse.SUPPRESS)
     kc.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    kc.add_argument("--skip", default="", help="comma list of sections to skip: check,sanitize,ncu,probe,timing")
+    kc.add_argument("--skip", default="", help="comma list of sections to skip: check,sanitize,ncu,probe,timing,variants")
     kc.set_defaults(func=cmd_kernel_check)
 
     for name, module, text in (

@@ -9,9 +9,12 @@
    Compute sections (occupancy, stall reasons, memory and pipe throughput) of one launch.
 3. Kernel-only time at the H3 shapes (5s/10s/14s, 56 heads, head_dim 128, bf16, cube tiling,
    reweight tails) at ratios 0.1/0.2/0.3, against dense cuDNN SDPA in the same run; throughput
-   counts the pairs the kernel computes (exact query-key pairs plus summary columns).
+   counts the pairs the kernel computes (exact query-key pairs plus summary columns). Where the
+   cuDNN backend can run: the anchor (cuDNN-frontend's block-sparse kernel alone on the same
+   exact keys), the cuDNN backend, and the whole call with the default tiling on both backends.
 4. The kernel with every block exact (5s shape) against cuDNN, gathered and in model order.
-5. Launch-config variants at the 10s shape, ratio 0.1; each family's configs at every shape.
+5. Launch-config variants at the 10s shape, ratio 0.1 (section `variants`); each family's
+   configs at every shape.
 6. The whole `sparse_attention` call (planning included) and the planner per component.
 Writes DIR/kernel_check.json and DIR/kernel_check.md and prints the tables.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from importlib.metadata import PackageNotFoundError, version as dist_version
 import os
 import shutil
 import subprocess
@@ -35,8 +39,9 @@ from .scenes import SIZES, h3_qkv
 from .timing import bench_ms
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
-from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, kernel_config
-from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling
+from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, finish_config, kernel_config
+from ..kernels.cudnn_attention import cudnn_unavailable_reason
+from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling, pack
 from ..kernels.reference import block_sparse_reference
 from ..kernels.triton_attention import block_sparse_triton
 
@@ -50,6 +55,14 @@ VARIANTS = {  # launch-config variants timed at the 10s shape, ratio 0.1: name -
     "bs128 m128n64t64w8s3": (128, KernelConfig(128, 64, 64, 8, 3)),
     "bs128 m128n128t64w8s2": (128, KernelConfig(128, 128, 64, 8, 2)),
 }
+
+
+def version(dist: str) -> str:
+    """The installed version of `dist`, or "not installed"."""
+    try:
+        return dist_version(dist)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def computed_pairs(plan: BlockSparsePlan) -> tuple[float, float]:
@@ -114,13 +127,18 @@ def correctness(results: dict, quick: bool, block_size: int) -> None:
 
 
 def sanitize_child() -> None:
-    """Small case run under compute-sanitizer by the parent (both granularities, both families)."""
+    """Small case run under compute-sanitizer by the parent (both granularities, both families, and
+    the cuDNN backend where it can run)."""
     layout = SequenceLayout.from_segments([(0, 100, "text"), (100, 100 + 3 * 10 * 12, "video", (3, 10, 12))])
     for gran in ("query", "block"):
         q, k, v = h3_qkv(layout, 2, 128, torch.bfloat16, seed=1)
         plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3, tail_granularity=gran))
         for fam in FAMILIES:
             block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, family=fam))
+        if cudnn_unavailable_reason(q.device, q.dtype, 128, 64) is None:
+            from ..kernels.cudnn_attention import block_sparse_cudnn
+
+            block_sparse_cudnn(q, k, v, plan)
     torch.cuda.synchronize()
     print("sanitize-child done")
 
@@ -250,7 +268,51 @@ def dense_probe(results: dict) -> None:
     results["dense_probe"] = rows
 
 
-def timing(results: dict, shapes: list[str], ratios: list[float], block_sizes: list[int]) -> None:
+def cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops) -> dict:
+    """The cuDNN backend on `plan` beside the anchor (cuDNN-frontend's kernel alone on the same
+    exact keys, Q/K/V packed beforehand) and the whole call on both GPU backends with the
+    default tiling."""
+    from ..kernels.cudnn_attention import _forward, block_sparse_cudnn, exact_attention_cudnn, key_lists, sparse_span
+    from ..kernels.tiled_pack import pack_qkv
+
+    exact, summary = computed_pairs(plan)
+    bs, J, R = plan.block_size, plan.num_blocks, plan.q2k_idx.shape[-1]
+    lo, hi = sparse_span(plan)
+    packed = [pack(x, perm) for x, perm in ((q, plan.q_perm), (k, plan.k_perm), (v, plan.k_perm))]
+    H = q.shape[1]
+    calls = [(packed[0][:, :, lo * bs:hi * bs], *key_lists(plan, (lo, hi), (0, H), lo + R))]
+    outside = [(a, b) for a, b in ((0, lo), (hi, J)) if b > a]
+    if outside:
+        lists = [key_lists(plan, span, (0, H), J) for span in outside]
+        calls.append((torch.cat([packed[0][:, :, a * bs:b * bs] for a, b in outside], 2),
+                      torch.cat([i for i, _ in lists], 2), torch.cat([n for _, n in lists], 2)))
+    block_len = plan.block_len.contiguous()
+    anchor_ms = bench_ms(lambda: [_forward(qs, packed[1], packed[2], i, n, block_len) for qs, i, n in calls])
+    calls = packed = None  # free them before the next timings
+    ms = bench_ms(lambda: block_sparse_cudnn(q, k, v, plan))
+    part = exact_attention_cudnn(q, k, v, plan)
+    row = dict(ratio=ratio, gran=gran, anchor_ms=anchor_ms, anchor_tflops=4 * DIM * exact / anchor_ms / 1e9,
+               cudnn_backend_ms=ms, cudnn_backend_tflops=4 * DIM * (exact + summary) / ms / 1e9,
+               pack_ms=bench_ms(lambda: pack_qkv(q, k, v, plan.q_perm, plan.k_perm)),
+               exact_ms=bench_ms(lambda: exact_attention_cudnn(q, k, v, plan)),
+               finish_ms=bench_ms(lambda: block_sparse_triton(q, q, q, plan, finish_config(DIM, bs, q.device), part)))
+    part = None
+    row["anchor_vs_dense_rate"] = row["anchor_tflops"] / dense_tflops
+    for backend in ("cudnn", "triton"):
+        cfg = SparseConfig(topk_ratio=ratio, tail_granularity=gran, backend=backend, strict=True)
+        row[f"op_default_{backend}_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg), rep_ms=1500)
+        _, info = sparse_attention(q, k, v, layout, cfg, return_info=True, timings=True)
+        row[f"plan_default_{backend}_ms"] = info.timings_ms["plan"]
+    print(f"  cudnn r{ratio} {gran:5s}: anchor {anchor_ms:.2f} ms {row['anchor_tflops']:.0f} TFLOP/s "
+          f"({100 * row['anchor_vs_dense_rate']:.0f}% of dense rate); backend {ms:.2f} ms (pack {row['pack_ms']:.2f}, "
+          f"exact keys {row['exact_ms']:.2f}, tail and store {row['finish_ms']:.2f}); whole op default tiling "
+          f"cudnn {row['op_default_cudnn_ms']:.1f} / triton {row['op_default_triton_ms']:.1f} ms "
+          f"(plan {row['plan_default_cudnn_ms']:.1f})", flush=True)
+    return row
+
+
+def timing(results: dict, shapes: list[str], ratios: list[float], block_sizes: list[int],
+           variants: bool = True) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     results["timing"] = {}
@@ -263,7 +325,7 @@ def timing(results: dict, shapes: list[str], ratios: list[float], block_sizes: l
         dense_tflops = 4 * DIM * HEADS * S * S / dense_ms / 1e9
         entry = {"S": S, "dense_cudnn_ms": dense_ms, "dense_cudnn_tflops": dense_tflops, "rows": []}
         print(f"{name}: S {S} dense cuDNN {dense_ms:.1f} ms {dense_tflops:.0f} TFLOP/s", flush=True)
-        if name == "10s":
+        if name == "10s" and variants:
             plans = {bs: plan_for(q, k, v, layout, 0.1, block_size=bs)[0] for bs in (64, 128)}
             variants = {}
             for vname, (bs, conf) in VARIANTS.items():
@@ -295,6 +357,9 @@ def timing(results: dict, shapes: list[str], ratios: list[float], block_sizes: l
                                                                   rep_ms=1500)
                             row["sparse_attention_vs_dense"] = row["sparse_attention_ms"] / dense_ms
                         entry["rows"].append(row)
+                        if bs == 64 and fam == FAMILIES[-1] and cudnn_unavailable_reason(q.device, q.dtype, DIM, bs) is None:
+                            entry.setdefault("cudnn", []).append(
+                                cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops))
                         extra = (f" | whole op {row['sparse_attention_ms']:.1f} ms "
                                  f"({100 * row['sparse_attention_vs_dense']:.1f}% of dense)"
                                  ) if "sparse_attention_ms" in row else ""
@@ -320,6 +385,15 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {r['block_size']} | {r['ratio']} | {r['gran']} | {r['family']} | "
                          f"{r['kernel_ms']:.2f} | {r['tflops']:.0f} | {100 * r['vs_dense_rate']:.0f} | "
                          f"{100 * r['vs_dense_time']:.1f} | {whole} |")
+    cudnn = [(name, r) for name, e in results.get("timing", {}).items() for r in e.get("cudnn", [])]
+    if cudnn:
+        lines += ["", "| shape | ratio | tail | anchor ms | anchor TFLOP/s | anchor % dense rate | cudnn backend ms | "
+                  "whole op (default tiling) cudnn / triton ms | its plan ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in cudnn:
+            lines.append(f"| {name} | {r['ratio']} | {r['gran']} | {r['anchor_ms']:.2f} | {r['anchor_tflops']:.0f} | "
+                         f"{100 * r['anchor_vs_dense_rate']:.0f} | {r['cudnn_backend_ms']:.2f} | "
+                         f"{r['op_default_cudnn_ms']:.1f} / {r['op_default_triton_ms']:.1f} | "
+                         f"{r['plan_default_cudnn_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,7 +416,8 @@ def run(args: argparse.Namespace) -> int:
     import triton
 
     results = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
-               "versions": f"torch {torch.__version__}, triton {triton.__version__}", "date": time.strftime("%F %T"),
+               "versions": f"torch {torch.__version__}, triton {triton.__version__}, nvidia-cudnn-frontend "
+                           f"{version('nvidia-cudnn-frontend')}", "date": time.strftime("%F %T"),
                "configs": {f"{f}/D{d}/bs{b}": c.__dict__ for (f, d, b), c in CONFIGS.items()}}
     skip = set(args.skip.split(","))
     start = time.time()
@@ -357,7 +432,8 @@ def run(args: argparse.Namespace) -> int:
     if "probe" not in skip:
         dense_probe(results)
     if "timing" not in skip:
-        timing(results, args.shapes.split(","), [float(r) for r in args.ratios.split(",")], block_sizes)
+        timing(results, args.shapes.split(","), [float(r) for r in args.ratios.split(",")], block_sizes,
+               "variants" not in skip)
     results["wall_s"] = time.time() - start
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_check.json"), "w") as f:

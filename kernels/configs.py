@@ -60,6 +60,15 @@ CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
 }
 
 
+# The kernel finishing a partial result (`block_sparse_triton(partial=...)`: the tail loop only,
+# no exact keys): narrower summary tiles and one stage were faster on sm90 at the H3 shapes
+# (docs/performance-notes.md). Other entries use CONFIGS.
+FINISH_CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
+    ("sm90", 64, 64): KernelConfig(64, 64, 32, 4, 1),
+    ("sm90", 128, 64): KernelConfig(64, 64, 32, 4, 1),
+}
+
+
 def family_of(capability: tuple[int, int]) -> str:
     """Architecture family of a CUDA compute capability (major, minor)."""
     return "sm90" if capability[0] in (9, 10) else "sm80"
@@ -111,3 +120,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision for operands of `dtype`: full fp32 ("ieee") for fp32 inputs, so
     fp32 runs stay close to the float64 reference; the tensor-core default for 16-bit inputs."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def finish_config(head_dim: int, block_size: int, device: torch.device, family: str | None = None) -> KernelConfig:
+    """Config of the kernel that adds the tail to another kernel's exact-key result (FINISH_CONFIGS,
+    else `kernel_config`)."""
+    key = (resolve_family(device, family), head_dim, 128 if block_size >= 128 else 64)
+    return FINISH_CONFIGS.get(key) or kernel_config(head_dim, block_size, device, family)

@@ -1,13 +1,15 @@
 """The one dispatch: `SparseConfig.backend` -> the implementation every kernel of a call runs.
 
 A backend is one row of `BACKENDS`: a name, a priority for ``auto``, and an availability check
-on (device, dtype). The chosen name travels through the whole call: the planner's kernels
-(pooling, scores, TopK, summaries, reblock levels) and the attention kernel all run on it, so
-``torch`` means the pure-torch reference everywhere and ``triton`` means the Triton kernels
-everywhere (under ``TRITON_INTERPRET=1`` also on CPU tensors, which is how CI runs them).
-``auto`` takes the first available backend by priority, on CUDA only. A backend asked for by
-name that cannot run raises in strict mode and otherwise runs the torch reference, saying so
-once (still sparse).
+on (device, dtype, head_dim, block_size). The chosen name travels through the whole call: the
+planner's kernels (pooling, scores, TopK, summaries, reblock levels) and the attention kernel all
+run on it, so ``torch`` means the pure-torch reference everywhere and ``triton`` means the Triton
+kernels everywhere (under ``TRITON_INTERPRET=1`` also on CPU tensors, which is how CI runs them).
+``cudnn`` (optional package, `cudnn_attention.py`) runs the exact keys on cuDNN-frontend's
+block-sparse kernel and everything else on Triton; it is taken only when asked for by name.
+``auto`` takes the first available backend by priority among those it may take (on CUDA only). A backend asked for by
+name that cannot run raises in strict mode and otherwise runs the next available backend by
+priority (in the end the torch reference), saying so once (still sparse).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .cudnn_attention import cudnn_unavailable_reason
 from .plan import BlockSparsePlan
 from .reference import block_sparse_reference
 
@@ -27,8 +30,10 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _warned: set[str] = set()
 
 
-def triton_unavailable_reason(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-    """Why the Triton kernels cannot run on `device` for `dtype` (None: any dtype), or None when they can."""
+def triton_unavailable_reason(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
+                              block_size: int | None = None) -> str | None:
+    """Why the Triton kernels cannot run on `device` for `dtype` (None: any dtype), or None when they can
+    (every head_dim and block_size the config allows)."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -46,50 +51,66 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: B
     return block_sparse_op(q, k, v, plan)
 
 
+def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    from .custom_op import block_sparse_op
+
+    return block_sparse_op(q, k, v, plan, "cudnn")
+
+
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of every kernel: `unavailable(device, dtype)` says why it cannot run (None: it can)."""
+    """One implementation of every kernel: `unavailable(device, dtype, head_dim, block_size)` says why it
+    cannot run (None: it can)."""
 
     name: str
     priority: int  # lower runs first under "auto"
-    unavailable: Callable[[torch.device, torch.dtype], str | None]
+    unavailable: Callable[[torch.device, torch.dtype, int | None, int | None], str | None]
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockSparsePlan], tuple[torch.Tensor, torch.Tensor]]
-    auto_on_cpu: bool  # whether "auto" may pick it for CPU tensors
+    auto_devices: tuple[str, ...]  # device types for which "auto" may pick it
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", 0, triton_unavailable_reason, _triton_attention, auto_on_cpu=False),
-    "torch": Backend("torch", 1, lambda device, dtype: None, block_sparse_reference, auto_on_cpu=True),
+    # opt-in: it has not reached the 1.3x over Triton that taking it automatically requires (BENCHMARKS.md)
+    "cudnn": Backend("cudnn", 0, cudnn_unavailable_reason, _cudnn_attention, auto_devices=()),
+    "triton": Backend("triton", 1, triton_unavailable_reason, _triton_attention, auto_devices=("cuda",)),
+    "torch": Backend("torch", 2, lambda *_: None, block_sparse_reference, auto_devices=("cuda", "cpu")),
 }
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, strict: bool = False) -> str:
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, strict: bool = False,
+                    head_dim: int | None = None, block_size: int | None = None) -> str:
     """The backend that runs a call on `device` with `dtype`.
 
     Args:
         requested: "auto" or a name in `BACKENDS`.
         device, dtype: of the call's Q/K/V.
         strict: a named backend that cannot run raises instead of running the torch reference.
+        head_dim, block_size: of the call (None: not known yet; any value is assumed to fit).
     Returns:
         A name in `BACKENDS`.
     """
     if requested == "auto":
         for backend in sorted(BACKENDS.values(), key=lambda b: b.priority):
-            if (device.type == "cuda" or backend.auto_on_cpu) and backend.unavailable(device, dtype) is None:
+            if device.type in backend.auto_devices and backend.unavailable(device, dtype, head_dim, block_size) is None:
                 return backend.name
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is not allowed: expected 'auto' or one of "
                          + ", ".join(repr(n) for n in BACKENDS))
-    reason = BACKENDS[requested].unavailable(device, dtype)
+    reason = BACKENDS[requested].unavailable(device, dtype, head_dim, block_size)
     if reason is None:
         return requested
     message = f"backend={requested!r} cannot run: {reason}"
     if strict:
         raise RuntimeError(message + " (strict mode)")
+    instead = next(b for b in sorted(BACKENDS.values(), key=lambda b: b.priority)
+                   if b.priority > BACKENDS[requested].priority and device.type in b.auto_devices
+                   and b.unavailable(device, dtype, head_dim, block_size) is None)
     if message not in _warned:
         _warned.add(message)
-        log.warning("%s; using the torch reference kernels instead (still sparse)", message)
-    return "torch"
+        what = "the torch reference kernels" if instead.name == "torch" else f"backend={instead.name!r}"
+        log.warning("%s; using %s instead (still sparse)", message, what)
+    return instead.name
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
@@ -104,4 +125,4 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
 
 def runs_triton(backend: str) -> bool:
     """Whether the planner's kernels of a call on `backend` are the Triton ones."""
-    return backend == "triton"
+    return backend in ("triton", "cudnn")

@@ -50,14 +50,14 @@ def _list_block(slot, dh, n_slots, SelRow):
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
     QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
-    TailK, TailV, TailBias, BlockLogit, BlockValue,
+    TailK, TailV, TailBias, BlockLogit, BlockValue, PartOut, PartLse,
     sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s,
-    sqp_b, sqp_h, skp_b, skp_h,
+    sqp_b, sqp_h, skp_b, skp_h, sp_b, sp_h, spl_b, spl_h,
     H, J, R, qk_scale,
     BS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, FROM_PARTIAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EMPTY_LSE: tl.constexpr, ROW_DTYPE: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -86,12 +86,24 @@ def _block_sparse_fwd(
     sel_row = Q2kIdx + row * R
     dh = tl.load(DenseHi + i)
     n_slots = dh + tl.load(Q2kNum + row)  # list: dense prefix [0, dh), then the picks
-    n_tiles = n_slots * SUB
 
-    # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if FROM_PARTIAL:
+        # the exact keys were computed elsewhere: start from their normalised rows (tiled order) and
+        # log-sum-exp (natural; -inf or EMPTY_LSE: nothing, NaN stays NaN), as one key of that mass
+        n_tiles = 0
+        slot = i * BS + offs_m
+        p_lse = tl.load(PartLse + b * spl_b + h * spl_h + slot)
+        has = ~(p_lse < EMPTY_LSE * 0.5)
+        m_i = tl.where(has, p_lse * LOG2E, -1.0e30)
+        l_i = tl.where(has, 1.0, 0.0)
+        acc = tl.load(PartOut + b * sp_b + h * sp_h + slot[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.float32)
+        acc = tl.where(has[:, None], acc, 0.0)
+    else:
+        n_tiles = n_slots * SUB
+        # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # index loads run one tile ahead (block of tile t+1 and its rows), so that the K/V gathers of
     # a tile depend only on values already in registers
@@ -199,8 +211,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparseP
                          f"heads {tuple(q.shape[:2])}")
 
 
+def _checked_partial(partial: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, plan: BlockSparsePlan
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = partial
+    B, H, _, D = q.shape
+    L = plan.num_blocks * plan.block_size
+    if out.shape != (B, H, L, D) or lse.shape != (B, H, L) or lse.dtype != torch.float32 \
+            or out.device != q.device or lse.device != q.device:
+        raise ValueError(f"block_sparse_triton: partial must be (out [{B}, {H}, {L}, {D}], lse fp32 [{B}, {H}, {L}]) "
+                         f"on {q.device}, got {tuple(out.shape)} {out.dtype}, {tuple(lse.shape)} {lse.dtype}")
+    return out.contiguous(), lse.contiguous()
+
+
 def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-                        config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        config: KernelConfig | None = None,
+                        partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
 
     Args:
@@ -209,6 +234,10 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
             are scaled by head_dim ** -0.5.
         config: tile sizes and launch parameters instead of the per-architecture choice
             (`configs.kernel_config`).
+        partial: the exact keys' attention computed by another kernel, (out [B, H, J * block_size, D]
+            normalised, in tiled order; lse [B, H, J * block_size] fp32 natural log, -inf for
+            nothing): the kernel then skips the exact keys, adds the tail to these rows in the same
+            softmax and stores them in model order (k and v are not read).
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log; rows with
         nothing allowed get zeros and EMPTY_ROW_LSE).
@@ -236,16 +265,18 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     tail_bias = plan.tail.bias.float().contiguous() if query_tail else lse
     block_logit = plan.tail.logit.float().contiguous() if block_tail else lse
     block_value = plan.tail.value.float().contiguous() if block_tail else lse
+    part_out, part_lse = (q, lse) if partial is None else _checked_partial(partial, q, plan)
     grid = (J * (bs // block_m), B * H)
     _block_sparse_fwd[grid](
         q, k, v, out, lse,
         q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
-        tail_k, tail_v, tail_bias, block_logit, block_value,
+        tail_k, tail_v, tail_bias, block_logit, block_value, part_out, part_lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *_perm_strides(q_perm), *_perm_strides(k_perm),
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
         H, J, q2k_idx.shape[-1], scale * 1.4426950408889634,
         BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
-        QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail,
+        QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail, FROM_PARTIAL=partial is not None,
         DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
         ROW_DTYPE=tl.int64 if _needs_wide_rows(q, k, v, out) else tl.int32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

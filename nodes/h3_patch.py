@@ -54,7 +54,7 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense import dense_attention
-from ..kernels.dispatch import resolve_backend
+from ..kernels.dispatch import resolve_backend, runs_triton
 from .schedule import RunTracker, schedule_reason
 
 log = logging.getLogger("adaptive_sparse_attention")
@@ -569,7 +569,8 @@ class SparseAttentionHook(BlockHook):
 
     def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
         """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
-        if resolve_backend(self.config.backend, device, dtype, self.config.strict) == "triton":
+        if runs_triton(resolve_backend(self.config.backend, device, dtype, self.config.strict, attn.head_dim,
+                                       self.config.block_size)):
             with outside_allocation_graph():
                 prepare_kernels(layout, self.config, dtype, device, attn.head_dim)
 

@@ -25,7 +25,7 @@ def test_defaults_match_the_node():
     ("block_size", 96, "one of 64, 128"),
     ("min_tokens", -1, "an integer in [0, 4194304]"),
     ("strict", "yes", "True or False"),
-    ("backend", "cuda", "'auto', 'triton', 'torch'"),
+    ("backend", "cuda", "'auto', 'cudnn', 'triton', 'torch'"),
     ("dense_layers", (0, -2), "non-negative layer indices"),
 ])
 def test_bad_values_name_field_value_and_allowed(field, value, allowed):

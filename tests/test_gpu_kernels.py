@@ -219,6 +219,51 @@ def test_attention_kernel_error_is_within_twice_the_low_precision_reference(case
         assert err_fast <= 2 * err_low + floor, f"{name}: {err_fast:.3e} > 2 * {err_low:.3e} + {floor:.1e}"
 
 
+CUDNN_CASES = [c for c in ATTENTION_CASES if c[4] == 64]
+CUDNN_MULTIPLE = 3  # cuDNN stores the exact keys' rows in 16 bits before the tail joins: one rounding more
+
+
+@pytest.mark.parametrize("case", CUDNN_CASES, ids=case_id)
+def test_cudnn_backend_error_is_within_three_times_the_low_precision_reference(case):
+    """The `cudnn` backend (exact keys on cuDNN-frontend, tail on Triton) on the same plans; its
+    output repeats bit for bit."""
+    from adaptive_sparse_attention.kernels import block_sparse_attention
+    from adaptive_sparse_attention.kernels.cudnn_attention import cudnn_unavailable_reason
+
+    dtype, B, H, D, bs, tiling, scope, tail, gran, empty = case
+    reason = cudnn_unavailable_reason(DEVICE, dtype, D, bs)
+    if reason is not None:
+        pytest.skip(reason)
+    layout = layout_awkward()
+    g = torch.Generator(device=DEVICE).manual_seed(D + bs + H)
+    q, k, v = (torch.randn(B, H, layout.total, D, generator=g, device=DEVICE).to(dtype) for _ in range(3))
+    cfg = SparseConfig(topk_ratio=0.25, tiling=tiling, sparse_scope=scope, tail=tail, tail_granularity=gran,
+                       block_size=bs, backend="cudnn", strict=True)
+    out_api, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
+    assert info.backend == "cudnn"
+    plan = with_empty_rows(info.plan) if empty else info.plan
+    out_fast, lse_fast = block_sparse_attention(q, k, v, plan, "cudnn")
+    again, lse_again = block_sparse_attention(q, k, v, plan, "cudnn")
+    assert torch.equal(out_fast, again) and torch.equal(lse_fast, lse_again)
+    if not empty:
+        assert torch.equal(out_fast, out_api)
+    out64, lse64 = block_sparse_reference(q.double(), k.double(), v.double(), plan)
+    out_low, lse_low = low_precision_reference(q, k, v, plan, dtype)
+    assert torch.isfinite(out_fast).all() and torch.isfinite(lse_fast).all()
+    none = lse64 == EMPTY_ROW_LSE
+    assert (out_fast[none.unsqueeze(-1).expand_as(out_fast)] == 0).all()
+    assert (lse_fast[none] == torch.tensor(EMPTY_ROW_LSE, dtype=torch.float32)).all()
+    some = ~none
+    for name, fast, low, ref in (("out", out_fast, out_low, out64),
+                                 ("lse", lse_fast[some], lse_low[some], lse64[some])):
+        err_fast = float((fast.double() - ref).abs().max())
+        err_low = float((low.double() - ref).abs().max())
+        floor = FLOOR_ROUNDINGS * EPS32 * float(ref.abs().max())
+        print(f"cudnn {case_id(case)} {name}: fast {err_fast:.3e} low {err_low:.3e} ratio {err_fast / err_low:.3f}")
+        assert err_fast <= CUDNN_MULTIPLE * err_low + floor, \
+            f"{name}: {err_fast:.3e} > {CUDNN_MULTIPLE} * {err_low:.3e} + {floor:.1e}"
+
+
 def random_tiling(seq_len: int, batch: int, heads: int, block_size: int, seed: int) -> Tiling:
     """Blocks of random true length (mostly edge blocks) holding a random permutation of the rows,
     per (batch, head) or shared ([1, 1, L]), on the GPU."""

@@ -103,7 +103,7 @@ def test_non_finite_inputs_stay_local_in_the_triton_interpreter(interpreter):
     for i, tail in enumerate(TAILS):
         tiling, granularity = TILINGS[i % 2], TAIL_GRANULARITIES[(i // 2 + i) % 2]
         which = "qkvq"[i]
-        (q, k, v), where = poison(2000 + i, (1, 2, SMALL.total, D), which)
+        (q, k, v), where = poison(2000 + i, (1, 1, SMALL.total, D), which)  # one head: the interpreter is slow
         check_locality(q, k, v, which, where, config(tail, tiling, granularity, "triton", rng), SMALL)
 
 
@@ -265,7 +265,7 @@ def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(inter
             ahead[i], behind[i] = qkv[i] + step, qkv[i] - step
             assert float((loss(*ahead) - loss(*behind)) / 2) == pytest.approx(float((grad * step).sum()), rel=1e-6)
     q32 = q.detach().float().requires_grad_()
-    with pytest.raises(ValueError, match="q require grad, but the fused Triton kernel has no backward"):
+    with pytest.raises(ValueError, match="q require grad, but the fused kernels have no backward"):
         sparse_attention(q32, k.detach().float(), v.detach().float(), SHORT, SparseConfig(backend="triton"))
     with torch.no_grad():
         out = sparse_attention(q32, q32, q32, SHORT, SparseConfig(backend="triton"))

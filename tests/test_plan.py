@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
+from adaptive_sparse_attention.kernels import cudnn_attention
 from adaptive_sparse_attention.kernels import (BACKENDS, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
                                              block_sparse_attention, resolve_backend)
 
@@ -90,11 +91,43 @@ def test_auto_picks_by_device_and_dtype():
     assert resolve_backend("auto", cuda, torch.float64) == "torch"  # the one dtype contract: no fp64 Triton
     assert resolve_backend("auto", cuda, torch.bfloat16) == ("triton" if HAS_TRITON else "torch")
     assert resolve_backend("torch", cuda, torch.bfloat16) == "torch"
-    with pytest.raises(ValueError, match="backend='cudnn'"):
-        resolve_backend("cudnn", cpu, torch.float32)
-    with pytest.raises(ValueError, match="backend='cudnn'"):
-        block_sparse_attention(*(torch.zeros(1),) * 3, BlockSparsePlan(**parts()), "cudnn")
-    assert tuple(BACKENDS) == ("triton", "torch")
+    with pytest.raises(ValueError, match="backend='rocm'"):
+        resolve_backend("rocm", cpu, torch.float32)
+    with pytest.raises(ValueError, match="backend='rocm'"):
+        block_sparse_attention(*(torch.zeros(1),) * 3, BlockSparsePlan(**parts()), "rocm")
+    assert tuple(BACKENDS) == ("cudnn", "triton", "torch")
+
+
+def test_the_cudnn_backend_runs_only_where_asked_for_and_able(monkeypatch, caplog):
+    """Its rule, with the package and the GPU made present: sm90, fp16/bf16, head_dim 64/128 and
+    block size 64; `auto` never takes it; asked for by name where it cannot run it says why and
+    runs the next backend (strict mode raises)."""
+    cuda = torch.device("cuda")
+    if not HAS_TRITON:
+        pytest.skip("the cuDNN backend needs Triton")
+    if importlib.util.find_spec("cudnn") is None:
+        with pytest.raises(RuntimeError, match="nvidia-cudnn-frontend .* not installed.*strict"):
+            resolve_backend("cudnn", cuda, torch.bfloat16, strict=True)
+        with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
+            assert resolve_backend("cudnn", cuda, torch.bfloat16) == "triton"
+        assert any("using backend='triton' instead" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(cudnn_attention, "_missing_package", lambda: None)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert resolve_backend("cudnn", cuda, torch.bfloat16, True, head_dim=128, block_size=64) == "cudnn"
+    assert resolve_backend("cudnn", cuda, torch.float16, True) == "cudnn"  # head_dim and block size not known yet
+    assert resolve_backend("auto", cuda, torch.bfloat16, head_dim=128, block_size=64) == "triton"
+    for kwargs, named in ((dict(dtype=torch.float32), "float32"), (dict(head_dim=96), "head_dim 96"),
+                          (dict(block_size=128), "block_size 128")):
+        args = dict(dtype=torch.bfloat16, head_dim=128, block_size=64) | kwargs
+        assert named in cudnn_attention.cudnn_unavailable_reason(cuda, **args)
+        with pytest.raises(RuntimeError, match=named):
+            resolve_backend("cudnn", cuda, strict=True, **args)
+        assert resolve_backend("cudnn", cuda, **args) == "triton"  # the next backend that runs
+    capability[0] = (8, 6)
+    assert "sm86 is not enabled" in cudnn_attention.cudnn_unavailable_reason(cuda, torch.bfloat16)
+    assert resolve_backend("cudnn", cuda, torch.bfloat16) == "triton"
+    assert "cpu" in cudnn_attention.cudnn_unavailable_reason(torch.device("cpu"), torch.bfloat16)
 
 
 def test_a_named_backend_that_cannot_run_raises_in_strict_mode_and_says_so_otherwise(caplog):

@@ -109,5 +109,14 @@ def test_install_check_reports_and_requirements_leave_pins_alone():
     done = subprocess.run([sys.executable, str(root / "install.py")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "torch" in done.stdout and "left as it is" in done.stdout and "comfy-kitchen" in done.stdout
+    assert "nvidia-cudnn-frontend" in done.stdout
+    import importlib.util
+
+    from adaptive_sparse_attention.kernels.cudnn_attention import FAMILIES
+
+    spec = importlib.util.spec_from_file_location("_install_check", root / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.CUDNN_FAMILIES == FAMILIES  # the report names the families the backend runs on
     lines = [ln.split("#")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
     assert not [ln for ln in lines if ln.lower().startswith(("torch", "comfy-kitchen", "comfy_kitchen"))]

@@ -1,0 +1,168 @@
+"""Optional backend: the exact keys on NVIDIA cuDNN-frontend's block-sparse kernel (CuTe DSL).
+
+cuDNN's kernel reads K/V blocks as contiguous rows, so a call packs Q/K/V into tiled order a few
+heads at a time (bounded extra memory; one fused gather, `tiled_pack.py`) and gives it the key list of every query block: the
+dense prefix [0, dense_hi) followed by the picks. Sparse query blocks (the span of the plan's
+groups, whose prefix is the span's start) and dense ones (every key block) are two calls, so
+no J x J table is built. The tail joins afterwards: the Triton kernel starts its online softmax
+from cuDNN's normalised rows and log-sum-exp (`block_sparse_triton(partial=...)`), adds the
+summaries, normalises once and stores rows in model order. Same semantics as the reference.
+
+The package `nvidia-cudnn-frontend` (with `nvidia-cutlass-dsl`) is optional: without it, or on a
+GPU family it is not enabled for, this backend is unavailable. `auto` never takes it: it is
+asked for by name (BENCHMARKS.md has where it is faster).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+from typing import Callable
+
+import torch
+
+from .plan import BlockSparsePlan, group_span
+
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)  # cuDNN also runs 96; the Triton kernel that adds the tail needs a power of two
+BLOCK_SIZE = 64
+FAMILIES = (9,)  # sm90: the family measured; sm100/sm120 have kernels in the package, not yet measured here
+HEADS_PER_CALL = 8  # packed Q/K/V copies stay at most 8 / H of Q/K/V's size
+
+
+@functools.lru_cache(maxsize=None)
+def _missing_package() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (it adds the tail)"
+    if importlib.util.find_spec("cudnn") is None or importlib.util.find_spec("cudnn.block_sparse_attention") is None:
+        return "nvidia-cudnn-frontend (with its block-sparse attention) is not installed"
+    return None
+
+
+def cudnn_unavailable_reason(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
+                             block_size: int | None = None) -> str | None:
+    """Why this backend cannot run on `device` for `dtype`, `head_dim` and `block_size` (None: any),
+    or None when it can."""
+    if device.type != "cuda":
+        return f"the tensors are on {device.type}, and cuDNN runs on CUDA"
+    missing = _missing_package()
+    if missing:
+        return missing
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FAMILIES:
+        return f"sm{major}{minor} is not enabled for it (enabled: " + ", ".join(f"sm{f}x" for f in FAMILIES) + ")"
+    if dtype is not None and dtype not in DTYPES:
+        return f"dtype {dtype} is not supported (expected float16 or bfloat16)"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not supported (expected one of {HEAD_DIMS})"
+    if block_size is not None and block_size != BLOCK_SIZE:
+        return f"block_size {block_size} is not supported (expected {BLOCK_SIZE})"
+    return None
+
+
+def sparse_span(plan: BlockSparsePlan) -> tuple[int, int]:
+    """[lo, hi) sparse query blocks: the span of the plan's groups (`plan.group_span`)."""
+    if not plan.groups:
+        raise ValueError("block_sparse_cudnn: plan.groups is empty: the cuDNN backend needs the routing groups "
+                         "(route_plan's rule: query blocks in their span are sparse with the span's start as "
+                         "dense prefix, the others dense)")
+    return group_span(plan.groups)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, num: torch.Tensor,
+             block_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from cudnn.block_sparse_attention import block_sparse_attention_forward
+
+    res = block_sparse_attention_forward(q, k, v, index, block_sizes=block_len, q2k_block_nums=num,
+                                         allow_empty_block_nums=True)
+    return res["o_tensor"], res["lse_tensor"]
+
+
+def key_lists(plan: BlockSparsePlan, blocks: tuple[int, int], heads: tuple[int, int], cap: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's key list of query blocks [lo, hi) and heads [h0, h1): the dense prefix [0, dense_hi)
+    then the picks, built on the device (int32 [B, h, n, cap], and the counts int32 [B, h, n]).
+    Every row's list must fit `cap` (dense_hi + q2k_num <= cap)."""
+    (lo, hi), (h0, h1) = blocks, heads
+    dh = plan.dense_hi[lo:hi].view(1, 1, -1, 1)
+    picks = plan.q2k_idx[:, h0:h1, lo:hi]
+    if picks.shape[-1] == 0:  # no picks anywhere (R = 0): one unread entry keeps the gather defined
+        picks = picks.new_zeros(*picks.shape[:3], 1)
+    p = torch.arange(cap, dtype=torch.int32, device=dh.device).view(1, 1, 1, cap)
+    at = (p - dh).clamp(0, picks.shape[-1] - 1).long().expand(picks.shape[0], picks.shape[1], -1, -1)
+    index = torch.where(p < dh, p, picks.gather(-1, at).to(torch.int32).clamp(min=0))
+    return index.contiguous(), (plan.q2k_num[:, h0:h1, lo:hi] + dh.view(1, 1, -1)).contiguous()
+
+
+def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                          forward: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact keys' attention of every query row, in tiled order.
+
+    Query blocks in the groups' span (`sparse_span`, at most span-start + R keys: the route rule's
+    prefix is the span's start) and the others (lists of up to J blocks) are separate cuDNN calls.
+
+    Args:
+        q, k, v: [B, H, S, D] in model order.
+        plan: the plan (block size 64).
+        forward: cuDNN's call (tests pass an emulation of its contract).
+    Returns:
+        (out [B, H, J * 64, D] normalised over the exact keys, lse [B, H, J * 64] fp32 natural
+        log, -inf where a row has no key); padding slots hold whatever cuDNN leaves there.
+    """
+    from .tiled_pack import pack_qkv
+
+    forward = _forward if forward is None else forward
+    B, H, _, D = q.shape
+    J, bs, R = plan.num_blocks, plan.block_size, plan.q2k_idx.shape[-1]
+    lo, hi = sparse_span(plan)
+    block_len = plan.block_len.contiguous()
+    out = torch.empty(B, H, J * bs, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, J * bs, dtype=torch.float32, device=q.device)
+    calls = [([(lo, hi)], lo + R)] if hi > lo else []
+    outside = [(a, b) for a, b in ((0, lo), (hi, J)) if b > a]
+    if outside:
+        calls.append((outside, J))
+    for h0 in range(0, H, HEADS_PER_CALL):
+        h1 = min(H, h0 + HEADS_PER_CALL)
+        qp, kp, vp = pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], _heads(plan.q_perm, h0, h1),
+                              _heads(plan.k_perm, h0, h1))
+        for spans, cap in calls:
+            lists = [key_lists(plan, span, (h0, h1), cap) for span in spans]
+            index = torch.cat([i for i, _ in lists], dim=2)
+            num = torch.cat([n for _, n in lists], dim=2)
+            rows = [(a * bs, b * bs) for a, b in spans]
+            qs = qp[:, :, rows[0][0]:rows[0][1]] if len(rows) == 1 else torch.cat([qp[:, :, a:b] for a, b in rows], 2)
+            o, s = forward(qs, kp, vp, index, num, block_len)
+            start = 0
+            for a, b in rows:
+                out[:, h0:h1, a:b] = o[:, :, start:start + b - a]
+                lse[:, h0:h1, a:b] = s[:, :, start:start + b - a]
+                start += b - a
+    return out, lse
+
+
+def _heads(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    return perm if perm.shape[1] == 1 else perm[:, h0:h1]
+
+
+def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention of q, k, v [B, H, S, D] under `plan`: exact keys on cuDNN, the tail
+    and the store to model order on the Triton kernel.
+
+    Args:
+        q, k, v: one fp16/bf16 dtype on an enabled GPU (`cudnn_unavailable_reason`), head_dim in
+            HEAD_DIMS, any strides.
+        plan: a plan with block size 64 and the routing groups (`sparse_span`).
+    Returns:
+        (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log), as
+        `block_sparse_triton`.
+    """
+    reason = cudnn_unavailable_reason(q.device, q.dtype, q.shape[-1], plan.block_size)
+    if reason is not None:
+        raise ValueError(f"block_sparse_cudnn cannot run: {reason}")
+    from .configs import finish_config
+    from .triton_attention import block_sparse_triton
+
+    partial = exact_attention_cudnn(q, k, v, plan)
+    return block_sparse_triton(q, q, q, plan, finish_config(q.shape[-1], plan.block_size, q.device), partial)
