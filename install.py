@@ -59,10 +59,11 @@ def report() -> list[str]:
 
     frontend = version("nvidia-cudnn-frontend")
     if frontend is None:
-        lines.append("  nvidia-cudnn-frontend: not installed (optional) -> on Hopper (sm90) the exact keys run on the "
-                     "Triton kernel; pip install nvidia-cudnn-frontend for its faster block-sparse kernel there")
+        lines.append("  nvidia-cudnn-frontend: not installed (optional; the engine's backend='cudnn' on sm90 uses its "
+                     "block-sparse kernel for the exact keys, the node runs Triton)")
     else:
-        lines.append(f"  nvidia-cudnn-frontend {frontend}: its block-sparse kernel runs the exact keys on sm90")
+        lines.append(f"  nvidia-cudnn-frontend {frontend}: the engine's backend='cudnn' can use it on sm90 "
+                     "(asked for by name; the node and backend='auto' run Triton)")
 
     kitchen = version("comfy-kitchen")
     if kitchen is None:
@@ -88,10 +89,10 @@ def report() -> list[str]:
             where = "torch reference kernel (the Triton kernel needs compute capability 8.0+)"
         elif triton_version is None:
             where = "torch reference kernel (install Triton for the fast kernel)"
-        elif frontend is not None and cap[0] in CUDNN_FAMILIES:
-            where = f"cuDNN-frontend block-sparse kernel for the exact keys, Triton ({family_of(cap)} configs) for the rest"
         else:
             where = f"Triton kernel, {family_of(cap)} configs"
+            if frontend is not None and cap[0] in CUDNN_FAMILIES:
+                where += "; backend='cudnn' also runs here"
         lines.append(f"  cuda:{i} {name} (sm{cap[0]}{cap[1]}): {where}")
     return lines
 
