@@ -46,7 +46,7 @@ def _list_block(slot, dh, n_slots, SelRow):
     return tl.where(slot < dh, slot, picked)  # int32 whatever the table's width: blk * BS must not wrap
 
 
-@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'H', 'J', 'R'])
+@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'sp_b', 'sp_h', 'spl_b', 'spl_h', 'H', 'J', 'R'])
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
     QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
@@ -92,11 +92,13 @@ def _block_sparse_fwd(
         # log-sum-exp (natural; -inf or EMPTY_LSE: nothing, NaN stays NaN), as one key of that mass
         n_tiles = 0
         slot = i * BS + offs_m
-        p_lse = tl.load(PartLse + b * spl_b + h * spl_h + slot)
+        # a partial is contiguous [B, H, L, D] with L a multiple of the block size (>= 16)
+        p_lse = tl.load(PartLse + tl.multiple_of(b * spl_b + h * spl_h, 16) + slot)
         has = ~(p_lse < EMPTY_LSE * 0.5)
         m_i = tl.where(has, p_lse * LOG2E, -1.0e30)
         l_i = tl.where(has, 1.0, 0.0)
-        acc = tl.load(PartOut + b * sp_b + h * sp_h + slot[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.float32)
+        acc = tl.load(PartOut + tl.multiple_of(b * sp_b + h * sp_h, 16 * HEAD_DIM) + slot[:, None] * HEAD_DIM
+                      + offs_d[None, :]).to(tl.float32)
         acc = tl.where(has[:, None], acc, 0.0)
     else:
         n_tiles = n_slots * SUB

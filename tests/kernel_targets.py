@@ -17,8 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from adaptive_sparse_attention.kernels import (block_mass, block_scores, block_select, block_stats, reblock_features,
-                                               reblock_split, triton_attention)
-from adaptive_sparse_attention.kernels.configs import CONFIGS, family_of
+                                               reblock_split, tiled_pack, triton_attention)
+from adaptive_sparse_attention.kernels.configs import CONFIGS, FINISH_CONFIGS, family_of
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
 UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}
@@ -53,14 +53,19 @@ def compile_for(fn, pointers: dict, floats: set, const: dict, capability: int, w
     return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"])}
 
 
-def attention(capability: int, head_dim: int, query_tail: bool) -> dict:
-    cfg = CONFIGS[(family_of((capability // 10, capability % 10)), head_dim, 64)]
+def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = False) -> dict:
+    """The attention kernel with the launcher's config, or (finish) the variant that adds the
+    tail to a partial result, with the config its launcher picks."""
+    family = family_of((capability // 10, capability % 10))
+    cfg = FINISH_CONFIGS.get((family, head_dim, 64), CONFIGS[(family, head_dim, 64)]) if finish else \
+        CONFIGS[(family, head_dim, 64)]
     pointers = {n: "*bf16" for n in ("Q", "K", "V", "Out", "TailK", "TailV")}
-    pointers.update({n: "*fp32" for n in ("Lse", "TailBias", "BlockLogit", "BlockValue")})
+    pointers.update({n: "*fp32" for n in ("Lse", "TailBias", "BlockLogit", "BlockValue", "PartLse")})
+    pointers["PartOut"] = "*bf16"
     pointers.update({n: "*i32" for n in ("QPerm", "KPerm", "BlockLen", "DenseHi", "Q2kNum")}, Q2kIdx="*i16")
     const = dict(BS=64, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-                 QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, DOT_DTYPE=tl.bfloat16, PRECISION="tf32",
-                 EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32)
+                 QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, FROM_PARTIAL=finish, DOT_DTYPE=tl.bfloat16,
+                 PRECISION="tf32", EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32)
     return compile_for(triton_attention._block_sparse_fwd, pointers, {"qk_scale"}, const, capability,
                        cfg.num_warps, cfg.num_stages)
 
@@ -121,4 +126,8 @@ if __name__ == "__main__":
     out["sm90 attention D128 block"] = attention(90, 128, False)
     out["sm86 attention D64 query"] = attention(86, 64, True)
     out["sm86 attention D32 block"] = attention(86, 32, False)
+    out["sm90 attention D128 query finish"] = attention(90, 128, True, finish=True)
+    out["sm90 pack qkv"] = compile_for(tiled_pack._pack_qkv, {n: "*bf16" for n in ("Q", "K", "V", "QT", "KT", "VT")}
+                                       | {"QPerm": "*i32", "KPerm": "*i32"}, set(),
+                                       {"HEAD_DIM": 128, "BLOCK": tiled_pack.SLOTS, "ALIGN": 8}, 90, 4, 3)
     print(json.dumps(out))

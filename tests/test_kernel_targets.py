@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("triton")
 
 SHARED_LIMIT = {"sm80": 99 * 1024, "sm90": 227 * 1024}
-ROW_GATHERS = {"block_sums", "block_summaries", "gram", "gram normalised", "features", "block mass"}
+ROW_GATHERS = {"block_sums", "block_summaries", "gram", "gram normalised", "features", "block mass", "pack qkv"}
 
 
 def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
