@@ -67,14 +67,18 @@ class Backend:
     priority: int  # lower runs first under "auto"
     unavailable: Callable[[torch.device, torch.dtype, int | None, int | None], str | None]
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockSparsePlan], tuple[torch.Tensor, torch.Tensor]]
-    auto_devices: tuple[str, ...]  # device types for which "auto" may pick it
+    auto: str  # where "auto" (and the fallback of a named backend) may pick it: "never", "cuda" or "any" device
+
+    def may_auto(self, device: torch.device) -> bool:
+        """Whether "auto" may pick this backend for tensors on `device`."""
+        return self.auto == "any" or (self.auto == "cuda" and device.type == "cuda")
 
 
 BACKENDS: dict[str, Backend] = {
     # opt-in: it has not reached the 1.3x over Triton that taking it automatically requires (BENCHMARKS.md)
-    "cudnn": Backend("cudnn", 0, cudnn_unavailable_reason, _cudnn_attention, auto_devices=()),
-    "triton": Backend("triton", 1, triton_unavailable_reason, _triton_attention, auto_devices=("cuda",)),
-    "torch": Backend("torch", 2, lambda *_: None, block_sparse_reference, auto_devices=("cuda", "cpu")),
+    "cudnn": Backend("cudnn", 0, cudnn_unavailable_reason, _cudnn_attention, auto="never"),
+    "triton": Backend("triton", 1, triton_unavailable_reason, _triton_attention, auto="cuda"),
+    "torch": Backend("torch", 2, lambda *_: None, block_sparse_reference, auto="any"),
 }
 
 
@@ -85,14 +89,14 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, st
     Args:
         requested: "auto" or a name in `BACKENDS`.
         device, dtype: of the call's Q/K/V.
-        strict: a named backend that cannot run raises instead of running the torch reference.
+        strict: a named backend that cannot run raises instead of running the next one by priority.
         head_dim, block_size: of the call (None: not known yet; any value is assumed to fit).
     Returns:
         A name in `BACKENDS`.
     """
     if requested == "auto":
         for backend in sorted(BACKENDS.values(), key=lambda b: b.priority):
-            if device.type in backend.auto_devices and backend.unavailable(device, dtype, head_dim, block_size) is None:
+            if backend.may_auto(device) and backend.unavailable(device, dtype, head_dim, block_size) is None:
                 return backend.name
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is not allowed: expected 'auto' or one of "
@@ -104,7 +108,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, st
     if strict:
         raise RuntimeError(message + " (strict mode)")
     instead = next(b for b in sorted(BACKENDS.values(), key=lambda b: b.priority)
-                   if b.priority > BACKENDS[requested].priority and device.type in b.auto_devices
+                   if b.priority > BACKENDS[requested].priority and b.may_auto(device)
                    and b.unavailable(device, dtype, head_dim, block_size) is None)
     if message not in _warned:
         _warned.add(message)

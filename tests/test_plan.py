@@ -7,6 +7,7 @@ where it is built, naming the field, instead of inside a kernel. The dispatch re
 import dataclasses
 import importlib.util
 import logging
+import os
 
 import pytest
 import torch
@@ -91,6 +92,10 @@ def test_auto_picks_by_device_and_dtype():
     assert resolve_backend("auto", cuda, torch.float64) == "torch"  # the one dtype contract: no fp64 Triton
     assert resolve_backend("auto", cuda, torch.bfloat16) == ("triton" if HAS_TRITON else "torch")
     assert resolve_backend("torch", cuda, torch.bfloat16) == "torch"
+    mps = torch.device("mps")  # any other device: the torch reference, by auto and as the fallback
+    assert resolve_backend("auto", mps, torch.float32) == "torch"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert resolve_backend("triton", mps, torch.float32) == "torch"
     with pytest.raises(ValueError, match="backend='rocm'"):
         resolve_backend("rocm", cpu, torch.float32)
     with pytest.raises(ValueError, match="backend='rocm'"):
