@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import runs_triton
-from ..kernels.plan import pack
+from ..kernels.plan import pack, perm_heads
 from .tiling import Tiling
 
 POOL_HEADS = 8
@@ -34,14 +34,9 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def head_slice(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    """Heads h0:h1 of a [Bp, Hp, L] permutation; a permutation shared by all heads (Hp = 1) as it is."""
-    return perm if perm.shape[1] == 1 else perm[:, h0:h1]
-
-
 def block_rows(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, h0: int, h1: int) -> torch.Tensor:
     """Heads h0:h1 of x gathered into blocks: [B, h, J, block_size, D] in the accumulation dtype."""
-    rows = pack(x[:, h0:h1], head_slice(perm, h0, h1)).to(accum_dtype(x))
+    rows = pack(x[:, h0:h1], perm_heads(perm, h0, h1)).to(accum_dtype(x))
     return rows.view(x.shape[0], h1 - h0, tiling.num_blocks, tiling.block_size, x.shape[-1])
 
 
@@ -63,7 +58,7 @@ def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, backend: st
         out = x.new_empty(B, H, tiling.num_blocks, D, dtype=acc)
         for h0 in range(0, H, POOL_HEADS):
             h1 = min(H, h0 + POOL_HEADS)
-            rows = pack(x[:, h0:h1], head_slice(perm, h0, h1))
+            rows = pack(x[:, h0:h1], perm_heads(perm, h0, h1))
             out[:, h0:h1] = rows.view(B, h1 - h0, tiling.num_blocks, tiling.block_size, D).sum(3, dtype=acc) / n
     return out.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 

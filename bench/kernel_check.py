@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from importlib.metadata import PackageNotFoundError, version as dist_version
 import os
 import shutil
 import subprocess
@@ -35,13 +34,14 @@ from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from .planner_timing import steps
+from .runner import environment
 from .scenes import SIZES, h3_qkv
 from .timing import bench_ms
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, finish_config, kernel_config
 from ..kernels.cudnn_attention import cudnn_unavailable_reason
-from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling, pack
+from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling
 from ..kernels.reference import block_sparse_reference
 from ..kernels.triton_attention import block_sparse_triton
 
@@ -55,14 +55,6 @@ VARIANTS = {  # launch-config variants timed at the 10s shape, ratio 0.1: name -
     "bs128 m128n64t64w8s3": (128, KernelConfig(128, 64, 64, 8, 3)),
     "bs128 m128n128t64w8s2": (128, KernelConfig(128, 128, 64, 8, 2)),
 }
-
-
-def version(dist: str) -> str:
-    """The installed version of `dist`, or "not installed"."""
-    try:
-        return dist_version(dist)
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def computed_pairs(plan: BlockSparsePlan) -> tuple[float, float]:
@@ -272,22 +264,15 @@ def cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops) -> dic
     """The cuDNN backend on `plan` beside the anchor (cuDNN-frontend's kernel alone on the same
     exact keys, Q/K/V packed beforehand) and the whole call on both GPU backends with the
     default tiling."""
-    from ..kernels.cudnn_attention import _forward, block_sparse_cudnn, exact_attention_cudnn, key_lists, sparse_span
+    from ..kernels.cudnn_attention import _forward, block_sparse_cudnn, cudnn_calls, exact_attention_cudnn
     from ..kernels.tiled_pack import pack_qkv
 
     exact, summary = computed_pairs(plan)
-    bs, J, R = plan.block_size, plan.num_blocks, plan.q2k_idx.shape[-1]
-    lo, hi = sparse_span(plan)
-    packed = [pack(x, perm) for x, perm in ((q, plan.q_perm), (k, plan.k_perm), (v, plan.k_perm))]
-    H = q.shape[1]
-    calls = [(packed[0][:, :, lo * bs:hi * bs], *key_lists(plan, (lo, hi), (0, H), lo + R))]
-    outside = [(a, b) for a, b in ((0, lo), (hi, J)) if b > a]
-    if outside:
-        lists = [key_lists(plan, span, (0, H), J) for span in outside]
-        calls.append((torch.cat([packed[0][:, :, a * bs:b * bs] for a, b in outside], 2),
-                      torch.cat([i for i, _ in lists], 2), torch.cat([n for _, n in lists], 2)))
+    bs = plan.block_size
+    packed = pack_qkv(q, k, v, plan.q_perm, plan.k_perm)
+    calls = cudnn_calls(plan, packed[0], (0, q.shape[1]))
     block_len = plan.block_len.contiguous()
-    anchor_ms = bench_ms(lambda: [_forward(qs, packed[1], packed[2], i, n, block_len) for qs, i, n in calls])
+    anchor_ms = bench_ms(lambda: [_forward(qs, packed[1], packed[2], i, n, block_len) for _, qs, i, n in calls])
     calls = packed = None  # free them before the next timings
     ms = bench_ms(lambda: block_sparse_cudnn(q, k, v, plan))
     part = exact_attention_cudnn(q, k, v, plan)
@@ -417,7 +402,8 @@ def run(args: argparse.Namespace) -> int:
 
     results = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
                "versions": f"torch {torch.__version__}, triton {triton.__version__}, nvidia-cudnn-frontend "
-                           f"{version('nvidia-cudnn-frontend')}", "date": time.strftime("%F %T"),
+                           f"{environment(torch.device('cuda')).get('nvidia-cudnn-frontend', 'not installed')}",
+               "date": time.strftime("%F %T"),
                "configs": {f"{f}/D{d}/bs{b}": c.__dict__ for (f, d, b), c in CONFIGS.items()}}
     skip = set(args.skip.split(","))
     start = time.time()

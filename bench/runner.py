@@ -93,11 +93,13 @@ def environment(device: torch.device) -> dict[str, str]:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    try:
-        from importlib.metadata import version
-        env["comfy-kitchen"] = version("comfy-kitchen")
-    except Exception:  # not installed
-        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("comfy-kitchen", "nvidia-cudnn-frontend"):
+        try:
+            env[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
     return env
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .plan import BlockSparsePlan, group_span
+from .plan import BlockSparsePlan, group_span, perm_heads
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)  # cuDNN also runs 96; the Triton kernel that adds the tail needs a power of two
@@ -94,12 +94,30 @@ def key_lists(plan: BlockSparsePlan, blocks: tuple[int, int], heads: tuple[int, 
     return index.contiguous(), (plan.q2k_num[:, h0:h1, lo:hi] + dh.view(1, 1, -1)).contiguous()
 
 
+def cudnn_calls(plan: BlockSparsePlan, qp: torch.Tensor, heads: tuple[int, int]
+                ) -> list[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The cuDNN calls of heads [h0, h1) given their packed queries qp [B, h, J * bs, D]: per call
+    (its slot ranges, their query rows, key lists, counts). The groups' span (at most span-start
+    + R keys: the route rule's prefix is the span's start) and the other query blocks (lists of up
+    to J blocks) are separate calls, so no J x J table is built."""
+    J, bs, R = plan.num_blocks, plan.block_size, plan.q2k_idx.shape[-1]
+    lo, hi = sparse_span(plan)
+    groups = [([(lo, hi)], lo + R)] if hi > lo else []
+    outside = [(a, b) for a, b in ((0, lo), (hi, J)) if b > a]
+    if outside:
+        groups.append((outside, J))
+    calls = []
+    for spans, cap in groups:
+        lists = [key_lists(plan, span, heads, cap) for span in spans]
+        rows = [(a * bs, b * bs) for a, b in spans]
+        qs = qp[:, :, rows[0][0]:rows[0][1]] if len(rows) == 1 else torch.cat([qp[:, :, a:b] for a, b in rows], 2)
+        calls.append((rows, qs, torch.cat([i for i, _ in lists], dim=2), torch.cat([n for _, n in lists], dim=2)))
+    return calls
+
+
 def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
                           forward: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact keys' attention of every query row, in tiled order.
-
-    Query blocks in the groups' span (`sparse_span`, at most span-start + R keys: the route rule's
-    prefix is the span's start) and the others (lists of up to J blocks) are separate cuDNN calls.
+    """The exact keys' attention of every query row, in tiled order (`cudnn_calls` per head chunk).
 
     Args:
         q, k, v: [B, H, S, D] in model order.
@@ -113,25 +131,15 @@ def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
 
     forward = _forward if forward is None else forward
     B, H, _, D = q.shape
-    J, bs, R = plan.num_blocks, plan.block_size, plan.q2k_idx.shape[-1]
-    lo, hi = sparse_span(plan)
+    L = plan.num_blocks * plan.block_size
     block_len = plan.block_len.contiguous()
-    out = torch.empty(B, H, J * bs, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, J * bs, dtype=torch.float32, device=q.device)
-    calls = [([(lo, hi)], lo + R)] if hi > lo else []
-    outside = [(a, b) for a, b in ((0, lo), (hi, J)) if b > a]
-    if outside:
-        calls.append((outside, J))
+    out = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     for h0 in range(0, H, HEADS_PER_CALL):
         h1 = min(H, h0 + HEADS_PER_CALL)
-        qp, kp, vp = pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], _heads(plan.q_perm, h0, h1),
-                              _heads(plan.k_perm, h0, h1))
-        for spans, cap in calls:
-            lists = [key_lists(plan, span, (h0, h1), cap) for span in spans]
-            index = torch.cat([i for i, _ in lists], dim=2)
-            num = torch.cat([n for _, n in lists], dim=2)
-            rows = [(a * bs, b * bs) for a, b in spans]
-            qs = qp[:, :, rows[0][0]:rows[0][1]] if len(rows) == 1 else torch.cat([qp[:, :, a:b] for a, b in rows], 2)
+        qp, kp, vp = pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(plan.q_perm, h0, h1),
+                              perm_heads(plan.k_perm, h0, h1))
+        for rows, qs, index, num in cudnn_calls(plan, qp, (h0, h1)):
             o, s = forward(qs, kp, vp, index, num, block_len)
             start = 0
             for a, b in rows:
@@ -139,10 +147,6 @@ def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
                 lse[:, h0:h1, a:b] = s[:, :, start:start + b - a]
                 start += b - a
     return out, lse
-
-
-def _heads(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    return perm if perm.shape[1] == 1 else perm[:, h0:h1]
 
 
 def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan

@@ -212,6 +212,11 @@ def group_span(groups: tuple[tuple[int, int, int], ...] | list[tuple[int, int, i
     return min(g[0] for g in groups), max(g[1] for g in groups)
 
 
+def perm_heads(perm: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    """Heads h0:h1 of a [Bp, Hp, L] permutation; a permutation shared by all heads (Hp = 1) as it is."""
+    return perm if perm.shape[1] == 1 else perm[:, h0:h1]
+
+
 def pack(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Rows of x [B, H, S, D] in tiled order [B, H, L, D] (perm [Bp, Hp, L]); padding slots are zero.
 
