@@ -2,9 +2,9 @@
 
 It checks torch, Triton (``triton`` on Linux, ``triton-windows`` on Windows), comfy-kitchen, the
 optional ``nvidia-cudnn-frontend`` and each GPU's architecture, and prints which attention kernel
-will run where. It never installs,
-upgrades or replaces torch (or anything else): ComfyUI owns its torch and comfy-kitchen pins, so
-this only tells what to install by hand when something is missing. Exit code 0 always: a missing
+will run where. It never installs, upgrades or replaces torch (or anything else): ComfyUI owns
+its torch and comfy-kitchen pins, so this only tells what to install by hand when something is
+missing. Exit code 0 always: a missing
 optional piece makes the pack slower, not broken.
 """
 from __future__ import annotations

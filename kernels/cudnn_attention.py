@@ -102,12 +102,12 @@ def cudnn_calls(plan: BlockSparsePlan, qp: torch.Tensor, heads: tuple[int, int]
     to J blocks) are separate calls, so no J x J table is built."""
     J, bs, R = plan.num_blocks, plan.block_size, plan.q2k_idx.shape[-1]
     lo, hi = sparse_span(plan)
-    groups = [([(lo, hi)], lo + R)] if hi > lo else []
+    parts = [([(lo, hi)], lo + R)] if hi > lo else []  # (block ranges, key-list capacity) per call
     outside = [(a, b) for a, b in ((0, lo), (hi, J)) if b > a]
     if outside:
-        groups.append((outside, J))
+        parts.append((outside, J))
     calls = []
-    for spans, cap in groups:
+    for spans, cap in parts:
         lists = [key_lists(plan, span, heads, cap) for span in spans]
         rows = [(a * bs, b * bs) for a, b in spans]
         qs = qp[:, :, rows[0][0]:rows[0][1]] if len(rows) == 1 else torch.cat([qp[:, :, a:b] for a, b in rows], 2)

@@ -28,8 +28,9 @@ def block_sparse_attention(
         tail = QuerySummaries(tail_k, tail_v, tail_bias)
     elif block_logit is not None:
         tail = BlockSummaries(block_logit, block_value)
-    spans = tuple(tuple(groups[i:i + 3]) for i in range(0, len(groups), 3))
-    plan = BlockSparsePlan(Tiling(block_size, q_perm, k_perm, block_len), dense_hi, q2k_idx, q2k_num, spans, tail)
+    routing_groups = tuple(tuple(groups[i:i + 3]) for i in range(0, len(groups), 3))  # (lo, hi, budget) each
+    plan = BlockSparsePlan(Tiling(block_size, q_perm, k_perm, block_len), dense_hi, q2k_idx, q2k_num,
+                           routing_groups, tail)
     if kernel == "cudnn":
         from .cudnn_attention import block_sparse_cudnn
 
