@@ -90,7 +90,6 @@ def _block_sparse_fwd(
     if FROM_PARTIAL:
         # the exact keys were computed elsewhere: start from their normalised rows (tiled order) and
         # log-sum-exp (natural; -inf or EMPTY_LSE: nothing, NaN stays NaN), as one key of that mass
-        n_tiles = 0
         slot = i * BS + offs_m
         # a partial is contiguous [B, H, L, D] with L a multiple of the block size (>= 16)
         p_lse = tl.load(PartLse + tl.multiple_of(b * spl_b + h * spl_h, 16) + slot)
@@ -100,34 +99,34 @@ def _block_sparse_fwd(
         acc = tl.load(PartOut + tl.multiple_of(b * sp_b + h * sp_h, 16 * HEAD_DIM) + slot[:, None] * HEAD_DIM
                       + offs_d[None, :]).to(tl.float32)
         acc = tl.where(has[:, None], acc, 0.0)
-    else:
+    else:  # the exact keys: the dense prefix, then the picks
         n_tiles = n_slots * SUB
         # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # index loads run one tile ahead (block of tile t+1 and its rows), so that the K/V gathers of
-    # a tile depend only on values already in registers
-    blk = _list_block(0, dh, n_slots, sel_row)
-    krow = tl.load(kp_base + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
-    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
-    blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
-    for t in range(0, n_tiles):
-        r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
-        live = t + 1 < n_tiles
-        krow_next = tl.load(kp_base + blk_next * BS + r_next, mask=live, other=-1)
-        blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
-        blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
+        # index loads run one tile ahead (block of tile t+1 and its rows), so that the K/V gathers of
+        # a tile depend only on values already in registers
+        blk = _list_block(0, dh, n_slots, sel_row)
+        krow = tl.load(kp_base + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
+        blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+        blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
+        for t in range(0, n_tiles):
+            r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
+            live = t + 1 < n_tiles
+            krow_next = tl.load(kp_base + blk_next * BS + r_next, mask=live, other=-1)
+            blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
+            blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
 
-        kmask = krow >= 0
-        koff = krow.to(ROW_DTYPE)
-        kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
-        vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
-        valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
-        s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
-        krow, blen, blk_next = krow_next, blen_next, blk_after
+            kmask = krow >= 0
+            koff = krow.to(ROW_DTYPE)
+            kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
+            vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
+            valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
+            s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+            krow, blen, blk_next = krow_next, blen_next, blk_after
 
     if QUERY_TAIL:
         # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending, so
