@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import BoundedCache
+
+_HADAMARD: BoundedCache[torch.Tensor] = BoundedCache(8)
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
@@ -34,13 +37,19 @@ class QuantisedMeans:
 
 
 def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix [dim, dim] fp32 (dim a power of two), symmetric."""
+    """Orthonormal Sylvester-Hadamard matrix [dim, dim] fp32 (dim a power of two), symmetric.
+    Built on the host once per (dim, device) and cached: a copy from pageable host memory on
+    every call would wait for the GPU to drain. Read-only."""
     if dim < 1 or dim & (dim - 1):
         raise ValueError(f"hadamard: dim={dim} is not allowed: expected a power of two")
+    return _HADAMARD.get((dim, str(torch.device(device))), lambda: _sylvester(dim).to(device))
+
+
+def _sylvester(dim: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / dim ** 0.5).to(torch.float32).to(device)
+    return (h / dim ** 0.5).to(torch.float32)
 
 
 def quantise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

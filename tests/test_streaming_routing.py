@@ -145,6 +145,8 @@ def test_quantised_scores_approximate_the_pooled_scores(fmt, tol):
     assert float((approx - exact).abs().max() / exact.std()) < tol
     h = indexer.hadamard(128)
     torch.testing.assert_close(h @ h, torch.eye(128), rtol=0, atol=1e-6)
+    # built once per (dim, device): no host-to-device copy (a synchronisation on a GPU) per call
+    assert indexer.hadamard(128, torch.device("cpu")) is h and indexer.hadamard(64) is not h
 
 
 def test_zero_means_quantise_to_zero_codes():
