@@ -6,7 +6,7 @@
 Per H3 shape (56 heads x 128, bf16; q, k, v are views of one buffer, as H3's fused projection
 makes them; random values, so the numbers are about time and memory, not quality):
 1. Routing alone on one tiling's block means: the streamed `route_blocks` with fp32, int8 and
-   fp8 scores, and today's full-matrix path `select_blocks(pooled_scores(...))` where its
+   fp8 scores, and the full-matrix path before streaming `select_blocks(pooled_scores(...))` where its
    [B, H, J, J] scores fit: ms, peak extra memory, and whether the fp32 selections are identical
    (the GPU check of bit-identical selection) and how many picks the 8-bit scores share with it.
 2. `build_plan` per tiling (default config otherwise): ms and the allocator's peak above what
@@ -15,7 +15,10 @@ makes them; random values, so the numbers are about time and memory, not quality
    caches keep afterwards are reported apart.
 3. The kernel alone on that plan and the whole `sparse_attention` call: ms.
 4. Dense cuDNN SDPA: ms (skipped with --no-dense, or reported as the error it raised).
-Prints a markdown table per part and writes JSON with the environment when --out is given.
+Times are device milliseconds with the launches queued behind GPU work, as inside a model's
+forward pass where the host runs ahead (`timing.queued_ms`); `host_ms` is the host's enqueue
+time beside them. Prints a markdown table per part and writes JSON with the environment when
+--out is given.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from ..kernels.plan import group_span
 from .methods import dense_call
 from .runner import environment
 from .scenes import SIZES, h3_qkv
-from .timing import time_call
+from .timing import queued_ms
 
 SHAPES = ("10s", "30s", "60s")
 
@@ -51,8 +54,10 @@ def peak_extra_mb(fn) -> tuple[object, float]:
     return out, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def ms(fn, reps: int = 5) -> float:
-    return time_call(fn, torch.device("cuda"), warmup=1, reps=reps)
+def ms(fn, reps: int = 5) -> tuple[float, float]:
+    """(median device milliseconds of fn with its launches queued behind GPU work, as inside a
+    model's forward pass, the longest host enqueue time seen); `timing.queued_ms`."""
+    return queued_ms(fn, torch.device("cuda"), warmup=1, reps=reps)
 
 
 def shared_picks(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,14 +76,16 @@ def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
     for scores in ("fp32", "int8", "fp8"):
         (idx, _), peak = peak_extra_mb(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend, group_span(groups)))
         picks[scores] = idx
-        rows.append({"shape": shape, "tiling": config.tiling, "routing": f"streamed {scores}", "J": tiling.num_blocks,
-                     "ms": ms(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend, group_span(groups))), "peak_mib": peak,
-                     "shared_picks_vs_fp32": shared_picks(picks["fp32"], idx)})
+        row = {"shape": shape, "tiling": config.tiling, "routing": f"streamed {scores}", "J": tiling.num_blocks,
+               "peak_mib": peak, "shared_picks_vs_fp32": shared_picks(picks["fp32"], idx)}
+        row["ms"], row["host_ms"] = ms(lambda: route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend,
+                                                            group_span(groups)), reps=20)
+        rows.append(row)
     full = lambda: select_blocks(pooled_scores(q_mean, k_mean, backend=backend), dense_hi, groups, backend)  # noqa: E731
-    row = {"shape": shape, "tiling": config.tiling, "routing": "full matrix (today)", "J": tiling.num_blocks}
+    row = {"shape": shape, "tiling": config.tiling, "routing": "full matrix (before streaming)", "J": tiling.num_blocks}
     try:
         (idx, _), row["peak_mib"] = peak_extra_mb(full)
-        row["ms"] = ms(full)
+        row["ms"], row["host_ms"] = ms(full, reps=20)
         row["identical_to_streamed_fp32"] = bool(torch.equal(idx, picks["fp32"]))
         del idx
     except torch.cuda.OutOfMemoryError as e:
@@ -94,10 +101,10 @@ def plan_rows(q, k, v, layout, config: SparseConfig, shape: str, qkv_mib: float)
     plan, peak = peak_extra_mb(lambda: build_plan(q, k, v, layout, config))
     row = {"shape": shape, "tiling": config.tiling, "S": layout.total, "J": plan.num_blocks,
            "R": int(plan.q2k_idx.shape[-1]), "qkv_mib": qkv_mib, "plan_peak_mib": peak,
-           "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first, "cached_mib": cached,
-           "plan_ms": ms(lambda: build_plan(q, k, v, layout, config)),
-           "kernel_ms": ms(lambda: block_sparse_attention(q, k, v, plan, "triton")),
-           "call_ms": ms(lambda: sparse_attention(q, k, v, layout, config))}
+           "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first, "cached_mib": cached}
+    row["plan_ms"], row["plan_host_ms"] = ms(lambda: build_plan(q, k, v, layout, config))
+    row["kernel_ms"], _ = ms(lambda: block_sparse_attention(q, k, v, plan, "triton"))
+    row["call_ms"], row["call_host_ms"] = ms(lambda: sparse_attention(q, k, v, layout, config))
     return row
 
 
@@ -105,7 +112,7 @@ def dense_row(q, k, v, shape: str) -> dict:
     row = {"shape": shape}
     try:
         call, name = dense_call(q, k, v)
-        row.update(backend=name, ms=ms(call, reps=2))
+        row.update(backend=name, ms=ms(call, reps=2)[0])
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     return row
@@ -151,9 +158,9 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
     env = result["environment"]
     print(f"{env['hardware']}, torch {env['torch']}, triton {env.get('triton')}, {env['date']}\n`{env['command']}`\n")
-    print(table(result["plans"], ["shape", "tiling", "S", "J", "R", "plan_ms", "kernel_ms", "call_ms", "plan_peak_mib",
+    print(table(result["plans"], ["shape", "tiling", "S", "J", "R", "plan_ms", "plan_host_ms", "kernel_ms", "call_ms", "plan_peak_mib",
                                   "plan_peak_share_of_qkv", "first_plan_peak_mib", "cached_mib", "qkv_mib"]) + "\n")
-    print(table(result["routing"], ["shape", "tiling", "routing", "J", "ms", "peak_mib", "shared_picks_vs_fp32",
+    print(table(result["routing"], ["shape", "tiling", "routing", "J", "ms", "host_ms", "peak_mib", "shared_picks_vs_fp32",
                                     "identical_to_streamed_fp32", "error"]) + "\n")
     if result["dense"]:
         print(table(result["dense"], ["shape", "backend", "ms", "error"]))
