@@ -129,8 +129,9 @@ def _block_sparse_fwd(
             krow, blen, blk_next = krow_next, blen_next, blk_after
 
     if QUERY_TAIL:
-        # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending, so
-        # those inside [c0, c0 + BLOCK_T) are among the next BLOCK_T entries after the `done` ones below c0
+        # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending and
+        # inside [dh, J), so those inside [c0, c0 + BLOCK_T) are among the next BLOCK_T entries after
+        # the `done` ones below c0; a histogram of their offsets marks the selected columns
         offs_t = tl.arange(0, BLOCK_T)
         t_row = bh.to(tl.int64) * J
         n_pick = n_slots - dh
@@ -140,9 +141,11 @@ def _block_sparse_fwd(
             cin = c < J
             p = done + offs_t
             near = p < n_pick
-            pick = tl.load(sel_row + p, mask=near, other=-1)
-            hit = tl.sum((pick[None, :] == c[:, None]).to(tl.int32), 1) > 0
-            done += tl.sum((near & (pick < c0 + BLOCK_T)).to(tl.int32), 0)
+            rel = tl.load(sel_row + p, mask=near, other=-1).to(tl.int32) - c0
+            below = near & (rel < BLOCK_T)  # consumed at this step
+            here = below & (rel >= 0)
+            hit = tl.histogram(tl.where(here, rel, 0), BLOCK_T, mask=here) > 0
+            done += tl.sum(below.to(tl.int32), 0)
             keep = cin & ~hit
             tk = tl.load(TailK + (t_row + c[None, :]) * HEAD_DIM + offs_d[:, None],
                          mask=cin[None, :], other=0.0).to(DOT_DTYPE)
