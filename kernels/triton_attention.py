@@ -72,7 +72,6 @@ def _block_sparse_fwd(
     row = bh.to(tl.int64) * J + i  # (b, h, i) row of the per-block tables
     offs_m = (pid_m % SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
 
     # gather-on-load of this tile's query rows
     qrow = tl.load(QPerm + b * sqp_b + h * sqp_h + i * BS + offs_m)
@@ -80,9 +79,6 @@ def _block_sparse_fwd(
     q = tl.load(Q + b * sq_b + h * sq_h + qrow.to(ROW_DTYPE)[:, None] * sq_s + offs_d[None, :] * sq_d,
                 mask=qmask[:, None], other=0.0).to(DOT_DTYPE)
 
-    k_base = K + b * sk_b + h * sk_h
-    v_base = V + b * sv_b + h * sv_h
-    kp_base = KPerm + b * skp_b + h * skp_h
     sel_row = Q2kIdx + row * R
     dh = tl.load(DenseHi + i)
     n_slots = dh + tl.load(Q2kNum + row)  # list: dense prefix [0, dh), then the picks
@@ -100,6 +96,10 @@ def _block_sparse_fwd(
                       + offs_d[None, :]).to(tl.float32)
         acc = tl.where(has[:, None], acc, 0.0)
     else:  # the exact keys: the dense prefix, then the picks
+        offs_n = tl.arange(0, BLOCK_N)
+        k_base = K + b * sk_b + h * sk_h
+        v_base = V + b * sv_b + h * sv_h
+        kp_base = KPerm + b * skp_b + h * skp_h
         n_tiles = n_slots * SUB
         # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
