@@ -242,6 +242,10 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     scale = SCALES[scale_name]
+    unknown = [clip for clip in clips if clip not in scale.frames]
+    if unknown or not clips:
+        raise ValueError(f"e2e: clips {unknown or clips!r} are not clips of scale {scale_name!r}; allowed: "
+                         f"{', '.join(scale.frames)}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton_cache"))  # empty: the first sparse use is cold

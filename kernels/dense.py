@@ -7,6 +7,11 @@ head count and key-length bucket on a slice of the real queries, and the fastest
 with the others is kept. The choice is cached in memory and in a small JSON file, so later
 processes on the machine take the same kernel (the same output bits) without measuring again.
 On the CPU SDPA's own choice runs.
+
+SDPA's memory-efficient kernel indexes a head's rows in 32 bits: on ComfyUI's q/k (strided views
+of the fused qkv buffer, 3*H*D elements apart) a clip whose rows span 2^31 elements or more
+(H3 at 30 s) makes it read out of bounds, which kills the CUDA context instead of raising. Such
+inputs are never given to it, neither while measuring nor after.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ CANDIDATES = ("cudnn", "flash", "efficient")
 SAMPLE_ROWS = 4096  # queries timed per candidate: the ranking depends on the keys, not on the query count
 REPS = 3
 AGREE_REL_L2 = 2e-2  # a few bf16 roundings (2^-8 each) of outputs of unit scale
+ROW_INDEX_LIMIT = 2 ** 31  # elements a head's rows may span for the memory-efficient kernel
 _lock = threading.Lock()
 _choices: dict[str, str | None] = {}
 
@@ -49,13 +55,26 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None) 
         return F.scaled_dot_product_attention(q, k, v)
 
 
-def shape_key(q: torch.Tensor, k: torch.Tensor) -> str:
-    """What the choice depends on: GPU, library versions, dtype, head size, heads, key-length bucket."""
+def wide_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the rows of one head of any [B, H, S, D] tensor span 2^31 elements or more."""
+    return any((t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3)) >= ROW_INDEX_LIMIT
+               for t in tensors if t.shape[2] > 0 and t.shape[3] > 0)
+
+
+def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
+    """The kernels that can take these inputs: all but memory-efficient where the rows are wide."""
+    return tuple(c for c in CANDIDATES if c != "efficient") if wide_rows(q, k, v) else CANDIDATES
+
+
+def shape_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """What the choice depends on: GPU, library versions, dtype, head size, heads, key-length
+    bucket, and whether the rows are too wide for the memory-efficient kernel."""
     device = q.device
     bucket = 1 << max(0, math.ceil(math.log2(max(1, k.shape[2]))))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    wide = "|wide rows" if wide_rows(q, k, v) else ""
     return (f"{torch.cuda.get_device_name(device)}|sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-            f"|torch {torch.__version__}|cudnn {cudnn}|{q.dtype}|D{q.shape[-1]}|H{q.shape[1]}|keys<={bucket}")
+            f"|torch {torch.__version__}|cudnn {cudnn}|{q.dtype}|D{q.shape[-1]}|H{q.shape[1]}|keys<={bucket}{wide}")
 
 
 def fastest(candidates: Sequence[str], run: Callable[[str], torch.Tensor],
@@ -133,8 +152,9 @@ def _write_cache(path: Path, key: str, choice: str | None) -> None:
                     path, err)
 
 
-def cached_choice(key: str, measure: Callable[[], str | None]) -> str | None:
-    """The choice stored for `key` (in memory, else in the cache file), else `measure()`, stored.
+def cached_choice(key: str, measure: Callable[[], str | None], allowed: Sequence[str] = CANDIDATES) -> str | None:
+    """The choice stored for `key` (in memory, else in the cache file, if one of `allowed`), else
+    `measure()`, stored.
 
     A choice already in memory is read without the lock: torch.compile cannot trace a lock, so
     every compiled dense block would break its graph here."""
@@ -145,7 +165,7 @@ def cached_choice(key: str, measure: Callable[[], str | None]) -> str | None:
             return _choices[key]
         path = cache_path()
         stored = _read_cache(path).get(key, "")
-        if stored is None or stored in CANDIDATES:
+        if stored is None or stored in allowed:
             _choices[key] = stored
             return stored
         choice = _choices[key] = measure()
@@ -163,12 +183,13 @@ def dense_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | Non
     if not q.is_cuda:
         return None
     sample = q[:, :, :SAMPLE_ROWS]
+    allowed = candidates(q, k, v)
 
     def measure() -> str | None:
         with torch.cuda.device(q.device):
-            return fastest(CANDIDATES, lambda name: sdpa(sample, k, v, name), cuda_time_ms)
+            return fastest(allowed, lambda name: sdpa(sample, k, v, name), cuda_time_ms)
 
-    return cached_choice(shape_key(q, k), measure)
+    return cached_choice(shape_key(q, k, v), measure, allowed)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -179,4 +200,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     Returns:
         [B, H, S, D] in q's dtype.
     """
-    return sdpa(q, k, v, dense_choice(q, k, v))
+    choice = dense_choice(q, k, v)
+    if choice is None and q.is_cuda and wide_rows(q, k, v):  # SDPA's own pick may be memory-efficient
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    return sdpa(q, k, v, choice)

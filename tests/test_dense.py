@@ -51,6 +51,23 @@ def test_cached_choice_measures_once_per_key_and_machine(tmp_path, monkeypatch):
     assert dense.cached_choice("gpu|bf16|D128", lambda: "efficient") == "efficient"
 
 
+def test_wide_strided_rows_never_reach_the_memory_efficient_kernel(tmp_path, monkeypatch):
+    S, H, D = 221446, 56, 128  # H3 at 30 s: ComfyUI's q/k are views of the [S, 3*H*D] qkv buffer
+    comfy = torch.empty_strided((1, H, S, D), (H * D, D, 3 * H * D, 1), device="meta")
+    packed = torch.empty((1, H, S, D), device="meta")
+    assert dense.wide_rows(comfy) and not dense.wide_rows(packed)
+    assert dense.candidates(comfy, comfy, packed) == ("cudnn", "flash")
+    assert dense.candidates(packed, packed, packed) == dense.CANDIDATES
+    ten_s = torch.empty_strided((1, H, 73642, D), (H * D, D, 3 * H * D, 1), device="meta")
+    assert not dense.wide_rows(ten_s)  # 1.58e9 elements: below the limit
+    # a choice saved for the key must be one the inputs allow, else it is measured again
+    path = tmp_path / "choices.json"
+    monkeypatch.setenv(dense.CACHE_ENV, str(path))
+    monkeypatch.setattr(dense, "_choices", {})
+    path.write_text('{"k|wide rows": "efficient"}')
+    assert dense.cached_choice("k|wide rows", lambda: "cudnn", ("cudnn", "flash")) == "cudnn"
+
+
 def test_cpu_runs_sdpa_default():
     q = torch.randn(1, 2, 5, 8)
     assert dense.dense_choice(q, q, q) is None

@@ -62,6 +62,11 @@ def test_compile_only_needs_a_compile_backend(tmp_path: Path):
         e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], compile_only=True)
 
 
+def test_unknown_clip_is_named(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"clips \['30s'\] are not clips of scale 'tiny'; allowed: 5s, 10s"):
+        e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s", "30s"])
+
+
 @pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
                     reason="set COMFYUI_PATH to a ComfyUI checkout to run the benchmark in it")
 def test_tiny_run_in_real_comfyui(tmp_path: Path):
