@@ -10,7 +10,7 @@ On the CPU SDPA's own choice runs.
 
 SDPA's memory-efficient kernel indexes a head's rows in 32 bits: on ComfyUI's q/k (strided views
 of the fused qkv buffer, 3*H*D elements apart) a clip whose rows span 2^31 elements or more
-(H3 at 30 s) makes it read out of bounds, which kills the CUDA context instead of raising. Such
+(H3 from about 14 s) makes it read out of bounds, which kills the CUDA context instead of raising. Such
 inputs are never given to it, neither while measuring nor after.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .offsets import wide_rows
+
 log = logging.getLogger("adaptive_sparse_attention")
 
 CACHE_ENV = "ADAPTIVE_SPARSE_DENSE_CACHE"
@@ -33,7 +35,6 @@ CANDIDATES = ("cudnn", "flash", "efficient")
 SAMPLE_ROWS = 4096  # queries timed per candidate: the ranking depends on the keys, not on the query count
 REPS = 3
 AGREE_REL_L2 = 2e-2  # a few bf16 roundings (2^-8 each) of outputs of unit scale
-ROW_INDEX_LIMIT = 2 ** 31  # elements a head's rows may span for the memory-efficient kernel
 _lock = threading.Lock()
 _choices: dict[str, str | None] = {}
 
@@ -53,12 +54,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None) 
 
     with sdpa_kernel([_backend(kernel)]):
         return F.scaled_dot_product_attention(q, k, v)
-
-
-def wide_rows(*tensors: torch.Tensor) -> bool:
-    """Whether the rows of one head of any [B, H, S, D] tensor span 2^31 elements or more."""
-    return any((t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3)) >= ROW_INDEX_LIMIT
-               for t in tensors if t.shape[2] > 0 and t.shape[3] > 0)
 
 
 def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .configs import KernelConfig, dot_precision, kernel_config
 from .dispatch import TRITON_DTYPES as DTYPES
+from .offsets import wide_rows
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries
 
 
@@ -184,13 +185,6 @@ def _perm_strides(perm: torch.Tensor) -> tuple[int, int]:
     return (perm.stride(0) if perm.shape[0] > 1 else 0, perm.stride(1) if perm.shape[1] > 1 else 0)
 
 
-def _needs_wide_rows(*tensors: torch.Tensor) -> bool:
-    """Whether a row offset (row * row stride + dim * dim stride) inside one (batch, head) can pass
-    2**31 elements: H3's fused qkv buffer at 14 s clips does, contiguous [B, H, S, D] inputs do not.
-    Narrow offsets halve the kernel's per-element address arithmetic."""
-    return any((t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2 ** 31 for t in tensors)
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4 or t.shape != q.shape:
@@ -282,7 +276,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
         QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail, FROM_PARTIAL=partial is not None,
         DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
-        ROW_DTYPE=tl.int64 if _needs_wide_rows(q, k, v, out) else tl.int32,
+        ROW_DTYPE=tl.int64 if wide_rows(q, k, v, out) else tl.int32,  # narrow offsets: half the address math
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

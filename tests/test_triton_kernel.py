@@ -163,8 +163,8 @@ def test_narrow_and_wide_row_offsets(monkeypatch, wide):
     """Row offsets are int32 unless a (batch, head) slice can pass 2**31 elements (H3's fused qkv
     buffer at 14 s clips); both variants give the reference result."""
     big = torch.empty_strided((1, 2, 8, 128), (0, 128, 3 * 2 ** 28, 1), device="meta")
-    assert triton_attention._needs_wide_rows(big) and not triton_attention._needs_wide_rows(torch.zeros(1, 2, 8, 128))
-    monkeypatch.setattr(triton_attention, "_needs_wide_rows", lambda *tensors: wide)
+    assert triton_attention.wide_rows(big) and not triton_attention.wide_rows(torch.zeros(1, 2, 8, 128))
+    monkeypatch.setattr(triton_attention, "wide_rows", lambda *tensors: wide)
     layout = layout_awkward()
     q, k, v = inputs(layout, 2, 32, torch.float32, seed=3, batch=1)
     check(q, k, v, random_plan(layout.total, 1, 2, 32, 64, torch.float32, "query", seed=4))
