@@ -1,5 +1,20 @@
-"""Shared fixtures."""
+"""Shared fixtures.
+
+Without a GPU, Triton is first imported here under its interpreter (see triton_interpreter.py), so
+the kernel tests pass in any order and selection, also after a module that imports the package's
+nodes (and with them Triton) first.
+"""
 import pytest
+import torch
+
+from triton_interpreter import interpreter_env
+
+if not torch.cuda.is_available():
+    with interpreter_env():
+        try:
+            import triton  # noqa: F401
+        except ImportError:  # the no-Triton paths are tested then
+            pass
 
 
 @pytest.fixture
