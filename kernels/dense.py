@@ -9,9 +9,9 @@ processes on the machine take the same kernel (the same output bits) without mea
 On the CPU SDPA's own choice runs.
 
 SDPA's memory-efficient kernel indexes a head's rows in 32 bits: on ComfyUI's q/k (strided views
-of the fused qkv buffer, 3*H*D elements apart) a clip whose rows span 2^31 elements or more
-(H3 from about 14 s) makes it read out of bounds, which kills the CUDA context instead of raising. Such
-inputs are never given to it, neither while measuring nor after.
+of the fused qkv buffer, 3*H*D elements apart) a clip whose rows span 2^31 elements or more (H3
+from about 14 s) makes it read out of bounds, which kills the CUDA context instead of raising.
+Such inputs are never given to it, neither while measuring nor after.
 """
 from __future__ import annotations
 
