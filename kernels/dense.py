@@ -278,7 +278,7 @@ class DenseChoices:
         Args:
             key: the shape bucket.
             allowed: the kernels these inputs may run on.
-            check: whether a kernel runs here and matches the reference.
+            check: whether a kernel runs here and matches the reference (False where it cannot be told).
             measure: the fastest matching kernel, or None.
         Returns:
             The kernel, or None for SDPA's own choice.
@@ -291,7 +291,7 @@ class DenseChoices:
             if saved is not None and saved in allowed and check(saved):
                 return self.remember(key, saved)
             if saved is not None:
-                self.note(f"the saved dense kernel {saved!r} for {key} does not run here: measuring again")
+                self.note(f"the saved dense kernel {saved!r} for {key} does not run or match here: measuring again")
             choice = measure()
             if choice is None:
                 self.note(f"dense attention for {key} runs on SDPA's own choice: no candidate kernel ran and "

@@ -1,7 +1,8 @@
-"""Dense blocks on the fastest exact kernel: the measured choice, its cache and the override.
+"""Dense blocks on the fastest exact kernel: the measured choice, its saved copy and the override.
 
-The candidates themselves need a GPU (bench/e2e.py measures them); here the choice logic runs
-with fake timings, and the override is held to an independent float64 softmax attention.
+The candidates themselves need a GPU; on the CPU the choice logic runs with fake kernels and
+timings against a reference output, the tolerance is held to CPU SDPA in bfloat16/float16, and the
+override to an independent float64 softmax attention.
 """
 from __future__ import annotations
 
