@@ -150,6 +150,8 @@ class ChoiceFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.exclusive():
                 data = self.read()
+                if not self.writable:  # replaced by a non-file since `unusable` looked
+                    return
                 data.pop(key, None)
                 data[key] = value
                 kept = dict(list(data.items())[-MAX_ENTRIES:])
