@@ -53,7 +53,7 @@ from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
-from ..kernels.dense import dense_attention
+from ..kernels.dense import DenseChoices
 from ..kernels.dispatch import resolve_backend, runs_triton
 from .schedule import RunTracker, schedule_reason
 
@@ -446,7 +446,13 @@ class DenseOverride:
 
     ComfyUI calls it with its own attention function and arguments; a call it does not serve (a
     mask, another attention precision) goes on to that function unchanged.
+
+    Args:
+        choices: the kernel choices it runs on; None: its own, saved at the default path.
     """
+
+    def __init__(self, choices: DenseChoices | None = None):
+        self.choices = DenseChoices() if choices is None else choices
 
     def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
                  mask: Any = None, attn_precision: Any = None, skip_reshape: bool = False,
@@ -456,7 +462,7 @@ class DenseOverride:
                         skip_output_reshape=skip_output_reshape, **kwargs)
         if not skip_reshape:  # [B, S, H * D] -> [B, H, S, D]
             q, k, v = (t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
-        out = dense_attention(q, k, v)
+        out = self.choices.attention(q, k, v)
         if skip_output_reshape:
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)

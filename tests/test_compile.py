@@ -125,9 +125,17 @@ def test_compiled_run_matches_eager_and_breaks_once_per_call(dynamo):
     assert not COMPILED_CALLS  # the plan of a call does not outlive it
 
 
-def test_a_measured_dense_kernel_choice_is_read_without_a_graph_break(dynamo, monkeypatch):
-    """Compiled dense blocks on a GPU look their kernel up in every call (the measuring path takes a lock)."""
-    monkeypatch.setitem(dense._choices, "a shape", "flash")
+def test_a_measured_dense_kernel_choice_is_read_without_a_graph_break(dynamo, tmp_path):
+    """Compiled dense blocks on a GPU make their key and look their kernel up in every call (the
+    first use takes a lock and measures)."""
+    choices = dense.DenseChoices(tmp_path / "choices.json")
+    choices.devices[None] = "a GPU"  # the key's device part, as computed once per device
+    q = torch.ones(1, 2, 5, 8)
+    choices.remember(choices.key(q, q, q), "flash")
+
+    def lookup(x):
+        return x * len(choices.lookup(choices.key(x, x, x), lambda: pytest.fail("not in memory")))
+
     with break_sites() as sites:
-        out = torch.compile(lambda x: x * len(dense.cached_choice("a shape", lambda: None)), backend="eager")(torch.ones(1))
-    assert out.item() == 5.0 and not sites
+        out = torch.compile(lookup, backend="eager")(q)
+    assert out.flatten()[0].item() == 5.0 and not sites

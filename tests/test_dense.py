@@ -1,7 +1,8 @@
-"""Dense blocks on the fastest exact kernel: the measured choice, its cache and the override.
+"""Dense blocks on the fastest exact kernel: the measured choice, its saved copy and the override.
 
-The candidates themselves need a GPU (bench/e2e.py measures them); here the choice logic runs
-with fake timings, and the override is held to an independent float64 softmax attention.
+The candidates themselves need a GPU; on the CPU the choice logic runs with fake kernels and
+timings against a reference output, the tolerance is held to CPU SDPA in bfloat16/float16, and the
+override to an independent float64 softmax attention.
 """
 from __future__ import annotations
 
@@ -15,62 +16,198 @@ from adaptive_sparse_attention.nodes.h3_patch import DENSE_OVERRIDE, BlockReplac
 from adaptive_sparse_attention.kernels import dense
 
 
-def test_fastest_takes_the_quickest_agreeing_candidate():
-    outputs = {"cudnn": torch.ones(4), "flash": torch.ones(4) * (1 + 1e-3), "efficient": torch.ones(4) * 1.5}
-    times = iter([3.0, 2.0, 1.0])
-    assert dense.fastest(dense.CANDIDATES, outputs.__getitem__, lambda fn: next(times)) == "flash"
+def notes():
+    """A `note` that records its messages."""
+    seen = []
+    return seen, lambda message, level=None: seen.append(message)
 
 
-def test_fastest_skips_candidates_that_cannot_run_and_breaks_ties_by_order():
+def fake_kernels(outputs: dict, times: dict):
+    """`run` and `time_ms` over fixed outputs (a value that is an exception is raised) and times."""
+    last = []
+
     def run(name):
-        if name == "cudnn":
-            raise RuntimeError("No available kernel")
-        return torch.ones(3)
+        last.append(name)
+        if isinstance(outputs[name], Exception):
+            raise outputs[name]
+        return outputs[name]
 
-    assert dense.fastest(dense.CANDIDATES, run, lambda fn: 1.0) == "flash"
+    def time_ms(fn):
+        fn()
+        return times[last[-1]]
 
-    def never(name):
-        raise RuntimeError("No available kernel")
-
-    assert dense.fastest(dense.CANDIDATES, never, lambda fn: 1.0) is None
+    return run, time_ms
 
 
-def test_cached_choice_measures_once_per_key_and_machine(tmp_path, monkeypatch):
-    path = tmp_path / "choices.json"
-    monkeypatch.setenv(dense.CACHE_ENV, str(path))
-    monkeypatch.setattr(dense, "_choices", {})
+REFERENCE = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+TOL = dense.tolerance(torch.bfloat16)
+
+
+def test_fastest_rejects_a_wrong_first_kernel_against_the_float32_reference():
+    outputs = {"cudnn": REFERENCE.flip(0),  # heads swapped: the first and fastest, but wrong
+               "flash": REFERENCE * (1 + 1e-3), "efficient": REFERENCE * (1 - 2e-3)}
+    run, time_ms = fake_kernels(outputs, {"cudnn": 1.0, "flash": 3.0, "efficient": 2.0})
+    seen, note = notes()
+    assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) == "efficient"
+    assert len(seen) == 1 and "cudnn differs from the float32 reference" in seen[0]
+
+
+def test_fastest_skips_candidates_that_raise_or_run_out_of_memory_and_breaks_ties_by_order():
+    outputs = {"cudnn": RuntimeError("No available kernel"),
+               "flash": torch.cuda.OutOfMemoryError("CUDA out of memory"), "efficient": REFERENCE}
+    run, time_ms = fake_kernels(outputs, {"efficient": 1.0})
+    seen, note = notes()
+    assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) == "efficient"
+    assert len(seen) == 2 and "OutOfMemoryError" in seen[1]
+    run, time_ms = fake_kernels({"cudnn": REFERENCE, "flash": REFERENCE, "efficient": REFERENCE}, dict.fromkeys(outputs, 1.0))
+    assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) == "cudnn"
+
+    def oom_while_timed(fn):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    assert dense.fastest(dense.CANDIDATES, run, oom_while_timed, REFERENCE, TOL, note) is None
+    run, time_ms = fake_kernels(dict.fromkeys(outputs, RuntimeError("No available kernel")), {})
+    assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) is None
+
+
+def test_tolerance_accepts_low_precision_rounding_and_rejects_a_wrong_kernel():
+    """CPU SDPA in bfloat16/float16 (rounded probabilities and output) is accepted; a wrong scale or
+    a head mix-up in the same dtype is not."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (torch.randn(1, 3, 512, 64, generator=g).to(dtype) for _ in range(3))
+        reference = dense.reference_attention(q, k, v)
+        torch.testing.assert_close(reference.double(), dense.probe(exact_attention(q, k, v)), rtol=0, atol=1e-5)
+        run = {"right": lambda: dense.sdpa(q, k, v, None),
+               "scale": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5),
+               "heads": lambda: dense.sdpa(q, k, v, None).roll(1, dims=1)}
+        seen, note = notes()
+        ok = {name: dense.agrees(name, lambda n: dense.probe(run[n]()), reference, dense.tolerance(dtype), note)
+              for name in run}
+        assert ok == {"right": True, "scale": False, "heads": False}, (dtype, seen)
+
+
+def resolve_with(choices, key, outputs, times=None, allowed=dense.CANDIDATES):
+    """`resolve` with fake kernels: the saved choice is checked, a miss measured (returns choice, measured?)."""
+    run, time_ms = fake_kernels(outputs, times or dict.fromkeys(outputs, 1.0))
     measured = []
-    assert dense.cached_choice("gpu|bf16|D128", lambda: measured.append(1) or "cudnn") == "cudnn"
-    assert dense.cached_choice("gpu|bf16|D128", lambda: measured.append(1) or "flash") == "cudnn"
-    assert json.loads(path.read_text()) == {"gpu|bf16|D128": "cudnn"}
-    monkeypatch.setattr(dense, "_choices", {})  # a new process reads the file instead of measuring
-    assert dense.cached_choice("gpu|bf16|D128", lambda: measured.append(1) or "flash") == "cudnn"
-    assert measured == [1]
-    path.write_text('{"gpu|bf16|D128": "no-such-kernel"}')  # a damaged entry is measured again
-    monkeypatch.setattr(dense, "_choices", {})
-    assert dense.cached_choice("gpu|bf16|D128", lambda: "efficient") == "efficient"
+
+    def measure():
+        measured.append(key)
+        return dense.fastest(allowed, run, time_ms, REFERENCE, TOL, choices.note)
+
+    choice = choices.resolve(key, allowed, lambda name: dense.agrees(name, run, REFERENCE, TOL, choices.note), measure)
+    return choice, bool(measured)
 
 
-def test_wide_strided_rows_never_reach_the_memory_efficient_kernel(tmp_path, monkeypatch):
-    S, H, D = 221446, 56, 128  # H3 at 30 s: ComfyUI's q/k are views of the [S, 3*H*D] qkv buffer
-    comfy = torch.empty_strided((1, H, S, D), (H * D, D, 3 * H * D, 1), device="meta")
-    packed = torch.empty((1, H, S, D), device="meta")
-    assert dense.wide_rows(comfy) and not dense.wide_rows(packed)
-    assert dense.candidates(comfy, comfy, packed) == ("cudnn", "flash")
-    assert dense.candidates(packed, packed, packed) == dense.CANDIDATES
-    ten_s = torch.empty_strided((1, H, 73642, D), (H * D, D, 3 * H * D, 1), device="meta")
-    assert not dense.wide_rows(ten_s)  # 1.58e9 elements: below the limit
-    # a choice saved for the key must be one the inputs allow, else it is measured again
+def test_resolve_measures_once_and_later_processes_check_the_saved_choice(tmp_path):
     path = tmp_path / "choices.json"
-    monkeypatch.setenv(dense.CACHE_ENV, str(path))
-    monkeypatch.setattr(dense, "_choices", {})
-    path.write_text('{"k|wide rows": "efficient"}')
-    assert dense.cached_choice("k|wide rows", lambda: "cudnn", ("cudnn", "flash")) == "cudnn"
+    good = {"cudnn": REFERENCE, "flash": REFERENCE, "efficient": REFERENCE}
+    first = dense.DenseChoices(path)
+    assert resolve_with(first, "gpu|bf16|D128", good, {"cudnn": 2.0, "flash": 1.0, "efficient": 3.0}) == ("flash", True)
+    assert resolve_with(first, "gpu|bf16|D128", good) == ("flash", False)
+    assert json.loads(path.read_text()) == {"gpu|bf16|D128": "flash"}
+    later = dense.DenseChoices(path)  # a new process: reads the file, checks the kernel runs, does not measure
+    assert resolve_with(later, "gpu|bf16|D128", good) == ("flash", False)
+    assert later.lookup("gpu|bf16|D128", lambda: pytest.fail("measured again")) == "flash"
 
 
-def test_cpu_runs_sdpa_default():
+def test_a_saved_choice_that_does_not_run_here_is_measured_again_and_the_file_updated(tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps({"k": "flash", "other": "cudnn"}))
+    outputs = {"cudnn": REFERENCE, "flash": RuntimeError("No viable backend"), "efficient": REFERENCE}
+    choices = dense.DenseChoices(path)
+    assert resolve_with(choices, "k", outputs, {"cudnn": 2.0, "efficient": 1.0}) == ("efficient", True)
+    assert json.loads(path.read_text()) == {"k": "efficient", "other": "cudnn"}
+    path.write_text(json.dumps({"k": "no-such-kernel"}))  # damaged, or not allowed for these inputs
+    assert resolve_with(dense.DenseChoices(path), "k", outputs) == ("cudnn", True)
+    path.write_text(json.dumps({"k|wide rows": "efficient"}))
+    assert resolve_with(dense.DenseChoices(path), "k|wide rows", outputs, allowed=("cudnn", "flash")) == ("cudnn", True)
+
+
+def test_when_no_candidate_runs_nothing_is_saved_and_a_later_process_measures_again(tmp_path, caplog):
+    path = tmp_path / "choices.json"
+    failing = dict.fromkeys(dense.CANDIDATES, RuntimeError("temporarily out of memory"))
+    choices = dense.DenseChoices(path)
+    with caplog.at_level("INFO", logger="adaptive_sparse_attention"):
+        assert resolve_with(choices, "k", failing) == (None, True)
+        assert resolve_with(choices, "k", failing) == (None, False)  # this process keeps SDPA's own choice
+    assert not path.exists()
+    told = [r for r in caplog.records if "SDPA's own choice" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelname == "WARNING"
+    assert resolve_with(dense.DenseChoices(path), "k", {**failing, "cudnn": REFERENCE}) == ("cudnn", True)
+    assert json.loads(path.read_text()) == {"k": "cudnn"}
+
+
+def test_memory_is_bounded_and_resettable(tmp_path):
+    choices = dense.DenseChoices(tmp_path / "choices.json")
+    for i in range(dense.MAX_CHOICES + 5):
+        choices.remember(f"k{i}", "flash")
+    assert len(choices.choices) == dense.MAX_CHOICES and "k0" not in choices.choices
+    choices.reset()
+    assert not choices.choices
+
+
+def test_the_key_names_the_pack_version_gpu_and_libraries(monkeypatch):
+    from adaptive_sparse_attention import __version__
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    key = dense.device_key(torch.device("cuda", 0))
+    assert key.startswith(f"pack {__version__}|Some GPU|sm90|torch {torch.__version__}|cudnn ")
+    choices = dense.DenseChoices()
+    q = torch.empty(1, 4, 300, 64, dtype=torch.bfloat16, device="meta")
+    choices.devices[q.device.index] = key  # as `describe_device` leaves it for a GPU
+    assert choices.key(q, q, q) == f"{key}|torch.bfloat16|D64|H4|keys<=512"
+
+
+def test_default_cache_path(tmp_path, monkeypatch):
+    monkeypatch.delenv(dense.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert dense.default_cache_path() == tmp_path / "adaptive_sparse_attention" / "dense_kernels.json"
+    user = tmp_path / "user"
+    assert dense.default_cache_path(user) == user / "adaptive_sparse_attention" / "dense_choices.json"
+    monkeypatch.setenv(dense.CACHE_ENV, str(tmp_path / "mine.json"))
+    assert dense.default_cache_path(user) == tmp_path / "mine.json"
+    assert dense.DenseChoices().path == tmp_path / "mine.json"
+
+
+@pytest.mark.parametrize("where", ["/", "a directory"])
+def test_a_cache_path_that_is_no_file_keeps_choices_in_memory_with_one_warning(where, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(dense.CACHE_ENV, where if where == "/" else str(tmp_path))
+    choices = dense.DenseChoices()
+    with caplog.at_level("WARNING", logger="adaptive_sparse_attention"):
+        for key in ("k1", "k2"):
+            assert resolve_with(choices, key, dict.fromkeys(dense.CANDIDATES, REFERENCE)) == ("cudnn", True)
+            assert resolve_with(choices, key, {}) == ("cudnn", False)
+    assert len(caplog.records) == 1 and "kept in memory only" in caplog.records[0].getMessage()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_runs_sdpa_default(tmp_path):
+    choices = dense.DenseChoices(tmp_path / "choices.json")
     q = torch.randn(1, 2, 5, 8)
-    assert dense.dense_choice(q, q, q) is None
+    assert choices.choice(q, q, q) is None
+    torch.testing.assert_close(choices.attention(q, q, q).double(), exact_attention(q, q, q), rtol=0, atol=1e-6)
+    assert not (tmp_path / "choices.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_choice_is_exact_saved_and_checked_again(dtype, tmp_path):
+    path = tmp_path / "choices.json"
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1000, 64, generator=g, device="cuda", dtype=dtype) for _ in range(3))
+    choices = dense.DenseChoices(path)
+    out = choices.attention(q, k, v)
+    key = choices.key(q, k, v)
+    assert dense.relative_l2(out, exact_attention(q, k, v).float()) <= dense.tolerance(dtype)
+    saved = json.loads(path.read_text())
+    assert saved[key] in dense.candidates(q, k, v)
+    if dtype == torch.float32:  # a saved choice that cannot take these inputs is measured again
+        path.write_text(json.dumps({key: "flash"}))
+        again = dense.DenseChoices(path)
+        assert again.choice(q, k, v) == saved[key] == json.loads(path.read_text())[key] != "flash"
 
 
 def exact_attention(q, k, v):
