@@ -77,7 +77,7 @@ class SparseConfig:
         "summary result per query block (cheaper).")
     tiling: str = setting("reblock", Choice(TILINGS),
         "reblock: per head, an adaptive token layout that groups tokens attending alike, or space-time tubes "
-        "where those hold more attention (about half the error of cube at the same ratio; its layout costs "
+        "where those hold more attention (a lower error than cube at the same ratio; its layout costs "
         "some time every step). cube: fixed space-time tiles (no layout cost).")
     reblock_layout: str = setting("q_reuse_k", Choice(REBLOCK_LAYOUTS),
         "q_reuse_k: queries reuse the key layout (one layout per head). independent: separate query and key "
