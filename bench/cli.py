@@ -11,14 +11,14 @@
 - bench-long: long clips (30 s, 60 s) on the GPU: planner memory and time, kernel time, dense
   cuDNN where it fits (bench/long_clips.py).
 - routing-quality: 8-bit routing scores against the fp32 selection (bench/routing_quality.py).
-- GPU checks and timings of one part, each in its own module of this folder: kernel-check (the
-  Triton kernel: correctness, sanitizer, Nsight Compute, timing), planner-timing, reblock-timing,
-  reblock-check (reblock tiling built on GPU vs CPU), tiling-ceiling (recall of many tilings;
-  also on the CPU), ulysses-timing (sequence parallel, one process per rank under torchrun).
+- GPU timings of one part, each in its own module of this folder: planner-timing, reblock-timing,
+  tiling-ceiling (recall of many tilings; also on the CPU), ulysses-timing (sequence parallel, one
+  process per rank under torchrun).
 
-Each command's module exposes `add_arguments(parser)` and `run(args)`, except kernel-check's,
-which imports Triton: its options are declared here and it is imported only when the command
-runs, so the other commands work without Triton.
+Each command's module exposes `add_arguments(parser)` and `run(args)`. The developer tools for
+kernel work (correctness and timing sweeps of the Triton kernel, compute-sanitizer, Nsight
+Compute, the reblock device check, ahead-of-time compiles) are scripts in the repository's
+tools/ folder, not commands of the installed package.
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ import torch
 
 from ..kernels import dispatch
 from ..nodes.capture import load_capture
-from . import (long_clips, planner_timing, reblock_device_check, reblock_timing, routing_quality, tiling_ceiling,
-               ulysses_timing)
+from . import long_clips, planner_timing, reblock_timing, routing_quality, tiling_ceiling, ulysses_timing
 from .methods import DEFAULT_METHOD
 from .report import acceptance, markdown_table, render_markdown, write_outputs
 from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
@@ -136,15 +135,9 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_kernel_check(args: argparse.Namespace) -> int:
-    from . import kernel_check
-
-    return kernel_check.run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m adaptive_sparse_attention",
-                                     description="Adaptive block-sparse attention for MiniMax-H3: demo, benchmarks, evaluation, GPU checks.")
+                                     description="Adaptive block-sparse attention for MiniMax-H3: demo, benchmarks, evaluation, GPU timings.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser, ratios: str) -> None:
@@ -198,23 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     long_clips.add_arguments(long)
     long.set_defaults(func=long_clips.run)
 
-    text = ("GPU: the Triton kernel's correctness, sanitizer, Nsight Compute sections and time at the H3 shapes "
-            "against cuDNN; writes OUT/kernel_check.json and .md (bench/kernel_check.py)")
-    kc = sub.add_parser("kernel-check", help=text, description=text)
-    kc.add_argument("--out", default=".")
-    kc.add_argument("--quick", action="store_true", help="one correctness case per block size")
-    kc.add_argument("--shapes", default="5s,10s,14s", help="H3 shapes to time")
-    kc.add_argument("--ratios", default="0.1,0.2,0.3", help="top-k ratios to time")
-    kc.add_argument("--block-sizes", default="64", help="plan block sizes to check and time")
-    kc.add_argument("--sanitize-child", action="store_true", help=argparse.SUPPRESS)
-    kc.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    kc.add_argument("--skip", default="", help="comma list of sections to skip: check,sanitize,ncu,probe,timing,variants")
-    kc.set_defaults(func=cmd_kernel_check)
-
     for name, module, text in (
             ("planner-timing", planner_timing, "GPU: each planner step with and without the fused Triton kernels"),
             ("reblock-timing", reblock_timing, "GPU: the reblock tiling, its stages and the plan against the kernel"),
-            ("reblock-check", reblock_device_check, "GPU: reblock tiling built on the GPU vs the CPU, recall of both"),
             ("tiling-ceiling", tiling_ceiling, "recall of many tilings per head, the best per head, where recall is lost"),
             ("ulysses-timing", ulysses_timing, "sequence-parallel attention, one rank per process: run under torchrun"),
             ("routing-quality", routing_quality, "8-bit routing scores against the fp32 selection on the bench scenes")):

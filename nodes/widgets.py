@@ -1,7 +1,8 @@
 """The nodes' widgets as plain data: the V3 schemas are built from it, tests read it without ComfyUI.
 
-The sparse node's widgets map one to one onto `SparseConfig` fields; their defaults, ranges and
-choices come from `SparseConfig` and `backend/config.py`, so the node cannot drift from the engine.
+The sparse node's widgets map one to one onto `SparseConfig` fields; each widget's kind, default,
+range or choices and tooltip come from its field's declaration, so the node cannot drift from the
+engine; only the order, the step and the advanced flag are the node's own.
 The checks the nodes run on widget values (bounded index lists, the capture prefix, layers the
 model has) live here too, so they are tested without ComfyUI.
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..backend.config import (DENSE_ATTENTIONS, MAX_LAYERS, MAX_MIN_TOKENS, MAX_STEPS, REBLOCK_LAYOUTS,
-                              ROUTING_SCORES, SPARSE_SCOPES, TAIL_GRANULARITIES, TAILS, TILINGS, WARMUP_MODES,
-                              SparseConfig, check_indices, parse_layer_list, show)
+from ..backend.config import SparseConfig, settings
+from ..backend.index_lists import MAX_LAYERS, MAX_STEPS, check_indices, parse_layer_list
+from ..backend.rules import Choice, Flag, Integer, LayerIndices, Number
+from ..backend.value_checks import show
 
 SPARSE_NODE_ID = "AdaptiveSparseAttentionH3"
 SPARSE_NODE_NAME = "Adaptive Sparse Attention (MiniMax-H3)"
@@ -58,51 +60,51 @@ class Widget:
         return numeric and self.min <= value <= self.max
 
 
-_D = SparseConfig()
+def config_widget(name: str, step: float | None = None, advanced: bool = False) -> Widget:
+    """The widget of SparseConfig field `name`: its kind, default, bounds or choices and tooltip
+    are read from the field's declaration (`backend/config.py`), so the two cannot differ.
 
+    Args:
+        name: the SparseConfig field.
+        step: the increment of a number widget (an int choice's step must walk exactly its choices).
+        advanced: whether the widget folds away in the UI.
+    Returns:
+        The widget.
+    """
+    declared = settings()[name]
+    rule = declared.rule
+    default = ",".join(map(str, declared.default)) if isinstance(rule, LayerIndices) else declared.default
+    shown = dict(name=name, default=default, tooltip=declared.meaning, advanced=advanced)
+    if isinstance(rule, (Number, Integer)):
+        return Widget(kind="float" if isinstance(rule, Number) else "int", min=rule.lo, max=rule.hi, step=step,
+                      **shown)
+    if isinstance(rule, Choice) and isinstance(rule.choices[0], int):
+        return Widget(kind="int", min=min(rule.choices), max=max(rule.choices), step=step, **shown)
+    if isinstance(rule, Choice):
+        return Widget(kind="combo", options=rule.choices, **shown)
+    if isinstance(rule, Flag):
+        return Widget(kind="boolean", **shown)
+    if isinstance(rule, LayerIndices):  # typed as text, e.g. "0-2,49"
+        return Widget(kind="string", **shown)
+    raise TypeError(f"SparseConfig.{name}: no widget for a {type(rule).__name__} rule")
+
+
+# Every SparseConfig field but `backend` (left to `auto` on the node), in the order the node shows them.
 SPARSE_WIDGETS: tuple[Widget, ...] = (
-    Widget("topk_ratio", "float", _D.topk_ratio, min=0.01, max=1.0, step=0.01,
-           tooltip="Fraction of candidate video key blocks each query block attends to exactly; the rest are "
-                   "covered by the tail summaries. Lower is faster; 1.0 is exact dense attention."),
-    Widget("warmup_mode", "combo", _D.warmup_mode, options=WARMUP_MODES,
-           tooltip="fidelity: the first warmup_ratio of denoising steps run dense (the layout of the video is "
-                   "decided there). speed: sparse from the first step. dense: never sparse, for A/B comparisons."),
-    Widget("sparse_scope", "combo", _D.sparse_scope, options=SPARSE_SCOPES,
-           tooltip="target-video: only generated-video queries route over generated-video keys; text, audio "
-                   "and references stay exact. joint-video: reference videos are sparse too, each with its own "
-                   "budget (reference-to-video)."),
-    Widget("tail_granularity", "combo", _D.tail_granularity, options=TAIL_GRANULARITIES,
-           tooltip="query: every query scores the summaries of unselected blocks (more faithful). block: one "
-                   "shared summary result per query block (cheaper)."),
-    Widget("warmup_ratio", "float", _D.warmup_ratio, min=0.0, max=1.0, step=0.01, advanced=True,
-           tooltip="Share of denoising steps that run dense in fidelity mode (rounded up to whole steps)."),
-    Widget("tiling", "combo", _D.tiling, options=TILINGS, advanced=True,
-           tooltip="reblock: per head, an adaptive token layout that groups tokens attending alike, or "
-                   "space-time tubes where those hold more attention (about half the error of cube at the same "
-                   "ratio; its layout costs some time every step). cube: fixed space-time tiles (no layout cost)."),
-    Widget("reblock_layout", "combo", _D.reblock_layout, options=REBLOCK_LAYOUTS, advanced=True,
-           tooltip="q_reuse_k: queries reuse the key layout (one layout per head). independent: separate "
-                   "query and key layouts."),
-    Widget("tail", "combo", _D.tail, options=TAILS, advanced=True,
-           tooltip="What stands in for unselected blocks: reweight (anchor-weighted summaries with a mass "
-                   "correction), mean (plain mean summaries), none (drop them), coarse (the coarse branch scaled "
-                   "by the model's learned gate; only distilled FastH3 checkpoints carry one, else it adds nothing)."),
-    Widget("dense_layers", "string", ",".join(map(str, _D.dense_layers)), advanced=True,
-           tooltip="Layers that always run dense, e.g. '0,1' or '0-2,49'. Empty: none."),
-    Widget("min_tokens", "int", _D.min_tokens, min=0, max=MAX_MIN_TOKENS, step=1, advanced=True,
-           tooltip="Sequences shorter than this run dense (sparse attention only pays off on long videos)."),
-    Widget("block_size", "int", _D.block_size, min=64, max=128, step=64, advanced=True,
-           tooltip="Tokens per attention block: 64 (finer selection) or 128."),
-    Widget("strict", "boolean", _D.strict, advanced=True,
-           tooltip="On: anything that cannot run sparse (head size, dtype, device, unknown layout) stops with "
-                   "an error. Off: that block runs dense and the reason is logged once per run."),
-    Widget("dense_attention", "combo", _D.dense_attention, options=DENSE_ATTENTIONS, advanced=True,
-           tooltip="fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest "
-                   "exact attention kernel of this GPU, measured once per shape (the same result up to bf16 "
-                   "rounding). comfyui: they use ComfyUI's own attention path."),
-    Widget("routing_scores", "combo", _D.routing_scores, options=ROUTING_SCORES, advanced=True,
-           tooltip="fp32: exact block scores for choosing the key blocks. int8 / fp8: cheaper 8-bit scores "
-                   "(fp8 needs an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks."),
+    config_widget("topk_ratio", step=0.01),
+    config_widget("warmup_mode"),
+    config_widget("sparse_scope"),
+    config_widget("tail_granularity"),
+    config_widget("warmup_ratio", step=0.01, advanced=True),
+    config_widget("tiling", advanced=True),
+    config_widget("reblock_layout", advanced=True),
+    config_widget("tail", advanced=True),
+    config_widget("dense_layers", advanced=True),
+    config_widget("min_tokens", step=1, advanced=True),
+    config_widget("block_size", step=64, advanced=True),
+    config_widget("strict", advanced=True),
+    config_widget("dense_attention", advanced=True),
+    config_widget("routing_scores", advanced=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (

@@ -1,5 +1,5 @@
 """CLI smoke tests at reduced sizes (the real presets run in BENCHMARKS.md), method specs, the
-FlexAttention block mask (built on the CPU; only running Flex needs CUDA), the GPU tools'
+FlexAttention block mask (built on the CPU; only running Flex needs CUDA), the GPU timing
 subcommands (their options, without Triton too) and the import graph of bench/ (no cycles)."""
 import ast
 import dataclasses
@@ -100,10 +100,8 @@ def test_time_budget_records_runs_not_made(tiny_presets):
 
 # Each GPU tool's subcommand and the options it must keep (scripts and BENCHMARKS.md commands use them).
 GPU_TOOLS = {
-    "kernel-check": ["--out", "--quick", "--shapes", "--ratios", "--block-sizes", "--skip"],
     "planner-timing": ["--out", "--shape", "--ratio"],
     "reblock-timing": ["--out", "--video", "--heads", "--profile"],
-    "reblock-check": ["--preset", "--scene", "--heads", "--out"],
     "tiling-ceiling": ["--preset", "--scene", "--part", "--out"],
     "ulysses-timing": ["--out", "--video", "--heads", "--ratio", "--tiling"],
     "routing-quality": ["--size", "--scenes", "--ratios", "--tiling", "--rows", "--device", "--seed", "--out"],
@@ -121,7 +119,7 @@ def test_gpu_tool_help_lists_its_options(command, capsys):
 
 
 def test_cli_needs_no_triton():
-    """Every subcommand parses where Triton is not installed (kernel-check imports it only to run)."""
+    """Every subcommand parses where Triton is not installed."""
     script = ("import sys; sys.modules['triton'] = None\n"
               "from adaptive_sparse_attention.bench.cli import build_parser\n"
               f"for command in {list(GPU_TOOLS)!r}: build_parser().parse_args([command])\n"
@@ -148,7 +146,7 @@ def import_graph(folder: Path) -> dict[str, set[str]]:
 def test_bench_imports_form_no_cycle(tmp_path):
     bench = Path(__file__).resolve().parents[1] / "bench"
     graph = import_graph(bench)
-    assert "planner_timing" in graph["kernel_check"] and graph["cli"] >= {"long_clips", "kernel_check"}
+    assert "scenes" in graph["planner_timing"] and graph["cli"] >= {"long_clips", "planner_timing"}
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
     (tmp_path / "a.py").write_text("def f():\n    from .b import g\n")
     (tmp_path / "b.py").write_text("from . import a\n")

@@ -1,8 +1,12 @@
-"""SparseConfig: defaults mirror the node, every bad value names field, value and what is allowed."""
+"""SparseConfig: defaults mirror the node, every bad value names field, value and what is allowed,
+and every widget of the node shows exactly its field's declared default, bounds or choices."""
 import pytest
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.backend.config import parse_layer_list
+from adaptive_sparse_attention.backend.config import settings
+from adaptive_sparse_attention.backend.rules import Choice, Flag, Integer, LayerIndices, Number
+from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
+from adaptive_sparse_attention.backend.index_lists import parse_layer_list
 
 
 def test_defaults_match_the_node():
@@ -36,11 +40,11 @@ def test_bad_values_name_field_value_and_allowed(field, value, allowed):
 
 
 def test_dense_layers_from_widget_string():
-    assert parse_layer_list("3, 0,1, 5-7,1") == (0, 1, 3, 5, 6, 7)
+    assert parse_layer_list("3, 0,1, 5-7,1", "SparseConfig.dense_layers") == (0, 1, 3, 5, 6, 7)
     assert SparseConfig(dense_layers="0,2").dense_layers == (0, 2)
     for bad in ("a", "3-1", "-1"):
         with pytest.raises(ValueError, match="dense_layers"):
-            parse_layer_list(bad)
+            parse_layer_list(bad, "SparseConfig.dense_layers")
 
 
 def test_replace_validates_and_rejects_unknown_fields():
@@ -50,3 +54,51 @@ def test_replace_validates_and_rejects_unknown_fields():
         cfg.replace(topk_ratio=2)
     with pytest.raises(ValueError, match="no field"):
         cfg.replace(ratio=0.1)
+
+
+WIDGETS = {w.name: w for w in SPARSE_WIDGETS}
+
+
+@pytest.mark.parametrize("name", list(settings()))
+def test_every_widget_shows_its_fields_declaration(name):
+    declared = settings()[name]
+    if name == "backend":  # picked by the GPU, not shown on the node
+        assert name not in WIDGETS
+        return
+    w, rule = WIDGETS[name], declared.rule
+    assert w.tooltip == declared.meaning and w.tooltip
+    if isinstance(rule, LayerIndices):
+        assert (w.kind, w.default) == ("string", ",".join(map(str, declared.default)))
+    else:
+        assert w.default == declared.default and type(w.default) is type(declared.default)
+    if isinstance(rule, (Number, Integer)):
+        assert (w.kind, w.min, w.max) == ("float" if isinstance(rule, Number) else "int", rule.lo, rule.hi)
+    elif isinstance(rule, Choice) and isinstance(rule.choices[0], int):  # an int widget whose steps walk the choices
+        assert w.kind == "int" and tuple(range(int(w.min), int(w.max) + 1, int(w.step))) == rule.choices
+    elif isinstance(rule, Choice):
+        assert (w.kind, w.options) == ("combo", rule.choices)
+    elif not isinstance(rule, LayerIndices):
+        assert isinstance(rule, Flag) and w.kind == "boolean"
+
+
+def accepted(name, value):
+    try:
+        SparseConfig(**{name: value})
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("w", [w for w in SPARSE_WIDGETS if w.kind != "string"], ids=lambda w: w.name)
+def test_a_widget_accepts_exactly_what_its_field_accepts(w):
+    """At the bounds, one step beyond them, between them, and on every option and a non-option."""
+    if w.kind == "combo":
+        values = [*w.options, "not-" + w.options[0]]
+    elif w.kind == "boolean":
+        values = [True, False]
+    else:
+        step = w.step
+        values = [w.min, w.max, w.min - step, w.max + step, w.min + step * ((w.max - w.min) // (2 * step))]
+        values = [int(v) if w.kind == "int" else v for v in values]
+    for value in values:
+        assert w.accepts(value) == accepted(w.name, value), (w.name, value)

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for sm80/86/89/90/120 and fits its family's shared memory.
 
 The H200 runs only sm90 code; this compiles each kernel ahead of time for the other targets
-our users run (`kernel_targets.py`, in a fresh process so Triton is not in interpreter mode),
+our users run (`tools/kernel_targets.py`, in a fresh process so Triton is not in interpreter mode),
 with the launch configs the launchers pick there, and checks the compiled shared memory
 against the per-block limit of the family: 99 KB on sm86/89/120 (the sm80 family plans for
 the smallest of its members), 227 KB on sm90. The kernels that gather bf16 rows must read them
@@ -24,7 +24,7 @@ ROW_GATHERS = {"block_sums", "block_summaries", "gram", "gram normalised", "feat
 
 def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("kernel_targets.py")
+    script = Path(__file__).resolve().parents[1] / "tools" / "kernel_targets.py"
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ and after it to 1e-5 or one fp16 step where a value lies at a rounding boundary.
 but the torch path rounds the [N, D + r] product to the input dtype before the norm, so they
 agree to about that resolution (fp16: 2e-3). The interpreter of Triton 3.7.1 gets bf16 dots
 wrong, so the 16-bit case is fp16 here; bf16 on the GPU is checked by
-`bench/reblock_device_check.py` (GPU vs CPU features). The sample moments kernel is checked
+`tools/reblock_device_check.py` (GPU vs CPU features). The sample moments kernel is checked
 against a float64 product (fp32: exact inputs; fp16: inputs exact, fp32 sums). Rows of zeros (norm 0) and a non-finite row give finite features.
 """
 import pytest

@@ -1,6 +1,6 @@
 """Reblock tiling built on the GPU vs on the CPU from the same tensors, on a structured scene.
 
-    python -m adaptive_sparse_attention reblock-check [--preset h3-5s] [--scene pan] [--heads 8] [--out FILE]
+    python tools/reblock_device_check.py [--preset h3-5s] [--scene pan] [--heads 8] [--out FILE]
 
 Builds the scene on the GPU (bf16), the reblock tiling (q_reuse_k, block 64) on the GPU and, from
 CPU copies of the same tensors, on the CPU; routes both on the GPU (ratio 0.1, no tail) and
@@ -19,20 +19,21 @@ from typing import Callable
 
 import torch
 
-from ..backend.config import SparseConfig
-from ..backend.layout import TARGET_VIDEO, SequenceLayout
-from .metrics import sample_rows
-from ..backend.planner import make_tiling
-from ..backend.head_choice import block_log_mass, probe_rows, tube_perms
-from ..backend.reblock import metric_features, reblock_tiling
-from .scenes import make_scene
-from ..backend.tiling import Tiling
-from .tiling_ceiling import head_recall
+from adaptive_sparse_attention.backend.config import SparseConfig
+from adaptive_sparse_attention.backend.head_choice import block_log_mass, probe_rows, tube_perms
+from adaptive_sparse_attention.backend.layout import TARGET_VIDEO, SequenceLayout
+from adaptive_sparse_attention.backend.planner import make_tiling
+from adaptive_sparse_attention.backend.reblock import metric_features, reblock_tiling
+from adaptive_sparse_attention.backend.tiling import Tiling
+from adaptive_sparse_attention.bench.metrics import sample_rows
+from adaptive_sparse_attention.bench.scenes import make_scene
+from adaptive_sparse_attention.bench.tiling_ceiling import head_recall
 
 TilingFn = Callable[[torch.Tensor, torch.Tensor, SequenceLayout, int], Tiling]
 
 
 def on_device(t: Tiling, device: torch.device) -> Tiling:
+    """`t` with its tensors moved to `device`."""
     return Tiling(t.block_size, t.q_perm.to(device), t.k_perm.to(device), t.block_len.to(device),
                   t.regions, t.region_blocks)
 
@@ -59,11 +60,14 @@ def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceL
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's options."""
+    parser = argparse.ArgumentParser(prog="python tools/reblock_device_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="h3-5s")
     parser.add_argument("--scene", default="pan")
     parser.add_argument("--heads", type=int, default=8, help="heads reported one by one")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,3 +101,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(build_parser().parse_args()))
