@@ -69,10 +69,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo: synthetic H3-like scene (text + audio + a moving-object video grid) on {device}", file=sys.stderr)
     from .runner import scene_cases
 
+    backend = resolve_backend(args.backend, device)
     rows = run_cases(scene_cases(preset, preset.scenes, args.seed, device), 1, demo_methods(), args.ratios, device,
-                     resolve_backend(args.backend, device), preset.rows_per_group, preset.warmup, preset.reps, args.seed)
+                     backend, preset.rows_per_group, preset.warmup, preset.reps, args.seed)
     print(markdown_table(rows))
+    if device.type != "cuda":
+        print(demo_timing_note(backend))
     return 1 if any("error" in r for r in rows) else 0
+
+
+def demo_timing_note(backend: str) -> str:
+    """What the demo's times mean off the GPU: the quality columns hold, the times are no speed claim.
+
+    Args:
+        backend: the kernel backend the sparse rows ran on.
+    Returns:
+        The note printed under the table.
+    """
+    kernel = ("the pure-torch reference kernel (the correctness oracle)" if backend == "torch"
+              else f"the {backend} kernels outside a GPU (Triton's interpreter)")
+    return (f"\nOn the CPU the sparse rows run {kernel}, each timed once without warm-up, against "
+            "dense attention on the CPU's own optimised kernel. Their `ms`, `plan ms` and `vs dense` columns "
+            "are therefore no speed claim (`plan ms` is timed in separate cold runs and can exceed `ms`); density, "
+            "recall and the errors hold. Speed-ups are measured on a CUDA GPU with the Triton kernel: see "
+            "BENCHMARKS.md.")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
