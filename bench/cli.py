@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 
 import torch
@@ -66,10 +67,12 @@ def demo_methods() -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> int:
     device = _device(args.device)
     preset = PRESETS["demo"]
-    print(f"demo: synthetic H3-like scene (text + audio + a moving-object video grid) on {device}", file=sys.stderr)
+    backend = resolve_backend(args.backend, device)
+    off_gpu = "" if device.type == "cuda" else f" (sparse rows on the {backend} backend: see the note under the table)"
+    print(f"demo: synthetic H3-like scene (text + audio + a moving-object video grid) on {device}{off_gpu}",
+          file=sys.stderr)
     from .runner import scene_cases
 
-    backend = resolve_backend(args.backend, device)
     rows = run_cases(scene_cases(preset, preset.scenes, args.seed, device), 1, demo_methods(), args.ratios, device,
                      backend, preset.rows_per_group, preset.warmup, preset.reps, args.seed)
     print(markdown_table(rows))
@@ -88,11 +91,11 @@ def demo_timing_note(backend: str) -> str:
     """
     kernel = ("the pure-torch reference kernel (the correctness oracle)" if backend == "torch"
               else f"the {backend} kernels outside a GPU (Triton's interpreter)")
-    return (f"\nOn the CPU the sparse rows run {kernel}, each timed once without warm-up, against "
-            "dense attention on the CPU's own optimised kernel. Their `ms`, `plan ms` and `vs dense` columns "
-            "are therefore no speed claim (`plan ms` is timed in separate cold runs and can exceed `ms`); density, "
-            "recall and the errors hold. Speed-ups are measured on a CUDA GPU with the Triton kernel: see "
-            "BENCHMARKS.md.")
+    return "\n" + textwrap.fill(
+        f"Without a CUDA GPU the sparse rows run {kernel}, each timed once without warm-up, against dense "
+        "attention on torch's own optimised kernel. Their `ms`, `plan ms` and `vs dense` columns are therefore no "
+        "speed claim (`plan ms` is timed in separate cold runs and can exceed `ms`); density, recall and the "
+        "errors hold. Speed-ups are measured on a CUDA GPU with the Triton kernel: see BENCHMARKS.md.", 100)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
