@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_workflows import FRONTEND_ONLY
 
 COMFYUI = os.environ.get("COMFYUI_PATH", "")
 KJNODES = os.environ.get("KJNODES_PATH", "")
@@ -352,7 +353,8 @@ def test_workflow_node_types_exist_in_object_info(server):
     missing = {}
     for path in sorted((REPO / "workflows").glob("*.json")):
         for node in json.loads(path.read_text())["nodes"]:
-            if node["type"] not in info and (kj_installed or node["type"] not in third_party):
+            known = node["type"] in info or node["type"] in FRONTEND_ONLY
+            if not known and (kj_installed or node["type"] not in third_party):
                 missing.setdefault(path.name, []).append(node["type"])
     assert not missing, f"node types missing from /object_info: {missing}"
 
@@ -362,6 +364,8 @@ def ui_to_api(workflow: dict, info: dict) -> dict:
     links = {lk[0]: lk for lk in workflow["links"]}
     prompt = {}
     for node in workflow["nodes"]:
+        if node["type"] in FRONTEND_ONLY:
+            continue  # notes are not part of a prompt
         spec = info[node["type"]]
         specs = {**spec["input"].get("required", {}), **spec["input"].get("optional", {})}
         order = spec["input_order"].get("required", []) + spec["input_order"].get("optional", [])
@@ -390,7 +394,7 @@ def test_workflows_pass_server_validation_except_missing_files(server):
     checked = 0
     for path in sorted((REPO / "workflows").glob("*.json")):
         workflow = json.loads(path.read_text())
-        if any(n["type"] not in info for n in workflow["nodes"]):
+        if any(n["type"] not in info and n["type"] not in FRONTEND_ONLY for n in workflow["nodes"]):
             continue  # third-party nodes not installed (test_workflow_node_types_exist_in_object_info covers it)
         try:
             get_json(url + "/prompt", {"prompt": ui_to_api(workflow, info)})

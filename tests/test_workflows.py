@@ -1,4 +1,5 @@
-"""Bundled workflows: valid ComfyUI UI-format graphs whose node widgets match our schemas."""
+"""Bundled workflows: valid ComfyUI UI-format graphs whose node widgets match our schemas, with notes on the
+canvas (what each part does, which model file goes in which folder) and the report node after the sampler."""
 from __future__ import annotations
 
 import json
@@ -7,11 +8,16 @@ from pathlib import Path
 import pytest
 
 from adaptive_sparse_attention.backend.config import SparseConfig
-from adaptive_sparse_attention.nodes.widgets import (CAPTURE_NODE_ID, CAPTURE_WIDGETS, SPARSE_NODE_ID, SPARSE_WIDGETS,
-                                                     Widget, capture_selection, config_from_widgets)
+from adaptive_sparse_attention.nodes.widgets import (CAPTURE_NODE_ID, CAPTURE_WIDGETS, REPORT_NODE_ID, REPORT_NODE_NAME,
+                                                     SPARSE_NODE_ID, SPARSE_WIDGETS, Widget, capture_selection,
+                                                     config_from_widgets)
 
 WORKFLOWS = sorted((Path(__file__).resolve().parent.parent / "workflows").glob("*.json"))
 OURS = {SPARSE_NODE_ID: SPARSE_WIDGETS, CAPTURE_NODE_ID: CAPTURE_WIDGETS}
+FRONTEND_ONLY = {"Note", "MarkdownNote"}  # node types of ComfyUI's frontend: never in /object_info, never executed
+LOADER_FOLDERS = {"UNETLoader": "models/diffusion_models/", "CLIPLoader": "models/text_encoders/",
+                  "VAELoader": "models/vae/"}
+SAMPLERS = {"SamplerCustomAdvanced", "KSampler", "KSamplerAdvanced"}
 
 
 def load(path: Path) -> dict:
@@ -120,3 +126,55 @@ def test_install_check_reports_and_requirements_leave_pins_alone():
     assert module.CUDNN_FAMILIES == FAMILIES  # the report names the families the backend runs on
     lines = [ln.split("#")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
     assert not [ln for ln in lines if ln.lower().startswith(("torch", "comfy-kitchen", "comfy_kitchen"))]
+
+
+def notes_of(wf: dict) -> list[str]:
+    return [n["widgets_values"][0] for n in wf["nodes"] if n["type"] in FRONTEND_ONLY]
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_notes_name_every_model_file_and_its_folder(path):
+    """The canvas says which file each loader expects and where it goes (extra.note is never shown)."""
+    wf = load(path)
+    notes = notes_of(wf)
+    assert notes and all(isinstance(t, str) and t.strip() for t in notes), f"{path.name} has no note on the canvas"
+    loaders = [n for n in wf["nodes"] if n["type"] in LOADER_FOLDERS]
+    assert {n["type"] for n in loaders} == set(LOADER_FOLDERS), path.name
+    for node in loaders:
+        name, folder = node["widgets_values"][0], LOADER_FOLDERS[node["type"]]
+        assert any(name in t and folder in t for t in notes), f"{path.name}: no note says {name} goes in {folder}"
+    text = "\n".join(notes)
+    assert "Adaptive Sparse Attention" in text and "topk_ratio" in text and REPORT_NODE_NAME in text
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_every_part_sits_in_a_titled_group(path):
+    """Groups with titles frame the parts; every node (notes too) lies inside one."""
+    wf = load(path)
+    groups = wf["groups"]
+    assert groups and all(g["title"].strip() and len(g["bounding"]) == 4 for g in groups)
+
+    def inside(node, group):
+        gx, gy, gw, gh = group["bounding"]
+        (x, y), (w, h) = node["pos"], node["size"]
+        return gx <= x and x + w <= gx + gw and gy <= y and y + h <= gy + gh
+
+    outside = [n["type"] for n in wf["nodes"] if not any(inside(n, g) for g in groups)]
+    assert not outside, f"{path.name}: outside every group: {outside}"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_report_node_follows_the_sampler(path):
+    """The report takes the sampler's LATENT output and the MODEL of our node, which the sampler also uses."""
+    wf = load(path)
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    reports = [n for n in wf["nodes"] if n["type"] == REPORT_NODE_ID]
+    assert len(reports) == 1, f"{path.name}: {len(reports)} report nodes"
+    into = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
+    slots = {i["name"]: k for k, i in enumerate(reports[0]["inputs"])}
+    src, src_slot = into[(reports[0]["id"], slots["samples"])]
+    assert nodes[src]["type"] in SAMPLERS and nodes[src]["outputs"][src_slot]["type"] == "LATENT", path.name
+    src, _ = into[(reports[0]["id"], slots["model"])]
+    assert nodes[src]["type"] == SPARSE_NODE_ID, f"{path.name}: the report's model comes from {nodes[src]['type']}"
+    model_users = {nodes[dst]["type"] for (dst, _), (s, _) in into.items() if s == src}
+    assert model_users & {"BasicScheduler", "BasicGuider", *SAMPLERS}, f"{path.name}: the sampler ignores our MODEL"

@@ -1,0 +1,20 @@
+"""The demo on a CPU says that its times are the reference kernel's, not a speed claim."""
+import dataclasses
+
+from adaptive_sparse_attention.bench import scenes
+from adaptive_sparse_attention.bench.cli import demo_timing_note, main
+
+
+def test_cpu_demo_explains_its_times(monkeypatch, capsys):
+    small = dataclasses.replace(scenes.SIZES["cpu-small"], text=16, audio=24, grid=(4, 8, 12), heads=1, head_dim=64)
+    monkeypatch.setitem(scenes.SIZES, "demo", small)
+    assert main(["demo", "--device", "cpu", "--ratios", "0.2", "--backend", "torch"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the note is wrapped
+    assert out.index("| pan | dense |") < out.index("pure-torch reference kernel")
+    assert "no speed claim" in out and "BENCHMARKS.md" in out
+
+
+def test_timing_note_names_the_backend_that_ran():
+    torch_note, triton_note = (" ".join(demo_timing_note(b).split()) for b in ("torch", "triton"))
+    assert "reference kernel" in torch_note
+    assert "triton kernels" in triton_note and "reference" not in triton_note
