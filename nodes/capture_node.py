@@ -15,9 +15,10 @@ from typing import Any, Callable
 import torch
 from comfy_api.latest import io
 
-from .h3_patch import BlockHook, install, linear_weights, on_device, unwrap_input
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
+from .comfy_weights import linear_weights, on_device, unwrap_input
+from .hooks import BlockHook, install
 from .schema import io_input
 from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_SEARCH_ALIASES, CAPTURE_WIDGETS, CATEGORY,
                       capture_selection, check_prefix, model_layer_count, validation_answer)

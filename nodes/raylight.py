@@ -34,7 +34,9 @@ from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.ulysses import check_sequence_parallel, local_heads_attention, padded_rows
 from ..kernels.dispatch import resolve_backend
-from .h3_patch import BlockReplacement, SparseAttentionHook, apply_sparse_attention, check_h3
+from .h3_model import check_h3
+from .hooks import BlockReplacement
+from .sparse_hook import SparseAttentionHook, apply_sparse_attention
 from .schedule import schedule_reason
 
 # keyword arguments of xFuser's ring-attention call and the only values sparse attention matches

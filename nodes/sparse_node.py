@@ -4,7 +4,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..backend.config import parse_layer_list
-from .h3_patch import apply_sparse_attention
+from .sparse_hook import apply_sparse_attention
 from .schema import io_input
 from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,
                       check_dense_layers, config_from_widgets, model_layer_count, validation_answer)

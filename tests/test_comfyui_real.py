@@ -45,6 +45,33 @@ SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-vide
               min_tokens=0, block_size=64, strict=True, dense_attention="fastest", routing_scores="fp32")
 
 
+# Run in this process before ComfyUI is imported, and in the server through a sitecustomize: CPU-only
+# machines may carry a CUDA build of torchvision (its meta registrations fail at import) and no
+# torchaudio; H3 needs neither, ComfyUI imports both.
+STUBS = """
+import importlib.machinery, importlib.util, sys, types
+
+def _stub(name):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    sys.modules[name] = module
+    return module
+
+try:
+    import torchvision  # noqa: F401
+except RuntimeError:  # a CUDA build of torchvision: its C++ operators are missing
+    for _name in [n for n in sys.modules if n.startswith("torchvision")]:
+        del sys.modules[_name]
+    _stub("torchvision._meta_registrations")
+except ImportError:
+    pass
+if importlib.util.find_spec("torchaudio") is None:
+    _audio = _stub("torchaudio")
+    for _part in ("functional", "transforms"):
+        setattr(_audio, _part, _stub("torchaudio." + _part))
+"""
+
+
 def save_tiny_h3(path: Path, **extra) -> None:
     """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it (`extra`:
     more constructor arguments, e.g. current upstream's gate_compress=True)."""
@@ -66,6 +93,9 @@ def save_tiny_h3(path: Path, **extra) -> None:
 def comfy(tmp_path_factory):
     """ComfyUI imported in this process on the CPU, with the tiny checkpoint in its model folder."""
     base = tmp_path_factory.mktemp("comfy_base")
+    (base / "stubs").mkdir()
+    (base / "stubs" / "sitecustomize.py").write_text(STUBS)
+    exec(compile(STUBS, "stubs", "exec"), {})
     sys.path.insert(0, COMFYUI)
     import comfy.cli_args
 
@@ -234,7 +264,9 @@ def server(comfy, tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                              "--disable-auto-launch", "--disable-api-nodes", "--base-directory", str(base)],
-                            cwd=COMFYUI, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=COMFYUI, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(base / "stubs")] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

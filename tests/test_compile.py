@@ -21,13 +21,14 @@ import torch
 
 import adaptive_sparse_attention
 from adaptive_sparse_attention.kernels import dense
-from adaptive_sparse_attention.nodes.h3_patch import COMPILED_CALLS, SparseAttentionHook, block_hooks
+from adaptive_sparse_attention.nodes.hooks import COMPILED_CALLS, block_hooks
+from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from h3_block import block_args, block_wrap
 from test_h3_patch import PACKED, Executor, config, model_of, options
 
 STEPS = 3  # 1 warmup step (dense), then sparse
 PACKAGE = os.path.realpath(os.path.dirname(adaptive_sparse_attention.__file__)) + os.sep  # wherever it is checked out
-WRAPPER = ("nodes/h3_patch.py", "diffusion_model_wrapper")  # begin_call: the step, on the host, once per call
+WRAPPER = ("nodes/hooks.py", "diffusion_model_wrapper")  # begin_call: the step, on the host, once per call
 
 
 def drop_transformer_options_guards(entries) -> list[bool]:

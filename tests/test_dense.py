@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.nodes.h3_patch import DENSE_OVERRIDE, BlockReplacement, SparseAttentionHook
+from adaptive_sparse_attention.nodes.dense_override import DENSE_OVERRIDE
+from adaptive_sparse_attention.nodes.hooks import BlockReplacement
+from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from adaptive_sparse_attention.kernels import dense
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
-from adaptive_sparse_attention.nodes.h3_patch import BlockReplacement
+from adaptive_sparse_attention.nodes.hooks import BlockReplacement
 from adaptive_sparse_attention.nodes import raylight
 from adaptive_sparse_attention.nodes.raylight import (RaylightSparseAttention, parallel_degrees, patch_worker_model,
                                                       worker_patch)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.nodes.schedule import (RunTracker, denoising_step, schedule_reason,
-                                                        warmup_steps)
+from adaptive_sparse_attention.nodes.run_tracker import RunTracker
+from adaptive_sparse_attention.nodes.schedule import denoising_step, schedule_reason, warmup_steps
 
 
 def karras_like(steps: int) -> torch.Tensor:
