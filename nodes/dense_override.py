@@ -13,7 +13,8 @@ class DenseOverride:
     """``optimized_attention_override`` of the blocks our node runs dense: the fastest exact kernel.
 
     ComfyUI calls it with its own attention function and arguments; a call it does not serve (a
-    mask, another attention precision) goes on to that function unchanged.
+    mask, another attention precision) goes on to that function unchanged. Each patched model's
+    state holds its own (`SparseAttentionHook.start_state`).
     """
 
     def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
@@ -28,7 +29,3 @@ class DenseOverride:
         if skip_output_reshape:
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
-
-
-DENSE_OVERRIDE = DenseOverride()
-

@@ -26,6 +26,25 @@ def check_h3(diffusion_model: Any) -> None:
             f"{cls.__module__}.{cls.__name__}. Load a MiniMax-H3 checkpoint (UNETLoader) and connect it here.")
 
 
+def h3_diffusion_model(model: Any, node: str) -> Any:
+    """The MiniMax-H3 diffusion model of a ComfyUI MODEL input of `node`.
+
+    Raises TypeError when `model` is not a ComfyUI MODEL (ModelPatcher), ValueError when its
+    diffusion model is not ComfyUI's MiniMax-H3 (`check_h3`).
+    """
+    get = getattr(model, "get_model_object", None)
+    if not callable(get) or not hasattr(model, "model_options"):
+        raise TypeError(f"{node}.model must be a ComfyUI MODEL (a ModelPatcher, e.g. from UNETLoader), got "
+                        f"{type(model).__module__}.{type(model).__name__}")
+    try:
+        diffusion_model = get("diffusion_model")
+    except AttributeError as err:
+        raise TypeError(f"{node}.model is a MODEL without a diffusion model ({err}); connect a MiniMax-H3 "
+                        "model from UNETLoader") from err
+    check_h3(diffusion_model)
+    return diffusion_model
+
+
 class LayoutCache(BoundedCache[SequenceLayout]):
     """ComfyUI ``PackedLayout`` -> `SequenceLayout`, cached per (signature, segments), bounded."""
 

@@ -1,17 +1,24 @@
-"""Which (layer, denoising step) runs sparse.
+"""Which (layer, denoising step) runs sparse: the warmup rule, and the other reasons to run dense.
 
-ComfyUI calls the H3 model once per cond/uncond batch (H3 runs batch size 1, so a CFG step is
-two calls). Warmup must count denoising steps, not calls: the step of a call is the entry of the
-run's schedule nearest to the call's sigma, ``argmin |sample_sigmas - sigma|``, so both calls of
-a CFG pair land on the same step. A changed schedule means a new sampling run.
+Warmup follows the model's sigma schedule, as ComfyUI's own step-range settings do
+(``model_sampling.percent_to_sigma``): in `fidelity` mode a model call runs dense while its sigma
+is above the sigma at ``warmup_ratio`` of the denoising (`warmup_reason`). A sampler call that
+runs only part of the schedule (KSamplerAdvanced's start/end steps, SplitSigmas) therefore runs
+exactly the dense steps the whole schedule would. For schedules spaced evenly in the model's time
+(ComfyUI's "simple" and "normal" schedulers) that is the first ``ceil(warmup_ratio * steps)``
+steps (`warmup_steps`). Without the model's sampling object (a sampler that never ran the
+model's ON_PRE_RUN callbacks) the rule falls back to counting the steps of the call's own schedule.
 """
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 
 from ..backend.config import SparseConfig
+
+SIGMA_RTOL = 1e-4  # a sigma this close to the warmup sigma is not above it (float32 schedules)
 
 
 def denoising_step(sigma: torch.Tensor, schedule: torch.Tensor) -> tuple[int, int]:
@@ -25,7 +32,8 @@ def denoising_step(sigma: torch.Tensor, schedule: torch.Tensor) -> tuple[int, in
 
 
 def warmup_steps(config: SparseConfig, total: int) -> int:
-    """Number of leading dense steps: ceil(warmup_ratio * total) for `fidelity`, 0 for `speed`."""
+    """Number of leading dense steps of `total` evenly spaced ones: ceil(warmup_ratio * total) for
+    `fidelity`, 0 for `speed`, all for `dense`."""
     if config.warmup_mode == "dense":
         return total
     if config.warmup_mode == "speed":
@@ -33,13 +41,46 @@ def warmup_steps(config: SparseConfig, total: int) -> int:
     return min(total, math.ceil(round(config.warmup_ratio * total, 9)))
 
 
-def schedule_reason(config: SparseConfig, layer: int, step: int | None, total: int | None,
-                    seq_len: int) -> str | None:
-    """Why the schedule keeps (layer, step) dense, or None when it may run sparse."""
+def warmup_sigma(config: SparseConfig, percent_to_sigma: Callable[[float], Any]) -> float:
+    """The sigma at ``warmup_ratio`` of the denoising, from the model's ``percent_to_sigma``."""
+    return float(percent_to_sigma(config.warmup_ratio))
+
+
+def warmup_reason(config: SparseConfig, sigma: float | None, threshold: float | None,
+                  segment: tuple[int, int] | None) -> str | None:
+    """Why a model call at `sigma` is a warmup step, or None.
+
+    Args:
+        config: the node's settings (only `fidelity` mode has a warmup).
+        sigma: the call's sigma (None: unknown, no warmup applies).
+        threshold: `warmup_sigma` of the model, or None when the model's sampling is unknown;
+            a call is a warmup call when its sigma is above it (beyond float rounding).
+        segment: (step, total) in the call's own schedule: the rule without a threshold.
+    """
+    if config.warmup_mode != "fidelity" or sigma is None:
+        return None
+    if threshold is not None:
+        if sigma > threshold * (1.0 + SIGMA_RTOL):
+            return f"warmup (sigma above {threshold:.4g}, the sigma at warmup_ratio={config.warmup_ratio:g})"
+        return None
+    if segment is not None and segment[0] < warmup_steps(config, segment[1]):
+        return f"warmup (step {segment[0] + 1} of {segment[1]})"
+    return None
+
+
+def schedule_reason(config: SparseConfig, layer: int, warmup: str | None, seq_len: int) -> str | None:
+    """Why the schedule keeps a block call dense, or None when it may run sparse.
+
+    Args:
+        config: the node's settings.
+        layer: the block index.
+        warmup: `warmup_reason` of the call (None: not a warmup step).
+        seq_len: the call's rows.
+    """
     if config.warmup_mode == "dense":
         return "warmup_mode='dense'"
-    if step is not None and total is not None and step < warmup_steps(config, total):
-        return f"warmup (step {step + 1} of {total})"
+    if warmup is not None:
+        return warmup
     if layer in config.dense_layers:
         return f"layer {layer} is in dense_layers"
     if seq_len < config.min_tokens:

@@ -14,9 +14,10 @@ from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dispatch import resolve_backend, runs_triton
 from .comfy_weights import head_groups, linear_weights, on_device, outside_allocation_graph, unwrap_input
-from .dense_override import DENSE_OVERRIDE
-from .hooks import BlockHook, CallContext, install, log
-from .schedule import schedule_reason
+from .block_patches import install
+from .dense_override import DenseOverride
+from .hooks import BlockHook, CallContext, log
+from .schedule import schedule_reason, warmup_reason, warmup_sigma
 
 DEVICES = ("cuda", "cpu")
 
@@ -28,16 +29,39 @@ class Planned:
     layout: SequenceLayout
 
 
-
 class SparseAttentionHook(BlockHook):
     """Adaptive sparse attention in the blocks and steps the schedule allows."""
 
-    name = "sparse"
+    kind = "sparse"
 
     def __init__(self, config: SparseConfig):
         self.config = config
         self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
+
+    def start_state(self, parent: BlockHook | None) -> None:
+        """Fresh per-model state (see `BlockHook.start_state`), with its own dense override and
+        warmup sigma (set from the sampled model when sampling starts)."""
+        super().start_state(parent)
+        self.notices = list(self.notices)
+        self.dense_override = DenseOverride()
+        self.warmup_sigma: float | None = None
+
+    def on_pre_run(self, patcher: Any) -> None:
+        """Start of a sampler call: the warmup sigma of the sampled model's sampling (`warmup_sigma`)."""
+        super().on_pre_run(patcher)
+        sampling = patcher.get_model_object("model_sampling")
+        self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
+
+    def replaced(self, earlier: BlockHook) -> None:
+        """Say in the log and in the report that this node's settings replace an earlier node's."""
+        super().replaced(earlier)
+        self.notices.append("a second Adaptive Sparse Attention node patched this model: the one nearer the "
+                            "sampler decides for the whole model; this report shows what it ran")
+
+    def warmup(self, ctx: CallContext) -> str | None:
+        """Why the call's step is a warmup step, or None (`schedule.warmup_reason`)."""
+        return warmup_reason(self.config, ctx.sigma, self.warmup_sigma, ctx.segment)
 
     @property
     def title(self) -> str:
@@ -61,42 +85,45 @@ class SparseAttentionHook(BlockHook):
         return None
 
     def choose(self, layer: int, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device, layout: SequenceLayout | None, step: int | None, total: int | None) -> str | None:
+               device: torch.device, layout: SequenceLayout | None, warmup: str | None) -> str | None:
         """Why this block call runs dense, or None when it runs sparse.
 
         Prepares the kernels of the calls that run sparse and of the warmup steps of sparse layers;
         an unsupported call raises under `strict`, else its reason is logged once per run.
         """
-        reason = schedule_reason(self.config, layer, step, total, shape[0])
+        reason = schedule_reason(self.config, layer, warmup, shape[0])
         problem = self.unsupported(attn, shape, dtype, device, layout)
         if reason is not None:
-            if problem is None and schedule_reason(self.config, layer, None, None, shape[0]) is None:
+            if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
                 self.prepare(attn, dtype, device, layout)  # a warmup step of a sparse layer
             return reason
         if problem is not None:
-            message = f"layer {layer} runs dense: {problem}"
-            if self.config.strict:
-                raise RuntimeError(f"{self.title} (strict): {message}")
-            self.tracker.log_once(message)
+            self.refuse(layer, problem)
             return problem
         self.prepare(attn, dtype, device, layout)  # strict raises here when Triton is asked for and missing
         return None
 
-    def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+    def refuse(self, layer: int, problem: str) -> None:
+        """A call that cannot run sparse: strict raises, otherwise the reason is logged once per run."""
+        message = f"layer {layer} runs dense: {problem}"
+        if self.config.strict:
+            raise RuntimeError(f"{self.title} (strict): {message}")
+        self.tracker.log_once(message)
+
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
         dense with its reason)."""
         to = args.get("transformer_options", {})
-        ctx = self.call_context(to)
         x = args["img"]
         layout = self.layout(args, ctx)
-        reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, ctx.step, ctx.total)
+        reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, self.warmup(ctx))
         if reason is None:
             self.note_other_override(to)
             return ctx.step, layout
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
-    def plan_call(self, model: Any, ctx: CallContext, dtype: torch.dtype, device: torch.device,
+    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
                   transformer_options: dict) -> tuple:
         """Under torch.compile: `Planned` (sparse) or None (dense) for every block of this call.
 
@@ -106,10 +133,10 @@ class SparseAttentionHook(BlockHook):
         layout = None if ctx.packed is None else self.layouts.of(ctx.packed)
         rows = 0 if layout is None else layout.total
         tokens = []
-        for layer, block in enumerate(model.blocks):
+        warmup = self.warmup(ctx)
+        for layer, block in enumerate(ctx.model.blocks):
             attn = block.attn
-            reason = self.choose(layer, attn, (rows, attn.qkv_proj.in_features), dtype, device, layout,
-                                 ctx.step, ctx.total)
+            reason = self.choose(layer, attn, (rows, attn.qkv_proj.in_features), dtype, device, layout, warmup)
             tokens.append(None if reason is not None else Planned(layout))
             self.tracker.note_block(ctx.step, sparse=reason is None, density=None, layer=layer, reason=reason)
         if any(tokens):
@@ -137,13 +164,13 @@ class SparseAttentionHook(BlockHook):
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
         unless another node's override already decides the dense attention."""
         to = args.get("transformer_options", {})
-        if self.config.dense_attention != "fastest" or to.get("optimized_attention_override") is DENSE_OVERRIDE:
+        if self.config.dense_attention != "fastest" or isinstance(to.get("optimized_attention_override"), DenseOverride):
             return args
         if to.get("optimized_attention_override") is not None:
             self.tracker.log_once("another node's optimized_attention_override runs the dense blocks "
                                   "(dense_attention='fastest' does not replace it)")
             return args
-        return dict(args, transformer_options=dict(to, optimized_attention_override=DENSE_OVERRIDE))
+        return dict(args, transformer_options=dict(to, optimized_attention_override=self.dense_override))
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
@@ -158,11 +185,15 @@ class SparseAttentionHook(BlockHook):
         key = layout.signature()
         tracker = self.tracker
 
+        density = tracker.densities.get(key)
+        timed = key in tracker.timed
+
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-            if key not in tracker.densities:  # measured once per shape and run: it needs a host sync
+            nonlocal density
+            if density is None:  # measured once per shape and run: it needs a host sync
                 o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
-                tracker.densities[key] = info.density
-            elif key not in tracker.timed:  # the next call (kernels compiled): vs dense
+                density = tracker.densities.setdefault(key, info.density)
+            elif not timed:  # the next call (kernels compiled): vs dense
                 o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.config, g)
                 tracker.note_timing(key, sparse_ms, dense_ms)
             else:
@@ -170,8 +201,8 @@ class SparseAttentionHook(BlockHook):
             return o
 
         out = self.output(attn, x, rope_freqs, transformer_options, run)
-        self.tracker.stop_timer(timer)
-        self.tracker.note_block(step, sparse=True, density=tracker.densities[key], layer=layer)
+        tracker.stop_timer(timer)
+        tracker.note_block(step, sparse=True, density=density, layer=layer)
         return out
 
     def output(self, attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,

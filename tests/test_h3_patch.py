@@ -14,10 +14,11 @@ import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend import producer
-from adaptive_sparse_attention.nodes import core_sparse, h3_model, hooks, sparse_hook
+from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_hook
+from adaptive_sparse_attention.nodes.block_patches import AttentionDispatch, DiffusionModelWrapper, block_hooks
 from adaptive_sparse_attention.nodes.comfy_weights import head_groups
 from adaptive_sparse_attention.nodes.h3_model import LayoutCache, check_h3
-from adaptive_sparse_attention.nodes.hooks import AttentionDispatch, block_hooks
+from adaptive_sparse_attention.nodes.hooks import CallContext, bind
 from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, h3_blocks, layout_of
 
@@ -78,9 +79,10 @@ def run_model(model, hook, args: dict, new: bool, previous=None, object_patches=
     text, t, h, w, audio = PACKED.signature
     x = [torch.zeros(1, 24, t, h, w), torch.zeros(1, 32, 2, audio)]
     context = torch.zeros(1, text, 48)
+    bind(model, hook)  # what the ON_PRE_RUN callback does when sampling starts
     try:
-        return hook.diffusion_model_wrapper(Executor(model, forward), x, None, context, args["transformer_options"],
-                                            minimax_payload={"layout": PACKED})
+        return DiffusionModelWrapper(hook.key)(Executor(model, forward), x, None, context,
+                                               args["transformer_options"], minimax_payload={"layout": PACKED})
     finally:
         for block in model.blocks:
             block.attn.__dict__.pop("forward", None)
@@ -117,7 +119,7 @@ def test_what_each_upstream_publishes_to_the_blocks(new):
     torch.testing.assert_close(out, reference(model, args, sparse_oracle(config(topk_ratio=0.25))), **TOL)
     assert hook.tracker.stats.sparse_blocks == 2 and hook.key not in to
     assert (to.get("block_index"), to.get("minimax_h3_layout")) == ((1, PACKED) if new else (None, None))
-    ctx = hooks.CallContext(3, 10, None)  # no payload layout: current upstream's options alone suffice
+    ctx = CallContext(hook, model)  # no payload layout: current upstream's options alone suffice
     assert (hook.layout({"transformer_options": to}, ctx) is not None) == new
 
 
@@ -263,10 +265,11 @@ def test_chains_earlier_patches_and_object_patches():
     run_model(model, hook, args, False, previous={0: earlier, 1: earlier}, object_patches=others)
     assert calls == {"replace": 4, "forward": 3}  # block 0 sparse (ours), block 1 dense_layers (theirs)
     _, patches = block_hooks(model, hook, {}, others)
-    assert all(isinstance(p, AttentionDispatch) and p.fallback is others[k] for k, p in patches.items())
+    assert all(isinstance(p, AttentionDispatch) and p.previous is others[k] for k, p in patches.items())
 
 
 def test_the_nearest_hook_to_the_sampler_wins():
+    """A second hook of the same kind replaces the first one's patches (it is not chained)."""
     model = model_of(True, seed=16)
     args = block_args(model.blocks[0], PACKED, seed=17, new=True)
     args["transformer_options"] = options()
@@ -280,10 +283,10 @@ def test_the_nearest_hook_to_the_sampler_wins():
 def test_layout_discovery_and_bounded_cache():
     model = model_of(True, seed=18)
     hook = SparseAttentionHook(config())
-    ctx = hooks.CallContext(0, 10, None)
+    ctx = CallContext(hook, model)
     assert hook.layout({"layout": PACKED}, ctx) == layout_of(PACKED)
     assert hook.layout({"transformer_options": {"minimax_h3_layout": PACKED}}, ctx) == layout_of(PACKED)
-    assert hook.layout({}, hooks.CallContext(0, 10, PACKED)) == layout_of(PACKED)
+    assert hook.layout({}, CallContext(hook, model, packed=PACKED)) == layout_of(PACKED)
     assert hook.layout({}, ctx) is None
     cache = LayoutCache(size=2)
     for t in (4, 2, 3, 4):
