@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_comfyui_real import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401 (comfy is a fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
                                 reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
