@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -41,10 +42,10 @@ from .schedule import schedule_reason
 from .sparse_hook import SparseAttentionHook, apply_sparse_attention
 
 # keyword arguments of xFuser's ring-attention call and the only values sparse attention matches
-XFUSER_EXPECTED = {"dropout_p": 0.0, "causal": False, "window_size": (-1, -1), "alibi_slopes": None,
-                   "return_attn_probs": False, "joint_tensor_key": None, "joint_tensor_value": None,
-                   "attn_processor": None, "attn_layer": None, "q_descale": None, "k_descale": None,
-                   "v_descale": None}
+XFUSER_EXPECTED = MappingProxyType({
+    "dropout_p": 0.0, "causal": False, "window_size": (-1, -1), "alibi_slopes": None, "return_attn_probs": False,
+    "joint_tensor_key": None, "joint_tensor_value": None, "attn_processor": None, "attn_layer": None,
+    "q_descale": None, "k_descale": None, "v_descale": None})
 
 
 def _matches(value: Any, expected: Any) -> bool:

@@ -144,7 +144,7 @@ class SparseAttentionHook(BlockHook):
             self.tracker.log_once("the model runs under torch.compile: sparse blocks are not timed and their "
                                   "density is not measured (each would synchronise the host in every block); "
                                   "compiled sparse steps measured slower than uncompiled ones, so for speed leave "
-                                  "TorchCompileModel out of graphs with this node (BENCHMARKS.md, torch.compile)")
+                                  "TorchCompileModel out of graphs with this node (README, 'Where it stands')")
         return tuple(tokens)
 
     def note_other_override(self, transformer_options: dict) -> None:
@@ -234,7 +234,7 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
 
     Blocks of distilled FastH3 (VSA) checkpoints carry ``attn.to_gate_compress``, a bias-free
     Linear(hidden, H * D) of the attention input; the attention output is then
-    O_sparse + g * C with C the coarse branch (seed 000, 6.7). Only ``tail="coarse"`` uses it.
+    O_sparse + g * C with C the coarse branch. Only ``tail="coarse"`` uses it.
     """
     layer = getattr(attn, "to_gate_compress", None)
     if config.tail != "coarse" or layer is None:

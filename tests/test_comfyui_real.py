@@ -50,9 +50,13 @@ def test_loader_node_ksampler_runs_sparse_after_warmup(comfy, caplog):
     for out in (approx, cubes):
         assert torch.isfinite(out).all() and (out - dense).abs().max() > 1e-6
     other = model.clone()
-    other.add_object_patch("diffusion_model", torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Linear"):
-        sparse(other)
+    flux_like = torch.nn.Module()  # another DiT: blocks, but not H3's
+    flux_like.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 2)
+    other.add_object_patch("diffusion_model", flux_like)
+    with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Module"):
+        sparse(other, dense_layers="40")  # the model is refused before its layer indices are checked
+    with pytest.raises(TypeError, match="model must be a ComfyUI MODEL"):
+        sparse("not a model")
 
 
 def test_weight_patches_compose(comfy):

@@ -308,6 +308,21 @@ def test_model_check():
     with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Flux"):
         check_h3(Flux())
 
+    class Patcher:  # the part of a ModelPatcher the check reads
+        model_options: dict = {}
+
+        def __init__(self, diffusion_model):
+            self.diffusion_model = diffusion_model
+
+        def get_model_object(self, name):
+            return getattr(self, name)
+    assert h3_model.h3_diffusion_model(Patcher(model_of(True)), "Node").blocks
+    for not_a_model in ("a string", torch.zeros(1), {"model": 1}):
+        with pytest.raises(TypeError, match=r"Node\.model must be a ComfyUI MODEL \(a ModelPatcher"):
+            h3_model.h3_diffusion_model(not_a_model, "Node")
+    with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Flux"):
+        h3_model.h3_diffusion_model(Patcher(Flux()), "Node")
+
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
