@@ -4,9 +4,9 @@ Warmup follows the model's sigma schedule, as ComfyUI's own step-range settings 
 (``model_sampling.percent_to_sigma``): in `fidelity` mode a model call runs dense while its sigma
 is above the sigma at ``warmup_ratio`` of the denoising (`warmup_reason`). A sampler call that
 runs only part of the schedule (KSamplerAdvanced's start/end steps, SplitSigmas) therefore runs
-exactly the dense steps the whole schedule would. For schedules spaced evenly in the model's time
-(ComfyUI's "simple" and "normal" schedulers) that is the first ``ceil(warmup_ratio * steps)``
-steps (`warmup_steps`). Without the model's sampling object (a sampler that never ran the
+exactly the dense steps the whole schedule would. With ComfyUI's "simple" scheduler (sigmas
+spaced evenly in the model's time) that is the first ``ceil(warmup_ratio * steps)`` steps
+(`warmup_steps`); other schedulers differ. Without the model's sampling object (a sampler that never ran the
 model's ON_PRE_RUN callbacks) the rule falls back to counting the steps of the call's own schedule.
 """
 from __future__ import annotations
