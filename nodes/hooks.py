@@ -127,6 +127,10 @@ class BlockHook(ABC):
         twin.start_state(self)
         return twin
 
+    def __deepcopy__(self, memo: dict) -> BlockHook:
+        """A deep copy of a model this hook is bound to (`bind`) runs with its own state, as a clone does."""
+        return self.on_model_patcher_clone()
+
     # --- per-call plumbing -------------------------------------------------------------------
     @torch.compiler.disable
     def begin_call(self, model: Any, x: Any, context: torch.Tensor, transformer_options: dict, payload: dict,

@@ -18,7 +18,7 @@ from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_hook
 from adaptive_sparse_attention.nodes.block_patches import AttentionDispatch, DiffusionModelWrapper, block_hooks
 from adaptive_sparse_attention.nodes.comfy_weights import head_groups
 from adaptive_sparse_attention.nodes.h3_model import LayoutCache, check_h3
-from adaptive_sparse_attention.nodes.hooks import CallContext, bind
+from adaptive_sparse_attention.nodes.hooks import CallContext, bind, bound_hook
 from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, h3_blocks, layout_of
 
@@ -278,6 +278,31 @@ def test_the_nearest_hook_to_the_sampler_wins():
     out = run_model(model, outer, args, True, previous=first)
     torch.testing.assert_close(out, reference(model, args, lambda block: block.attn), **TOL)
     assert inner.tracker.stats.sparse_blocks == 0 and outer.tracker.stats.sparse_blocks == 2
+
+
+def test_clones_and_model_copies_run_with_their_own_state():
+    """ComfyUI's clone() (attachments) and a deep copy of the model give the copy its own hook: same
+    settings, own tracker, its reports also reaching the original's."""
+    import copy
+
+    model = model_of(True, seed=25)
+    args = block_args(model.blocks[0], PACKED, seed=26, new=True)
+    args["transformer_options"] = options()
+    hook = SparseAttentionHook(config())
+    run_model(model, hook, args, True)
+    twin = hook.on_model_patcher_clone()
+    assert twin.config is hook.config and twin.tracker is not hook.tracker and twin.tracker.parent is hook.tracker
+    bind(model, hook)
+    copied = copy.deepcopy(model)
+    own = bound_hook(copied, hook.key)
+    assert isinstance(own, SparseAttentionHook) and own is not hook and own.tracker.stats.sparse_blocks == 0
+    with torch.no_grad():
+        model.blocks[0].attn.qkv_proj.weight.zero_()  # the original changes; the copy computes with its own
+    before = run_model(copied, own, args, True)
+    assert own.tracker.stats.sparse_blocks == 2 and hook.tracker.stats.sparse_blocks == 2
+    torch.testing.assert_close(before, reference(copied, args, sparse_oracle(config())), **TOL)
+    own.tracker.finish()
+    assert hook.tracker.last_report["blocks_sparse"] == 2  # the copy's report reaches the original's tracker
 
 
 def test_layout_discovery_and_bounded_cache():
