@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -50,11 +51,13 @@ class LayoutCache(BoundedCache[SequenceLayout]):
 
     def __init__(self, size: int = LAYOUT_CACHE_SIZE):
         super().__init__(size)
+        self.lock = threading.Lock()  # ComfyUI's multi-GPU sampling calls one model from several threads
 
     def of(self, packed: Any) -> SequenceLayout:
         """The layout of a ComfyUI ``PackedLayout``, converted once per signature."""
         key = (getattr(packed, "signature", None), tuple(tuple(s) for s in packed.segments))
-        return self.get(key, lambda: SequenceLayout.from_packed(packed))
+        with self.lock:
+            return self.get(key, lambda: SequenceLayout.from_packed(packed))
 
 
 
