@@ -15,9 +15,12 @@ from typing import Any, Callable
 import torch
 from comfy_api.latest import io
 
-from .h3_patch import BlockHook, install, linear_weights, on_device, unwrap_input
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
+from .comfy_weights import linear_weights, on_device, unwrap_input
+from .block_patches import install
+from .h3_model import h3_diffusion_model
+from .hooks import BlockHook, CallContext
 from .schema import io_input
 from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_SEARCH_ALIASES, CAPTURE_WIDGETS, CATEGORY,
                       capture_selection, check_prefix, model_layer_count, validation_answer)
@@ -28,7 +31,7 @@ log = logging.getLogger("adaptive_sparse_attention")
 class CaptureHook(BlockHook):
     """Copies q, k, v of the chosen (layer, step) calls and writes them per step."""
 
-    name = "capture"
+    kind = "capture"
 
     def __init__(self, layers: tuple[int, ...], steps: tuple[int, ...], filename_prefix: str, output_dir: str):
         self.layers, self.steps = set(layers), set(steps)
@@ -37,21 +40,24 @@ class CaptureHook(BlockHook):
         if os.path.commonpath([self.folder, os.path.abspath(output_dir)]) != os.path.abspath(output_dir) or not self.base:
             raise ValueError(f"{CAPTURE_NODE_NAME}.filename_prefix={filename_prefix!r} must name a file inside the "
                              "output folder, e.g. 'h3_attention/capture'")
+        super().__init__()
+
+    def start_state(self, parent: BlockHook | None) -> None:
+        """Fresh per-model state (see `BlockHook.start_state`): nothing pending."""
+        super().start_state(parent)
         self.pending: list[dict[str, Any]] = []
         self.pending_layout: SequenceLayout | None = None
         self.meta: dict[str, Any] = {}
-        super().__init__()
 
     @property
     def title(self) -> str:
         """The node's display name (log messages)."""
         return CAPTURE_NODE_NAME
 
-    def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
-        """(step, total steps, layout, sigma) for the conditional call of a chosen (layer, step) not yet
-        captured, else None."""
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
+        """(step, total steps so far, layout, sigma) for the conditional call of a chosen (layer, step)
+        not yet captured, else None."""
         to = args.get("transformer_options", {})
-        ctx = self.call_context(to)
         if layer not in self.layers or ctx.step not in self.steps or 1 in to.get("cond_or_uncond", [0]):
             return None
         if any(e["layer"] == layer and e["step"] == ctx.step for e in self.pending):
@@ -60,8 +66,7 @@ class CaptureHook(BlockHook):
         if layout is None or layout.total != args["img"].shape[0]:
             self.tracker.log_once(f"layer {layer} step {ctx.step}: no matching sequence layout, not captured")
             return None
-        sigma = to.get("sigmas")
-        return ctx.step, ctx.total, layout, None if sigma is None else float(sigma.flatten()[0])
+        return ctx.step, len(self.tracker.run_sigmas) - 1, layout, ctx.sigma
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
@@ -95,7 +100,7 @@ class CaptureHook(BlockHook):
         log.info("%s: wrote %d entries to %s", self.title, len(self.pending), path)
         self.pending, self.pending_layout, self.meta = [], None, {}
 
-    def on_cleanup(self, patcher: Any = None) -> None:
+    def on_cleanup(self, patcher: Any) -> None:
         """End of sampling: write what is pending, then end the run."""
         self.flush()
         super().on_cleanup(patcher)
@@ -137,6 +142,7 @@ class CaptureH3Attention(io.ComfyNode):
         """A clone of `model` that captures the chosen blocks and steps into ComfyUI's output folder."""
         import folder_paths
 
+        h3_diffusion_model(model, CAPTURE_NODE_NAME)
         chosen_layers, chosen_steps = capture_selection(layers, steps, model_layer_count(model))
         check_prefix(filename_prefix)
         hook = CaptureHook(chosen_layers, chosen_steps, filename_prefix, folder_paths.get_output_directory())

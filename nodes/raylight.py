@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -34,14 +35,17 @@ from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.ulysses import check_sequence_parallel, local_heads_attention, padded_rows
 from ..kernels.dispatch import resolve_backend
-from .h3_patch import BlockReplacement, SparseAttentionHook, apply_sparse_attention, check_h3
+from .block_patches import install
+from .h3_model import check_h3
+from .hooks import CallContext, Mark
 from .schedule import schedule_reason
+from .sparse_hook import SparseAttentionHook, apply_sparse_attention
 
 # keyword arguments of xFuser's ring-attention call and the only values sparse attention matches
-XFUSER_EXPECTED = {"dropout_p": 0.0, "causal": False, "window_size": (-1, -1), "alibi_slopes": None,
-                   "return_attn_probs": False, "joint_tensor_key": None, "joint_tensor_value": None,
-                   "attn_processor": None, "attn_layer": None, "q_descale": None, "k_descale": None,
-                   "v_descale": None}
+XFUSER_EXPECTED = MappingProxyType({
+    "dropout_p": 0.0, "causal": False, "window_size": (-1, -1), "alibi_slopes": None, "return_attn_probs": False,
+    "joint_tensor_key": None, "joint_tensor_value": None, "attn_processor": None, "attn_layer": None,
+    "q_descale": None, "k_descale": None, "v_descale": None})
 
 
 def _matches(value: Any, expected: Any) -> bool:
@@ -59,7 +63,7 @@ class RaylightSparseAttention(SparseAttentionHook):
     `decide` marks the layers that run sparse, and calling the object runs their attention.
     """
 
-    name = "raylight"
+    kind = "raylight"
     supports_ring = False  # Raylight's slot refuses a processor without ring support when ring degree > 1
 
     def __init__(self, config: SparseConfig, heads: int, ulysses_degree: int):
@@ -72,26 +76,17 @@ class RaylightSparseAttention(SparseAttentionHook):
         """The hook's name in log messages and errors."""
         return "adaptive sparse attention (Raylight)"
 
-    def plan_call(self, model: Any, ctx: Any, dtype: torch.dtype, device: torch.device,
+    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
                   transformer_options: dict) -> None:
         """Not planned ahead under torch.compile: each rank's block decides on its own row shard."""
         return None
 
-    def refuse(self, layer: int, problem: str) -> None:
-        """Strict: raise. Otherwise log the reason once per run (the call then runs dense)."""
-        message = f"layer {layer} runs dense: {problem}"
-        if self.config.strict:
-            raise RuntimeError(f"{self.title} (strict): {message}")
-        self.tracker.log_once(message)
-
-    def decide(self, layer: int, attn: torch.nn.Module, args: dict) -> Any:
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when this block call runs sparse, else None; x is this rank's row shard."""
-        to = args.get("transformer_options", {})
-        ctx = self.call_context(to)
         x = args["img"]
         layout = self.layout(args, ctx)
         rows = layout.total if layout is not None else x.shape[0] * self.degree
-        if schedule_reason(self.config, layer, ctx.step, ctx.total, rows) is None:
+        if schedule_reason(self.config, layer, self.warmup(ctx), rows) is None:
             problem = self.shard_problem(x, layout)
             if problem is None:
                 # strict raises here when Triton is asked for and cannot run
@@ -135,11 +130,19 @@ class RaylightSparseAttention(SparseAttentionHook):
     def __call__(self, dense_attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  transformer_options: dict, **options: Any) -> torch.Tensor:
         """Raylight's processor call: q, k, v [B, S, H/P, D] after the all-to-all; `options` are xFuser's
-        ring-attention keywords, passed on unchanged when the call runs dense."""
+        ring-attention keywords, passed on unchanged when the call runs dense.
+
+        This object sits in ``transformer_options`` and is shared by every clone of the model; the
+        call runs with the state of the model it runs on (the hook in the block's `Mark`)."""
         mark = transformer_options.get(self.key)
-        if not (isinstance(mark, tuple) and len(mark) == 2):  # not a sparse layer (or not our model call)
+        if not (isinstance(mark, Mark) and mark.token is not None):  # not a sparse layer (or not our model call)
             return dense_attention(q, k, v, **options)
-        layer, (step, layout) = mark
+        return mark.ctx.hook.run_marked(mark.layer, mark.token, dense_attention, q, k, v, options)
+
+    def run_marked(self, layer: int, token: tuple, dense_attention: Callable, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, options: dict) -> torch.Tensor:
+        """The attention of a block call `decide` let run sparse (dense when xFuser's call does not fit)."""
+        step, layout = token
         problem = self.call_problem(q, k, v, layout, options)
         if problem is not None:
             self.refuse(layer, problem)
@@ -149,23 +152,12 @@ class RaylightSparseAttention(SparseAttentionHook):
         density = self.tracker.densities.get(layout.signature())
         if density is None:  # measured once per shape and run: it needs a host sync
             out, info = local_heads_attention(q, k, v, layout, self.config, return_info=True)
-            density = self.tracker.densities[layout.signature()] = info.density
+            density = self.tracker.densities.setdefault(layout.signature(), info.density)
         else:
             out = local_heads_attention(q, k, v, layout, self.config)
         self.tracker.stop_timer(timer)
         self.tracker.note_block(step, sparse=True, density=density)
         return out
-
-
-def layer_marks(diffusion_model: Any, processor: RaylightSparseAttention,
-                previous_replacements: dict) -> dict[int, BlockReplacement]:
-    """The ("dit", "double_block", i) replacements that mark sparse layers for `processor`.
-
-    They never swap the block's attention (Raylight's ``attn.forward`` stays); earlier
-    replacements in `previous_replacements` (block index -> patch) are chained.
-    """
-    return {i: BlockReplacement(processor, i, block.attn, False, previous_replacements.get(i))
-            for i, block in enumerate(diffusion_model.blocks)}
 
 
 def parallel_degrees() -> tuple[int, int]:
@@ -207,19 +199,10 @@ def patch_worker_model(model_patcher: Any, config: SparseConfig) -> Any:
     key, set_inner_attention = inner_attention_slot()
     processor = RaylightSparseAttention(config, heads, ulysses)
     replaced = model_patcher.model_options.get("transformer_options", {}).get(key)
-    if replaced is not None:
+    if replaced is not None and not isinstance(replaced, RaylightSparseAttention):
         processor.tracker.log_once(f"replaces the inner attention set before it ({type(replaced).__name__})")
-    import comfy.patcher_extension as pe
-
-    m = set_inner_attention(model_patcher, processor)
-    dit = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    previous = {k[1]: fn for k, fn in dit.items() if len(k) == 2 and k[0] == "double_block"}
-    for i, fn in layer_marks(diffusion_model, processor, previous).items():
-        m.set_model_patch_replace(fn, "dit", "double_block", i)
-    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, processor.key, processor.diffusion_model_wrapper)
-    m.add_callback_with_key(pe.CallbacksMP.ON_PRE_RUN, processor.key, processor.on_pre_run)
-    m.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, processor.key, processor.on_cleanup)
-    return m
+    # the blocks only mark the calls that run sparse; Raylight's attn.forward stays and calls the processor
+    return install(set_inner_attention(model_patcher, processor), processor, swap=False)
 
 
 def worker_patch(config: SparseConfig) -> Callable[[Any, Any], Any]:

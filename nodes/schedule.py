@@ -1,25 +1,24 @@
-"""Which (layer, denoising step) runs sparse, and what one sampling run did.
+"""Which (layer, denoising step) runs sparse: the warmup rule, and the other reasons to run dense.
 
-ComfyUI calls the H3 model once per cond/uncond batch (H3 runs batch size 1, so a CFG step is
-two calls). Warmup must count denoising steps, not calls: the step of a call is the entry of the
-run's schedule nearest to the call's sigma, ``argmin |sample_sigmas - sigma|``, so both calls of
-a CFG pair land on the same step. A changed schedule means a new sampling run.
-
-`RunTracker` holds everything that belongs to one run (the schedule, reasons already logged,
-counters, timings) and is reset when the run ends, so nothing grows across runs.
+Warmup follows the model's sigma schedule, as ComfyUI's own step-range settings do
+(``model_sampling.percent_to_sigma``): in `fidelity` mode a model call runs dense while its sigma
+is above the sigma at ``warmup_ratio`` of the denoising (`warmup_reason`). A sampler call that
+runs only part of the schedule (KSamplerAdvanced's start/end steps, SplitSigmas) therefore runs
+exactly the dense steps the whole schedule would. With ComfyUI's "simple" scheduler (sigmas
+spaced evenly in the model's time) that is the first ``ceil(warmup_ratio * steps)`` steps
+(`warmup_steps`); other schedulers differ. Without the model's sampling object (a sampler that never ran the
+model's ON_PRE_RUN callbacks) the rule falls back to counting the steps of the call's own schedule.
 """
 from __future__ import annotations
 
-import logging
 import math
-import time
-from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from ..backend.config import SparseConfig
 
-log = logging.getLogger("adaptive_sparse_attention")
+SIGMA_RTOL = 1e-4  # a sigma this close to the warmup sigma is not above it (float32 schedules)
 
 
 def denoising_step(sigma: torch.Tensor, schedule: torch.Tensor) -> tuple[int, int]:
@@ -33,7 +32,8 @@ def denoising_step(sigma: torch.Tensor, schedule: torch.Tensor) -> tuple[int, in
 
 
 def warmup_steps(config: SparseConfig, total: int) -> int:
-    """Number of leading dense steps: ceil(warmup_ratio * total) for `fidelity`, 0 for `speed`."""
+    """Number of leading dense steps of `total` evenly spaced ones: ceil(warmup_ratio * total) for
+    `fidelity`, 0 for `speed`, all for `dense`."""
     if config.warmup_mode == "dense":
         return total
     if config.warmup_mode == "speed":
@@ -41,188 +41,48 @@ def warmup_steps(config: SparseConfig, total: int) -> int:
     return min(total, math.ceil(round(config.warmup_ratio * total, 9)))
 
 
-def schedule_reason(config: SparseConfig, layer: int, step: int | None, total: int | None,
-                    seq_len: int) -> str | None:
-    """Why the schedule keeps (layer, step) dense, or None when it may run sparse."""
+def warmup_sigma(config: SparseConfig, percent_to_sigma: Callable[[float], Any]) -> float:
+    """The sigma at ``warmup_ratio`` of the denoising, from the model's ``percent_to_sigma``."""
+    return float(percent_to_sigma(config.warmup_ratio))
+
+
+def warmup_reason(config: SparseConfig, sigma: float | None, threshold: float | None,
+                  segment: tuple[int, int] | None) -> str | None:
+    """Why a model call at `sigma` is a warmup step, or None.
+
+    Args:
+        config: the node's settings (only `fidelity` mode has a warmup).
+        sigma: the call's sigma (None: unknown, no warmup applies).
+        threshold: `warmup_sigma` of the model, or None when the model's sampling is unknown;
+            a call is a warmup call when its sigma is above it (beyond float rounding).
+        segment: (step, total) in the call's own schedule: the rule without a threshold.
+    """
+    if config.warmup_mode != "fidelity" or sigma is None:
+        return None
+    if threshold is not None:
+        if sigma > threshold * (1.0 + SIGMA_RTOL):
+            return f"warmup (sigma above {threshold:.4g}, the sigma at warmup_ratio={config.warmup_ratio:g})"
+        return None
+    if segment is not None and segment[0] < warmup_steps(config, segment[1]):
+        return f"warmup (step {segment[0] + 1} of {segment[1]})"
+    return None
+
+
+def schedule_reason(config: SparseConfig, layer: int, warmup: str | None, seq_len: int) -> str | None:
+    """Why the schedule keeps a block call dense, or None when it may run sparse.
+
+    Args:
+        config: the node's settings.
+        layer: the block index.
+        warmup: `warmup_reason` of the call (None: not a warmup step).
+        seq_len: the call's rows.
+    """
     if config.warmup_mode == "dense":
         return "warmup_mode='dense'"
-    if step is not None and total is not None and step < warmup_steps(config, total):
-        return f"warmup (step {step + 1} of {total})"
+    if warmup is not None:
+        return warmup
     if layer in config.dense_layers:
         return f"layer {layer} is in dense_layers"
     if seq_len < config.min_tokens:
         return f"{seq_len} tokens < min_tokens={config.min_tokens}"
     return None
-
-
-@dataclass
-class RunStats:
-    """Counters of one sampling run."""
-
-    dense_steps: set[int] = field(default_factory=set)
-    sparse_steps: set[int] = field(default_factory=set)
-    dense_blocks: int = 0
-    sparse_blocks: int = 0
-    density_sum: float = 0.0  # over sparse block calls whose density was measured
-    unmeasured_blocks: int = 0  # sparse block calls run under torch.compile: no density, not timed
-    attention_ms: float = 0.0  # our attention in sparse blocks
-    layers: dict[int, list[int]] = field(default_factory=dict)  # layer -> [dense calls, sparse calls]
-    dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
-    timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
-    timed_dense_ms: float = 0.0
-
-
-class RunTracker:
-    """State of the current sampling run: its schedule, logged reasons, statistics and timers."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.schedule: torch.Tensor | None = None
-        self.logged: set[str] = set()
-        self.stats = RunStats()
-        self.densities: dict[tuple, float] = {}  # per layout signature, measured once per run
-        self.last_report: dict | None = None  # `report()` of the last run that ran any block
-        self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def step_of(self, transformer_options: dict) -> tuple[int | None, int | None]:
-        """Denoising step and total of a model call; a changed schedule starts a new run."""
-        schedule = transformer_options.get("sample_sigmas")
-        sigma = transformer_options.get("sigmas")
-        if schedule is None or sigma is None:
-            self.log_once("ComfyUI passed no sample_sigmas/sigmas: warmup cannot be applied, every call "
-                          "counts as a sparse-eligible step")
-            return None, None
-        cpu = schedule.detach().flatten().to("cpu", torch.float64)
-        if self.schedule is not None and not (cpu.shape == self.schedule.shape and torch.equal(cpu, self.schedule)):
-            self.finish()
-        self.schedule = cpu
-        self.flush_timers()
-        return denoising_step(sigma, cpu)
-
-    def log_once(self, message: str) -> None:
-        """Log a warning once per run (a reason that holds for every block is not repeated per block)."""
-        if message not in self.logged:
-            self.logged.add(message)
-            log.warning("%s: %s", self.name, message)
-
-    def note_block(self, step: int | None, sparse: bool, density: float | None = 1.0, layer: int | None = None,
-                   reason: str | None = None) -> None:
-        """Count one block call: sparse with its density, or dense with the reason why.
-
-        Args:
-            step: the call's denoising step (None when unknown: counted as step -1).
-            sparse: whether the block ran sparse attention.
-            density: its exact-pair density; None for a sparse call that was not measured
-                (torch.compile).
-            layer: the block index, for the per-layer counts.
-            reason: why a dense call ran dense, for the report.
-        """
-        s = self.stats
-        key = -1 if step is None else step
-        if layer is not None:
-            s.layers.setdefault(layer, [0, 0])[int(sparse)] += 1
-        if not sparse and reason is not None:
-            s.dense_reasons[reason] = s.dense_reasons.get(reason, 0) + 1
-        if sparse:
-            s.sparse_blocks += 1
-            s.sparse_steps.add(key)
-            if density is None:
-                s.unmeasured_blocks += 1
-            else:
-                s.density_sum += density
-        else:
-            s.dense_blocks += 1
-            s.dense_steps.add(key)
-
-    def note_timing(self, key: tuple, sparse_ms: float, dense_ms: float) -> None:
-        """Record one call timed against dense attention for layout signature `key`."""
-        self.timed.add(key)
-        self.stats.timed_sparse_ms += sparse_ms
-        self.stats.timed_dense_ms += dense_ms
-
-    def start_timer(self, x: torch.Tensor) -> object:
-        """Start timing our attention; CUDA events avoid a host synchronisation per block."""
-        if x.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
-
-    def stop_timer(self, token: object) -> None:
-        """Stop the timer `start_timer` returned; CUDA times are added up at the next `flush_timers`."""
-        if isinstance(token, float):
-            self.stats.attention_ms += (time.perf_counter() - token) * 1e3
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((token, end))
-
-    def flush_timers(self) -> None:
-        """Add up recorded CUDA event pairs (called once per model call and at the end of a run)."""
-        if self._pending:
-            self._pending[-1][1].synchronize()
-            self.stats.attention_ms += sum(a.elapsed_time(b) for a, b in self._pending)
-            self._pending.clear()
-
-    def mean_density(self) -> float | None:
-        """Mean density of the sparse block calls whose density was measured (1.0 when none ran
-        sparse, None when none of them was measured)."""
-        s = self.stats
-        measured = s.sparse_blocks - s.unmeasured_blocks
-        if not s.sparse_blocks:
-            return 1.0
-        return s.density_sum / measured if measured else None
-
-    def summary(self) -> str | None:
-        """One log line of the run's counters, or None when no block ran."""
-        s = self.stats
-        if not (s.dense_blocks or s.sparse_blocks):
-            return None
-        # a step is sparse when any block of it ran sparse
-        sparse_steps = len(s.sparse_steps)
-        dense_steps = len(s.dense_steps - s.sparse_steps)
-        mean = self.mean_density()
-        if s.unmeasured_blocks == 0:
-            overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
-            density = f"{mean:.3f} in sparse blocks ({overall:.3f} over all blocks)"
-        else:
-            density = (f"{'n/a' if mean is None else f'{mean:.3f}'} in sparse blocks ({s.unmeasured_blocks} sparse "
-                       "block calls ran under torch.compile: density and time not measured)")
-        return (f"{self.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
-                f"{s.sparse_blocks} sparse; mean density {density}; sparse attention time "
-                f"{s.attention_ms / 1e3:.2f} s")
-
-    def report(self) -> dict:
-        """What the run did, as plain data (the report node shows it).
-
-        ``est_saved_s`` scales the sparse attention time by the dense/sparse time ratio of the calls
-        timed against torch's dense attention (None when no call was timed); negative when sparse
-        attention was slower. ``blocks_unmeasured`` sparse block calls (torch.compile) are counted
-        but neither timed nor in ``mean_density`` (None when no sparse call was measured).
-        """
-        s = self.stats
-        attention_s = s.attention_ms / 1e3
-        ratio = s.timed_dense_ms / s.timed_sparse_ms if s.timed_sparse_ms > 0 else None
-        return {"steps_sparse": sorted(s.sparse_steps), "steps_dense": sorted(s.dense_steps - s.sparse_steps),
-                "blocks_sparse": s.sparse_blocks, "blocks_dense": s.dense_blocks,
-                "blocks_unmeasured": s.unmeasured_blocks,
-                "layers_sparse": sorted(i for i, (_, n) in s.layers.items() if n),
-                "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
-                "mean_density": self.mean_density(), "attention_s": attention_s,
-                "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
-                "dense_reasons": dict(s.dense_reasons)}
-
-    def finish(self) -> str | None:
-        """End the run: log its summary once, keep its report and reset everything it held."""
-        self.flush_timers()
-        line = self.summary()
-        if line:
-            log.info("%s", line)
-            self.last_report = self.report()
-        self.schedule = None
-        self.logged.clear()
-        self.densities.clear()
-        self.timed.clear()
-        self.stats = RunStats()
-        return line

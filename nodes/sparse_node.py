@@ -4,7 +4,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..backend.index_lists import parse_layer_list
-from .h3_patch import apply_sparse_attention
+from .sparse_hook import apply_sparse_attention
+from .h3_model import h3_diffusion_model
 from .schema import io_input
 from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,
                       check_dense_layers, config_from_widgets, model_layer_count, validation_answer)
@@ -40,8 +41,9 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, **widgets) -> io.NodeOutput:
-        """A clone of `model` whose H3 blocks run sparse attention under the widgets' config (dense
-        layers checked against the model's block count first)."""
+        """A clone of `model` whose H3 blocks run sparse attention under the widgets' config (the
+        model checked first, then the dense layers against its block count)."""
+        h3_diffusion_model(model, SPARSE_NODE_NAME)
         config = config_from_widgets(widgets)
         check_dense_layers(config, model_layer_count(model))
         return io.NodeOutput(apply_sparse_attention(model, config))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_comfyui_real import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401 (comfy is a fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
                                 reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
@@ -58,7 +58,7 @@ def test_ours_first_then_core_node_stops_when_sampling_starts(comfy, core_node):
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
     ours = sparse(model)
     both = core_node(ours)
-    from adaptive_sparse_attention.nodes.h3_patch import core_sparse_blocks, double_block_patches
+    from adaptive_sparse_attention.nodes.core_sparse import core_sparse_blocks, double_block_patches
 
     # every block patch is the core node's now (which may or may not call ours)
     assert len(double_block_patches(ours.model_options)) == 2 and core_sparse_blocks(both.model_options) == [0, 1]

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.nodes.h3_patch import DENSE_OVERRIDE, BlockReplacement, SparseAttentionHook
+from adaptive_sparse_attention.nodes.block_patches import BlockReplacement
+from adaptive_sparse_attention.nodes.dense_override import DenseOverride
+from adaptive_sparse_attention.nodes.hooks import CallContext
+from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from adaptive_sparse_attention.kernels import dense
 
 
@@ -227,8 +230,8 @@ def test_override_computes_exact_attention_in_comfyui_shapes(skip_reshape, skip_
     def comfy_attention(*a, **kw):
         raise AssertionError("the override serves this call itself")
 
-    out = DENSE_OVERRIDE(comfy_attention, *args, 3, skip_reshape=skip_reshape,
-                         skip_output_reshape=skip_output_reshape, transformer_options={}, _inside_attn_wrapper=True)
+    out = DenseOverride(dense.DenseChoices())(comfy_attention, *args, 3, skip_reshape=skip_reshape,
+                            skip_output_reshape=skip_output_reshape, transformer_options={}, _inside_attn_wrapper=True)
     if not skip_output_reshape:
         out = out.view(1, 37, 3, 16).transpose(1, 2)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-6)  # fp32 SDPA against float64
@@ -237,22 +240,25 @@ def test_override_computes_exact_attention_in_comfyui_shapes(skip_reshape, skip_
 def test_override_hands_masked_calls_to_comfyui():
     calls = []
     q = torch.randn(1, 2, 4, 8)
-    DENSE_OVERRIDE(lambda *a, **kw: calls.append(kw) or q, q, q, q, 2, mask=torch.zeros(4, 4), skip_reshape=True,
-                   transformer_options={}, _inside_attn_wrapper=True)
+    DenseOverride(dense.DenseChoices())(lambda *a, **kw: calls.append(kw) or q, q, q, q, 2, mask=torch.zeros(4, 4), skip_reshape=True,
+                    transformer_options={}, _inside_attn_wrapper=True)
     assert calls and calls[0]["mask"] is not None and calls[0]["_inside_attn_wrapper"]
 
 
 @pytest.mark.parametrize("setting,other,expected", [
-    ("fastest", None, DENSE_OVERRIDE), ("comfyui", None, None), ("fastest", "theirs", "theirs")])
+    ("fastest", None, "ours"), ("comfyui", None, None), ("fastest", "theirs", "theirs")])
 def test_dense_blocks_get_the_override(setting, other, expected):
     hook = SparseAttentionHook(SparseConfig(warmup_mode="dense", dense_attention=setting))
-    attn = torch.nn.Module()
-    replacement = BlockReplacement(hook, 0, attn, via_args=True, previous=None)
+    model = torch.nn.Module()
+    model.blocks = [torch.nn.Module()]
+    model.blocks[0].attn = torch.nn.Module()
+    replacement = BlockReplacement(hook.key, 0, via_args=True, previous=None)
     to = {"sigmas": torch.tensor([1.0]), "sample_sigmas": torch.tensor([1.0, 0.0])}
+    to[hook.key] = CallContext(hook, model, *hook.tracker.step_of(to))
     if other is not None:
         to["optimized_attention_override"] = other
     seen = []
     args = {"img": torch.zeros(3, 4), "transformer_options": to}
     replacement(args, {"original_block": lambda a: seen.append(a["transformer_options"]) or a})
-    assert seen[0].get("optimized_attention_override") is expected
+    assert seen[0].get("optimized_attention_override") is (hook.dense_override if expected == "ours" else expected)
     assert to.get("optimized_attention_override") is other  # the caller's options are not changed

@@ -14,9 +14,12 @@ import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend import producer
-from adaptive_sparse_attention.nodes import h3_patch
-from adaptive_sparse_attention.nodes.h3_patch import (AttentionDispatch, LayoutCache, SparseAttentionHook,
-                                                        block_hooks, check_h3, head_groups)
+from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_hook
+from adaptive_sparse_attention.nodes.block_patches import AttentionDispatch, DiffusionModelWrapper, block_hooks
+from adaptive_sparse_attention.nodes.comfy_weights import head_groups
+from adaptive_sparse_attention.nodes.h3_model import LayoutCache, check_h3
+from adaptive_sparse_attention.nodes.hooks import CallContext, bind, bound_hook
+from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, block_args, h3_blocks, layout_of
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -76,9 +79,10 @@ def run_model(model, hook, args: dict, new: bool, previous=None, object_patches=
     text, t, h, w, audio = PACKED.signature
     x = [torch.zeros(1, 24, t, h, w), torch.zeros(1, 32, 2, audio)]
     context = torch.zeros(1, text, 48)
+    bind(model, hook)  # what the ON_PRE_RUN callback does when sampling starts
     try:
-        return hook.diffusion_model_wrapper(Executor(model, forward), x, None, context, args["transformer_options"],
-                                            minimax_payload={"layout": PACKED})
+        return DiffusionModelWrapper(hook.key)(Executor(model, forward), x, None, context,
+                                               args["transformer_options"], minimax_payload={"layout": PACKED})
     finally:
         for block in model.blocks:
             block.attn.__dict__.pop("forward", None)
@@ -115,7 +119,7 @@ def test_what_each_upstream_publishes_to_the_blocks(new):
     torch.testing.assert_close(out, reference(model, args, sparse_oracle(config(topk_ratio=0.25))), **TOL)
     assert hook.tracker.stats.sparse_blocks == 2 and hook.key not in to
     assert (to.get("block_index"), to.get("minimax_h3_layout")) == ((1, PACKED) if new else (None, None))
-    ctx = h3_patch.CallContext(3, 10, None)  # no payload layout: current upstream's options alone suffice
+    ctx = CallContext(hook, model)  # no payload layout: current upstream's options alone suffice
     assert (hook.layout({"transformer_options": to}, ctx) is not None) == new
 
 
@@ -261,10 +265,11 @@ def test_chains_earlier_patches_and_object_patches():
     run_model(model, hook, args, False, previous={0: earlier, 1: earlier}, object_patches=others)
     assert calls == {"replace": 4, "forward": 3}  # block 0 sparse (ours), block 1 dense_layers (theirs)
     _, patches = block_hooks(model, hook, {}, others)
-    assert all(isinstance(p, AttentionDispatch) and p.fallback is others[k] for k, p in patches.items())
+    assert all(isinstance(p, AttentionDispatch) and p.previous is others[k] for k, p in patches.items())
 
 
 def test_the_nearest_hook_to_the_sampler_wins():
+    """A second hook of the same kind replaces the first one's patches (it is not chained)."""
     model = model_of(True, seed=16)
     args = block_args(model.blocks[0], PACKED, seed=17, new=True)
     args["transformer_options"] = options()
@@ -275,13 +280,38 @@ def test_the_nearest_hook_to_the_sampler_wins():
     assert inner.tracker.stats.sparse_blocks == 0 and outer.tracker.stats.sparse_blocks == 2
 
 
+def test_clones_and_model_copies_run_with_their_own_state():
+    """ComfyUI's clone() (attachments) and a deep copy of the model give the copy its own hook: same
+    settings, own tracker, its reports also reaching the original's."""
+    import copy
+
+    model = model_of(True, seed=25)
+    args = block_args(model.blocks[0], PACKED, seed=26, new=True)
+    args["transformer_options"] = options()
+    hook = SparseAttentionHook(config())
+    run_model(model, hook, args, True)
+    twin = hook.on_model_patcher_clone()
+    assert twin.config is hook.config and twin.tracker is not hook.tracker and twin.tracker.parent is hook.tracker
+    bind(model, hook)
+    copied = copy.deepcopy(model)
+    own = bound_hook(copied, hook.key)
+    assert isinstance(own, SparseAttentionHook) and own is not hook and own.tracker.stats.sparse_blocks == 0
+    with torch.no_grad():
+        model.blocks[0].attn.qkv_proj.weight.zero_()  # the original changes; the copy computes with its own
+    before = run_model(copied, own, args, True)
+    assert own.tracker.stats.sparse_blocks == 2 and hook.tracker.stats.sparse_blocks == 2
+    torch.testing.assert_close(before, reference(copied, args, sparse_oracle(config())), **TOL)
+    own.tracker.finish()
+    assert hook.tracker.last_report["blocks_sparse"] == 2  # the copy's report reaches the original's tracker
+
+
 def test_layout_discovery_and_bounded_cache():
     model = model_of(True, seed=18)
     hook = SparseAttentionHook(config())
-    ctx = h3_patch.CallContext(0, 10, None)
+    ctx = CallContext(hook, model)
     assert hook.layout({"layout": PACKED}, ctx) == layout_of(PACKED)
     assert hook.layout({"transformer_options": {"minimax_h3_layout": PACKED}}, ctx) == layout_of(PACKED)
-    assert hook.layout({}, h3_patch.CallContext(0, 10, PACKED)) == layout_of(PACKED)
+    assert hook.layout({}, CallContext(hook, model, packed=PACKED)) == layout_of(PACKED)
     assert hook.layout({}, ctx) is None
     cache = LayoutCache(size=2)
     for t in (4, 2, 3, 4):
@@ -290,8 +320,8 @@ def test_layout_discovery_and_bounded_cache():
     assert hook.layout({"layout": PACKED}, ctx) is hook.layout({"layout": PackedLayout(5, 4, 16, 16, 3)}, ctx)
     # the wrapper rebuilds a layout whose signature does not match the call (older upstream path)
     video, audio = torch.zeros(1, 24, 4, 16, 16), torch.zeros(1, 32, 2, 3)
-    assert h3_patch.payload_layout(model, [video, audio], torch.zeros(1, 5, 8), {"layout": PACKED}) is PACKED
-    rebuilt = h3_patch.payload_layout(model, [video[:, :, :2], audio[..., :2]], torch.zeros(1, 5, 8), {"layout": PACKED})
+    assert h3_model.payload_layout(model, [video, audio], torch.zeros(1, 5, 8), {"layout": PACKED}) is PACKED
+    rebuilt = h3_model.payload_layout(model, [video[:, :, :2], audio[..., :2]], torch.zeros(1, 5, 8), {"layout": PACKED})
     assert rebuilt.signature == (5, 2, 16, 16, 2) and layout_of(rebuilt).total == 5 + 4 + 128
 
 
@@ -302,6 +332,21 @@ def test_model_check():
         pass
     with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Flux"):
         check_h3(Flux())
+
+    class Patcher:  # the part of a ModelPatcher the check reads
+        model_options: dict = {}
+
+        def __init__(self, diffusion_model):
+            self.diffusion_model = diffusion_model
+
+        def get_model_object(self, name):
+            return getattr(self, name)
+    assert h3_model.h3_diffusion_model(Patcher(model_of(True)), "Node").blocks
+    for not_a_model in ("a string", torch.zeros(1), {"model": 1}):
+        with pytest.raises(TypeError, match=r"Node\.model must be a ComfyUI MODEL \(a ModelPatcher"):
+            h3_model.h3_diffusion_model(not_a_model, "Node")
+    with pytest.raises(ValueError, match="only patches ComfyUI's MiniMax-H3 model.*Flux"):
+        h3_model.h3_diffusion_model(Patcher(Flux()), "Node")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -328,8 +373,8 @@ def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
 def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     """The first block call of a layout compiles the sparse kernels, before any sparse step."""
     prepared = []
-    monkeypatch.setattr(h3_patch, "resolve_backend", lambda requested, device, dtype, strict, *_: "triton")
-    monkeypatch.setattr(h3_patch, "prepare_kernels", lambda *a: prepared.append(a))
+    monkeypatch.setattr(sparse_hook, "resolve_backend", lambda requested, device, dtype, strict, *_: "triton")
+    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a: prepared.append(a))
     model = model_of(True, seed=12)
     args = block_args(model.blocks[0], PACKED, seed=13, new=True)
     args["transformer_options"] = options(step=0)
@@ -355,10 +400,10 @@ def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_grap
 
     monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
     seen = []
-    attention = h3_patch.sparse_attention
-    monkeypatch.setattr(h3_patch, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
-    monkeypatch.setattr(h3_patch, "resolve_backend", lambda requested, device, dtype, strict, *_: "triton")
-    monkeypatch.setattr(h3_patch, "prepare_kernels", lambda *a: seen.append(("prepare", len(depth))))
+    attention = sparse_hook.sparse_attention
+    monkeypatch.setattr(sparse_hook, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
+    monkeypatch.setattr(sparse_hook, "resolve_backend", lambda requested, device, dtype, strict, *_: "triton")
+    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a: seen.append(("prepare", len(depth))))
     model = model_of(True, seed=23, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=24, new=True)
     hook = SparseAttentionHook(config(warmup_mode="fidelity", warmup_ratio=0.3))
@@ -380,6 +425,6 @@ def test_core_sparse_patches_are_found_by_their_module_or_their_mark():
     marked._block_sparse_attention_patch = object()
     dit = {("double_block", 0): ours, ("double_block", 1): marked}
     options = {"transformer_options": {"patches_replace": {"dit": dit}}}
-    assert h3_patch.core_sparse_blocks(options) == [1]
+    assert core_sparse.core_sparse_blocks(options) == [1]
     with pytest.raises(ValueError, match="Model Sparse Attention.*applied after this node.*Keep one"):
-        h3_patch.refuse_core_sparse(options, "t", "after")
+        core_sparse.refuse_core_sparse(options, "t", "after")

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
-from adaptive_sparse_attention.nodes.h3_patch import BlockReplacement
+from adaptive_sparse_attention.nodes.block_patches import BlockReplacement
+from adaptive_sparse_attention.nodes.hooks import CallContext, Mark
 from adaptive_sparse_attention.nodes import raylight
 from adaptive_sparse_attention.nodes.raylight import (RaylightSparseAttention, parallel_degrees, patch_worker_model,
                                                       worker_patch)
@@ -54,7 +55,14 @@ def call(processor, q, k, v, options: dict, **keywords):
 
 
 def marked(processor, layer: int = 0) -> dict:
-    return {processor.key: (layer, (3, layout_of(PACKED)))}
+    """A block's options as our block replacement marks a sparse call (step 3)."""
+    return {processor.key: Mark(layer, (3, layout_of(PACKED)), None, CallContext(processor, None))}
+
+
+def decide(processor, attn, args: dict, layer: int = 0):
+    """`decide` with the call context the DIFFUSION_MODEL wrapper would give this call."""
+    return processor.decide(layer, attn, args, CallContext(processor, None,
+                                                           *processor.tracker.step_of(args["transformer_options"])))
 
 
 def test_marked_call_runs_the_rank_heads_like_one_gpu():
@@ -74,7 +82,7 @@ def test_unmarked_calls_are_raylight_dense_attention_unchanged():
     (q, k, v), _ = rank_one_inputs()
     processor = RaylightSparseAttention(config(), HEADS, DEGREE)
     # a model call's own options hold the CallContext under the same key: not a mark
-    for options in ({}, {processor.key: processor.call_context({})}):
+    for options in ({}, {processor.key: CallContext(processor, None)}):
         out, seen = call(processor, q, k, v, options)
         assert seen == [ring_keywords(None)] and bool((out == 7.0).all())
 
@@ -123,21 +131,21 @@ def test_decide_uses_the_whole_sequence_and_checks_the_shard(caplog):
     attn = MiniMaxH3Model(layers=1, heads=HEADS, head_dim=DIM).blocks[0].attn
     # min_tokens counts the whole sequence (267 rows), not the rank's 134
     processor = RaylightSparseAttention(config(min_tokens=200), HEADS, DEGREE)
-    step, layout = processor.decide(0, attn, block_call(134))
+    step, layout = decide(processor, attn, block_call(134))
     assert step == 3 and layout == layout_of(PACKED)
-    assert RaylightSparseAttention(config(min_tokens=268), HEADS, DEGREE).decide(0, attn, block_call(134)) is None
+    assert decide(RaylightSparseAttention(config(min_tokens=268), HEADS, DEGREE), attn, block_call(134)) is None
     fidelity = RaylightSparseAttention(config(warmup_mode="fidelity"), HEADS, DEGREE)
-    assert fidelity.decide(0, attn, block_call(134, step=0)) is None
+    assert decide(fidelity, attn, block_call(134, step=0)) is None
     assert fidelity.tracker.stats.dense_blocks == 1 and not fidelity.tracker.logged  # warmup is no failure
 
     strict = RaylightSparseAttention(config(strict=True), HEADS, DEGREE)
     with pytest.raises(RuntimeError, match=r"block input of shape \(100, 32\) is not 1/2 of the layout's 267 rows "
                                            r"padded to 268"):
-        strict.decide(0, attn, block_call(100))
+        decide(strict, attn, block_call(100))
     with pytest.raises(RuntimeError, match="the packed-sequence layout was not found"):
-        strict.decide(0, attn, block_call(134, packed=None))
+        decide(strict, attn, block_call(134, packed=None))
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
-        assert processor.decide(1, attn, block_call(100)) is None
+        assert decide(processor, attn, block_call(100), layer=1) is None
     assert any("layer 1 runs dense: block input of shape (100, 32)" in r.getMessage() for r in caplog.records)
 
 
@@ -219,6 +227,9 @@ COMFYUI = os.environ.get("COMFYUI_PATH", "")
                     reason="set COMFYUI_PATH to a ComfyUI checkout to run the ModelPatcher test")
 def test_worker_patch_on_a_real_model_patcher(monkeypatch):
     monkeypatch.syspath_prepend(COMFYUI)
+    import comfyui_stubs
+
+    comfyui_stubs.apply()
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = True
@@ -239,7 +250,8 @@ def test_worker_patch_on_a_real_model_patcher(monkeypatch):
     assert INNER_ATTENTION_KEY not in patcher.model_options["transformer_options"]  # the input is untouched
     marks = options["patches_replace"]["dit"]
     assert sorted(marks) == [("double_block", 0), ("double_block", 1)]
-    assert all(isinstance(m, BlockReplacement) and m.hook is processor and not m.via_args for m in marks.values())
+    assert all(isinstance(m, BlockReplacement) and m.key == processor.key and m.via_args is None for m in marks.values())
+    assert patched.get_attachment(processor.key) is processor
     assert marks[("double_block", 1)].previous is earlier
     assert processor.key in patched.wrappers[pe.WrappersMP.DIFFUSION_MODEL]
     assert processor.key in patched.callbacks[pe.CallbacksMP.ON_CLEANUP]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_sparse_attention.nodes.schedule import RunTracker
+from adaptive_sparse_attention.nodes.run_tracker import RunTracker
 from adaptive_sparse_attention.nodes.report import format_report, spans
 
 
@@ -58,7 +58,7 @@ def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
     from test_h3_patch import PACKED, config, model_of, options, run_model
     from h3_block import block_args
 
-    from adaptive_sparse_attention.nodes.h3_patch import SparseAttentionHook
+    from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 
     model = model_of(True, seed=40, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=41, new=True)

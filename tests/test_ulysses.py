@@ -32,7 +32,9 @@ from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_atten
 from adaptive_sparse_attention.backend.ulysses import (check_sequence_parallel, degrees_dividing,  # noqa: E402
                                                        local_heads_attention, seq_to_heads,
                                                        sequence_parallel_attention)
-from adaptive_sparse_attention.nodes.raylight import RaylightSparseAttention, layer_marks  # noqa: E402
+from adaptive_sparse_attention.nodes.block_patches import DiffusionModelWrapper, block_hooks  # noqa: E402
+from adaptive_sparse_attention.nodes.hooks import bind  # noqa: E402
+from adaptive_sparse_attention.nodes.raylight import RaylightSparseAttention  # noqa: E402
 from h3_block import MiniMaxH3Model, PackedLayout, block_args, layout_of  # noqa: E402
 from raylight_mirror import INNER_ATTENTION_KEY, XFuserAttention, pad_rows, usp_attention, usp_forward  # noqa: E402
 
@@ -147,14 +149,15 @@ def check_raylight_path(rank: int) -> None:
         for block in model.blocks:
             block.attn.forward = usp_attention(block.attn, xfuser)
         processor = RaylightSparseAttention(cfg, HEADS, WORLD)
-        marks = layer_marks(model, processor, {})
+        marks, _ = block_hooks(model, processor, {}, {}, swap=False)
+        bind(model, processor)
         sched = torch.linspace(1.0, 0.0, 11, dtype=torch.float64)
         options = {"sigmas": sched[3:4].float(), "sample_sigmas": sched.float(), INNER_ATTENTION_KEY: processor,
                    "patches_replace": {"dit": {("double_block", i): fn for i, fn in marks.items()}}}
         text, t, h, w, audio = packed.signature
         x = [torch.zeros(1, 24, t, h, w), torch.zeros(1, 32, 2, audio)]
-        out = processor.diffusion_model_wrapper(Executor(model, usp_forward(model, args)), x, None,
-                                                torch.zeros(1, text, 48), options, minimax_payload={"layout": packed})
+        out = DiffusionModelWrapper(processor.key)(Executor(model, usp_forward(model, args)), x, None,
+                                                   torch.zeros(1, text, 48), options, minimax_payload={"layout": packed})
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
         stats = processor.tracker.stats
         assert (stats.sparse_blocks, stats.dense_blocks) == (2 - len(cfg.dense_layers), len(cfg.dense_layers))

@@ -1,0 +1,200 @@
+"""The hook framework: a `BlockHook` takes over the attention of chosen MiniMax-H3 block calls.
+
+A hook object is the state of one patched model: its run tracker, layout cache and settings. It is
+a ModelPatcher attachment, so every clone ComfyUI makes (``clone()``, ``deepclone_multigpu``)
+gets its own (`BlockHook.on_model_patcher_clone`), and it is bound to the diffusion model that
+patcher samples when sampling starts (`bind`). What is registered in ``model_options`` (block
+patches, wrapper, callbacks; `nodes/block_patches.py`) holds only the hook's key, a layer index
+and the patch it chains: every call finds its hook and its attention modules from the diffusion
+model it runs on, never from the model the node patched.
+
+Under torch.compile (ComfyUI's TorchCompileModel compiles the whole diffusion model, the hooks
+included, and drops every guard under ``transformer_options``) the step is read on the host once
+per model call and every block's decision is made there too (`BlockHook.begin_call`, eager); the
+compiled blocks read those decisions from the call's `CallContext`, a value returned by that eager
+call, whose guards are kept.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..backend.layout import SequenceLayout
+from .core_sparse import refuse_core_sparse
+from .h3_model import LayoutCache, payload_layout
+from .run_tracker import RunTracker
+
+log = logging.getLogger("adaptive_sparse_attention")
+
+STATE_ATTR = "adaptive_sparse_attention_hooks"  # on a diffusion model: hook key -> the hook sampling it
+
+
+@dataclass
+class CallContext:
+    """What one model call shares with all its blocks.
+
+    Attributes:
+        hook: the state of the model this call runs on.
+        model: the diffusion model this call runs on (its blocks' attention modules are used).
+        step: the denoising step in the run (None when ComfyUI passed no sigmas).
+        sigma: the call's sigma (None likewise).
+        segment: (step, total) within this sampler call's own schedule, or None.
+        packed: the PackedLayout found by the DIFFUSION_MODEL wrapper, if any.
+        tokens: under torch.compile, every block's token, planned for the whole call.
+    """
+
+    hook: BlockHook
+    model: Any
+    step: int | None = None
+    sigma: float | None = None
+    segment: tuple[int, int] | None = None
+    packed: Any = None
+    tokens: tuple | None = None
+
+    def attn(self, layer: int) -> torch.nn.Module:
+        """The attention module of block `layer` of the model this call runs on."""
+        return self.model.blocks[layer].attn
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What a block replacement leaves in its copy of ``transformer_options`` for the block's attention:
+    the block index, the hook's token (None: not taken), the block's attention module and the call."""
+
+    layer: int
+    token: Any
+    attn: torch.nn.Module
+    ctx: CallContext
+
+
+def bind(diffusion_model: Any, hook: BlockHook) -> None:
+    """Make `hook` the state that calls of `diffusion_model` use for hooks of its key."""
+    hooks = diffusion_model.__dict__.get(STATE_ATTR)
+    if hooks is None:
+        hooks = {}
+        diffusion_model.__dict__[STATE_ATTR] = hooks
+    hooks[hook.key] = hook
+
+
+def bound_hook(diffusion_model: Any, key: str) -> BlockHook:
+    """The hook `bind` gave `diffusion_model` for `key` (RuntimeError when none was bound)."""
+    hook = diffusion_model.__dict__.get(STATE_ATTR, {}).get(key)
+    if hook is None:
+        raise RuntimeError(f"{key}: this diffusion model runs the pack's block patches, but no sampling state was "
+                           "bound to it (ComfyUI binds it when sampling starts, in the model's ON_PRE_RUN callbacks)")
+    return hook
+
+
+class BlockHook(ABC):
+    """Base of a hook that takes over the attention of chosen H3 block calls, and the state of one
+    patched model.
+
+    Subclasses implement `decide` (which calls, returning a token or None) and `attend` (the
+    attention output [S, hidden] of a taken call, out_proj included). The base keeps the per-run
+    state: step counting, layout discovery and the run tracker.
+    """
+
+    kind = "hook"
+
+    def __init__(self) -> None:
+        self.start_state(None)
+
+    @property
+    def key(self) -> str:
+        """The key of this kind of hook in model_options, transformer_options and attachments."""
+        return f"adaptive_sparse_attention.{self.kind}"
+
+    @property
+    def title(self) -> str:
+        """The hook's name in log messages and errors."""
+        return type(self).__name__
+
+    def start_state(self, parent: BlockHook | None) -> None:
+        """Fresh per-model state; the run reports also go to `parent`'s tracker (the model this one
+        was cloned from, or the hook of an earlier node this one replaced)."""
+        self.parent = parent
+        self.tracker = RunTracker(self.title, parent=None if parent is None else parent.tracker)
+        self.layouts = LayoutCache()
+
+    def on_model_patcher_clone(self) -> BlockHook:
+        """ComfyUI's ModelPatcher.clone(): the clone runs with its own state and the same settings."""
+        twin = copy.copy(self)
+        twin.start_state(self)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> BlockHook:
+        """A deep copy of a model this hook is bound to (`bind`) runs with its own state, as a clone does."""
+        return self.on_model_patcher_clone()
+
+    # --- per-call plumbing -------------------------------------------------------------------
+    @torch.compiler.disable
+    def begin_call(self, model: Any, x: Any, context: torch.Tensor, transformer_options: dict, payload: dict,
+                   compiled: bool) -> CallContext:
+        """The `CallContext` of a model call on `model`; under torch.compile also the plan of its blocks.
+
+        It always runs eagerly: the step comes from the sigmas on the host, which is one graph break
+        per model call under torch.compile (H3's forward reads its sigma on the host there too).
+        `compiled` says whether the model call is being compiled; then `plan_call` decides every
+        block here and the compiled blocks read its tokens from the returned context.
+        """
+        step, sigma, segment = self.tracker.step_of(transformer_options)
+        ctx = CallContext(self, model, step, sigma, segment)
+        try:
+            ctx.packed = payload_layout(model, x, context, payload)
+        except Exception as err:  # layout discovery must never break sampling; blocks report it
+            self.tracker.log_once(f"could not rebuild the packed layout from minimax_payload ({err})")
+        if compiled:
+            ctx.tokens = self.plan_call(ctx, context.dtype, x[0].device, transformer_options)
+        return ctx
+
+    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
+                  transformer_options: dict) -> tuple | None:
+        """Under torch.compile: the token (or None) of every block of this call, counted here; or None
+        to let each block `decide` (the default)."""
+        return None
+
+    def token(self, layer: int, args: dict, ctx: CallContext) -> Any:
+        """The token of a block call: planned for the whole call under torch.compile, else `decide`."""
+        return ctx.tokens[layer] if ctx.tokens is not None else self.decide(layer, ctx.attn(layer), args, ctx)
+
+    def layout(self, args: dict, ctx: CallContext) -> SequenceLayout | None:
+        """The call's layout: from the block args, transformer_options or the wrapper, else None."""
+        to = args.get("transformer_options", {})
+        for packed in (args.get("layout"), to.get("minimax_h3_layout"), ctx.packed):
+            if packed is not None:
+                return self.layouts.of(packed)
+        return None
+
+    def dense_args(self, args: dict) -> dict:
+        """The block args of a call this hook does not take (unchanged here)."""
+        return args
+
+    def on_pre_run(self, patcher: Any) -> None:
+        """Start of a sampler call on `patcher`: refuse ComfyUI's core sparse node applied after this
+        one (the run itself goes on across sampler calls; see `RunTracker.step_of`)."""
+        refuse_core_sparse(patcher.model_options, self.title, "after")
+
+    def on_cleanup(self, patcher: Any) -> None:
+        """End of a sampler call: the report of the run so far is kept (`RunTracker.end_call`)."""
+        self.tracker.end_call()
+
+    def replaced(self, earlier: BlockHook) -> None:
+        """This hook replaces `earlier`, the hook of a node of the same kind farther from the sampler."""
+        log.warning("%s: a second node of this kind patches the same model; the one nearer the sampler decides "
+                    "for the whole model (the earlier node's settings are not used)", self.title)
+
+    # --- subclass contract -------------------------------------------------------------------
+    @abstractmethod
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
+        """A token when this hook takes the call's attention (passed on to `attend`), else None."""
+
+    @abstractmethod
+    def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
+               transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        """The attention output [S, hidden] (out_proj applied) of block input x; `fallback` is the
+        attention that would have run (same call signature as ``attn``)."""

@@ -1,0 +1,307 @@
+"""The sparse-attention policy: which H3 block calls run adaptive sparse attention, and running them."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
+from ..backend.config import SparseConfig
+from ..backend.layout import SequenceLayout
+from ..backend.producer import produce_qkv
+from ..backend.warmup import prepare_kernels
+from ..kernels.dense import DenseChoices, default_cache_path
+from ..kernels.dispatch import resolve_backend, runs_triton
+from .comfy_weights import head_groups, linear_weights, on_device, outside_allocation_graph, unwrap_input
+from .block_patches import install
+from .dense_override import DenseOverride
+from .hooks import BlockHook, CallContext, log
+from .schedule import schedule_reason, warmup_reason, warmup_sigma
+
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The token of a block call planned by `SparseAttentionHook.plan_call`: it runs sparse on `layout`."""
+
+    layout: SequenceLayout
+
+
+class SparseAttentionHook(BlockHook):
+    """Adaptive sparse attention in the blocks and steps the schedule allows."""
+
+    kind = "sparse"
+
+    def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None):
+        self.config = config
+        self.dense_choices = dense_choices if dense_choices is not None else DenseChoices(comfy_cache_path())
+        self.notices: list[str] = []  # what the user should know about this model and config (report node)
+        super().__init__()
+
+    def start_state(self, parent: BlockHook | None) -> None:
+        """Fresh per-model state (see `BlockHook.start_state`), with its own dense override and
+        warmup sigma (set from the sampled model when sampling starts)."""
+        super().start_state(parent)
+        self.notices = list(self.notices)
+        self.dense_override = DenseOverride(self.dense_choices)
+        self.warmup_sigma: float | None = None
+
+    def on_pre_run(self, patcher: Any) -> None:
+        """Start of a sampler call: the warmup sigma of the sampled model's sampling (`warmup_sigma`)."""
+        super().on_pre_run(patcher)
+        sampling = patcher.get_model_object("model_sampling")
+        self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
+
+    def replaced(self, earlier: BlockHook) -> None:
+        """Say in the log and in the report that this node's settings replace an earlier node's."""
+        super().replaced(earlier)
+        self.notices.append("a second Adaptive Sparse Attention node patched this model: the one nearer the "
+                            "sampler decides for the whole model; this report shows what it ran")
+
+    def warmup(self, ctx: CallContext) -> str | None:
+        """Why the call's step is a warmup step, or None (`schedule.warmup_reason`)."""
+        return warmup_reason(self.config, ctx.sigma, self.warmup_sigma, ctx.segment)
+
+    @property
+    def title(self) -> str:
+        """The hook's name in log messages and errors."""
+        return "adaptive sparse attention"
+
+    def unsupported(self, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                    layout: SequenceLayout | None) -> str | None:
+        """Why a block call with input of this shape (rows, hidden), dtype and device cannot run sparse, or None."""
+        if layout is None:
+            return ("the packed-sequence layout was not found (no args['layout'], "
+                    "transformer_options['minimax_h3_layout'] or minimax_payload layout)")
+        if len(shape) != 2 or shape[0] != layout.total:
+            return f"block input of shape {tuple(shape)} does not match the layout's {layout.total} rows"
+        if attn.head_dim not in HEAD_DIMS:
+            return f"head_dim={attn.head_dim} is not supported (expected one of {HEAD_DIMS})"
+        if dtype not in DTYPES:
+            return f"dtype {dtype} is not supported (expected one of {', '.join(str(d) for d in DTYPES)})"
+        if device.type not in DEVICES:
+            return f"device {device} is not supported (expected one of {', '.join(DEVICES)})"
+        return None
+
+    def choose(self, layer: int, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device, layout: SequenceLayout | None, warmup: str | None) -> str | None:
+        """Why this block call runs dense, or None when it runs sparse.
+
+        Prepares the kernels of the calls that run sparse and of the warmup steps of sparse layers;
+        an unsupported call raises under `strict`, else its reason is logged once per run.
+        """
+        reason = schedule_reason(self.config, layer, warmup, shape[0])
+        problem = self.unsupported(attn, shape, dtype, device, layout)
+        if reason is not None:
+            if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
+                self.prepare(attn, dtype, device, layout)  # a warmup step of a sparse layer
+            return reason
+        if problem is not None:
+            self.refuse(layer, problem)
+            return problem
+        self.prepare(attn, dtype, device, layout)  # strict raises here when Triton is asked for and missing
+        return None
+
+    def refuse(self, layer: int, problem: str) -> None:
+        """A call that cannot run sparse: strict raises, otherwise the reason is logged once per run."""
+        message = f"layer {layer} runs dense: {problem}"
+        if self.config.strict:
+            raise RuntimeError(f"{self.title} (strict): {message}")
+        self.tracker.log_once(message)
+
+    def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
+        """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
+        dense with its reason)."""
+        to = args.get("transformer_options", {})
+        x = args["img"]
+        layout = self.layout(args, ctx)
+        reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, self.warmup(ctx))
+        if reason is None:
+            self.note_other_override(to)
+            return ctx.step, layout
+        self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
+        return None
+
+    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
+                  transformer_options: dict) -> tuple:
+        """Under torch.compile: `Planned` (sparse) or None (dense) for every block of this call.
+
+        The blocks are counted here; the compiled sparse blocks are neither timed nor is their
+        density measured, as both would synchronise the host in every block.
+        """
+        layout = None if ctx.packed is None else self.layouts.of(ctx.packed)
+        rows = 0 if layout is None else layout.total
+        tokens = []
+        warmup = self.warmup(ctx)
+        for layer, block in enumerate(ctx.model.blocks):
+            attn = block.attn
+            reason = self.choose(layer, attn, (rows, attn.qkv_proj.in_features), dtype, device, layout, warmup)
+            tokens.append(None if reason is not None else Planned(layout))
+            self.tracker.note_block(ctx.step, sparse=reason is None, density=None, layer=layer, reason=reason)
+        if any(tokens):
+            self.note_other_override(transformer_options)
+            self.tracker.log_once("the model runs under torch.compile: sparse blocks are not timed and their "
+                                  "density is not measured (each would synchronise the host in every block); "
+                                  "compiled sparse steps measured slower than uncompiled ones, so for speed leave "
+                                  "TorchCompileModel out of graphs with this node (README, 'Where it stands')")
+        return tuple(tokens)
+
+    def note_other_override(self, transformer_options: dict) -> None:
+        """Say once per run that another node's attention override does not reach the sparse blocks."""
+        if transformer_options.get("optimized_attention_override") is not None:
+            self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
+                                  "only; sparse blocks run adaptive sparse attention")
+
+    def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
+        """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
+        if runs_triton(resolve_backend(self.config.backend, device, dtype, self.config.strict, attn.head_dim,
+                                       self.config.block_size)):
+            with outside_allocation_graph():
+                prepare_kernels(layout, self.config, dtype, device, attn.head_dim)
+
+    def dense_args(self, args: dict) -> dict:
+        """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
+        unless another node's override already decides the dense attention."""
+        to = args.get("transformer_options", {})
+        if self.config.dense_attention != "fastest" or isinstance(to.get("optimized_attention_override"), DenseOverride):
+            return args
+        if to.get("optimized_attention_override") is not None:
+            self.tracker.log_once("another node's optimized_attention_override runs the dense blocks "
+                                  "(dense_attention='fastest' does not replace it)")
+            return args
+        return dict(args, transformer_options=dict(to, optimized_attention_override=self.dense_override))
+
+    def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
+               transformer_options: dict, fallback: Callable) -> torch.Tensor:
+        """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in
+        a run measures the density, the second is timed against dense attention for the report; a
+        compiled call (a `Planned` token) was counted when its model call was planned."""
+        if isinstance(token, Planned):  # a compiled call: counted in plan_call, nothing to measure
+            return self.output(attn, x, rope_freqs, transformer_options,
+                               lambda q, k, v, g: sparse_attention(q, k, v, token.layout, self.config, coarse_gate=g))
+        step, layout = token
+        timer = self.tracker.start_timer(x[0] if isinstance(x, list) else x)
+        key = layout.signature()
+        tracker = self.tracker
+
+        density = tracker.densities.get(key)
+        timed = key in tracker.timed
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+            nonlocal density
+            if density is None:  # measured once per shape and run: it needs a host sync
+                o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
+                density = tracker.densities.setdefault(key, info.density)
+            elif not timed:  # the next call (kernels compiled): vs dense
+                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.config, g)
+                tracker.note_timing(key, sparse_ms, dense_ms)
+            else:
+                o = sparse_attention(q, k, v, layout, self.config, coarse_gate=g)
+            return o
+
+        out = self.output(attn, x, rope_freqs, transformer_options, run)
+        tracker.stop_timer(timer)
+        tracker.note_block(step, sparse=True, density=density, layer=layer)
+        return out
+
+    def output(self, attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,
+               run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+               ) -> torch.Tensor:
+        """The attention output [S, hidden] of block input x (or KJNodes' one-item list, freed early):
+        Q/K/V per head group (``minimax_head_chunks``), `run(q, k, v, gate)` -> [1, h, S, D] on each,
+        then out_proj."""
+        x = unwrap_input(x)
+        heads, dim = attn.heads, attn.head_dim
+        with outside_allocation_graph():
+            out = x.new_empty(x.shape[0], heads, dim)
+            gate = coarse_gate(attn, x, self.config)
+            with linear_weights(attn.qkv_proj, x) as (weight, bias):
+                qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
+                for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
+                    q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                    g = None if gate is None else gate[:, h0:h1]
+                    o = run(q, k, v, g)
+                    out[:, h0:h1] = o[0].transpose(0, 1)
+                    del q, k, v, o, g
+            del x, gate
+        return attn.out_proj(out.view(out.shape[0], heads * dim))
+
+
+
+def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) -> torch.Tensor | None:
+    """The learned gate of the coarse branch for block input x, [1, H, S, D], or None.
+
+    Blocks of distilled FastH3 (VSA) checkpoints carry ``attn.to_gate_compress``, a bias-free
+    Linear(hidden, H * D) of the attention input; the attention output is then
+    O_sparse + g * C with C the coarse branch. Only ``tail="coarse"`` uses it.
+    """
+    layer = getattr(attn, "to_gate_compress", None)
+    if config.tail != "coarse" or layer is None:
+        return None
+    with linear_weights(layer, x) as (weight, bias):
+        g = torch.nn.functional.linear(x, weight, bias)
+    return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
+
+
+def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                        config: SparseConfig, gate: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
+    """One sparse call timed against torch's dense SDPA on the same tensors (for the run report).
+
+    Dense attention runs on the first head only and is scaled by the number of heads, to keep the
+    extra cost to one head's attention. Synchronises the device three times.
+    Returns (sparse output, sparse ms, dense ms for all heads of q).
+    """
+    def now() -> float:
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        return time.perf_counter()
+
+    t0 = now()
+    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate)
+    t1 = now()
+    torch.nn.functional.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])
+    t2 = now()
+    return out, (t1 - t0) * 1e3, (t2 - t1) * 1e3 * q.shape[1]
+
+
+def gate_notice(diffusion_model: Any, config: SparseConfig) -> str | None:
+    """What tail="coarse" does on this model, when that is not the model's own gated coarse term."""
+    if config.tail != "coarse":
+        return None
+    gated = sum(getattr(b.attn, "to_gate_compress", None) is not None for b in diffusion_model.blocks)
+    if gated == 0:
+        return ("tail='coarse': the model's blocks have no to_gate_compress gate (only distilled FastH3 checkpoints "
+                "carry one), so the coarse term is zero and unselected blocks get no stand-in, as with tail='none'")
+    if gated < len(diffusion_model.blocks):
+        return (f"tail='coarse': {len(diffusion_model.blocks) - gated} of {len(diffusion_model.blocks)} blocks have "
+                "no to_gate_compress gate; their coarse term is zero")
+    if config.tail_granularity == "query":
+        return ("tail='coarse' with tail_granularity='query' scores the coarse branch per query; the gate was trained "
+                "with the block-broadcast term (tail_granularity='block')")
+    return None
+
+
+def comfy_cache_path() -> Path:
+    """Where the measured dense-kernel choices are saved: under ComfyUI's user directory when ComfyUI
+    is loaded (``ADAPTIVE_SPARSE_DENSE_CACHE`` still overrides), else the pack's default."""
+    try:
+        import folder_paths
+        user_dir = folder_paths.get_user_directory()
+    except (ImportError, AttributeError):
+        user_dir = None
+    return default_cache_path(user_dir)
+
+
+def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
+    """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
+    hook = SparseAttentionHook(config)
+    patched = install(model_patcher, hook)
+    notice = gate_notice(model_patcher.get_model_object("diffusion_model"), config)
+    if notice is not None:
+        log.warning("%s: %s", hook.title, notice)
+        hook.notices.append(notice)
+    return patched

@@ -1,0 +1,88 @@
+"""The in-process real-ComfyUI harness: ComfyUI on the CPU with a tiny random-weight MiniMax-H3.
+
+`comfy` (a module-scoped fixture) imports ComfyUI from COMFYUI_PATH with the tiny checkpoint in
+its model folder; `sample` runs KSampler on it, `sparse` applies our node with the `SPARSE`
+settings, `summaries` reads the run summaries our node logs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import comfyui_stubs
+
+COMFYUI = os.environ.get("COMFYUI_PATH", "")
+TINY = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2, attention_head_dim=32,
+            ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
+            time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
+CKPT = "tiny_h3_random.safetensors"
+LATENT = dict(width=256, height=256, length=22)  # 7 latent frames of 8x8 patches: 448 video rows, S = 529
+SUMMARY = re.compile(r"adaptive sparse attention: steps (\d+) dense / (\d+) sparse; blocks (\d+) dense / (\d+) sparse")
+SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-video", tail_granularity="query",
+              warmup_ratio=0.25, tiling="reblock", reblock_layout="q_reuse_k", tail="reweight", dense_layers="",
+              min_tokens=0, block_size=64, strict=True, dense_attention="fastest", routing_scores="fp32")
+
+
+
+def save_tiny_h3(path: Path, **extra) -> None:
+    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it (`extra`:
+    more constructor arguments, e.g. current upstream's gate_compress=True)."""
+    import comfy.ops
+    import safetensors.torch
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+
+    model = MiniMaxH3Model(**TINY, **extra, operations=comfy.ops.disable_weight_init)
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for key, p in model.state_dict().items():
+        scale = 0.1 if p.dim() > 1 else 0.02
+        sd[key] = torch.randn(p.shape, generator=g) * scale + (1.0 if key.endswith("norm.weight") else 0.0)
+    sd["rope.inv_freq"] = 1.0 / (100.0 ** (torch.arange(TINY["rope_inv_freq_len"]) / TINY["rope_inv_freq_len"]))
+    safetensors.torch.save_file(sd, str(path))
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    """ComfyUI imported in this process on the CPU, with the tiny checkpoint in its model folder."""
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "stubs").mkdir()
+    (base / "stubs" / "sitecustomize.py").write_text(comfyui_stubs.STUBS)
+    comfyui_stubs.apply()
+    sys.path.insert(0, COMFYUI)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    import folder_paths
+
+    (base / "models" / "diffusion_models").mkdir(parents=True)
+    save_tiny_h3(base / "models" / "diffusion_models" / CKPT)
+    folder_paths.add_model_folder_path("diffusion_models", str(base / "models" / "diffusion_models"), is_default=True)
+    folder_paths.set_output_directory(str(base / "output"))
+    import nodes
+
+    return base, nodes
+
+
+def sample(nodes, model, cfg: float = 3.0, steps: int = 4):
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    latent = EmptyMiniMaxH3LatentAV.execute(**LATENT).result[0]
+    g = torch.Generator().manual_seed(1)
+    pos, neg = [[torch.randn(1, 7, 48, generator=g), {}]], [[torch.randn(1, 7, 48, generator=g), {}]]
+    out = nodes.common_ksampler(model, 7, steps, cfg, "euler", "simple", pos, neg, latent)[0]["samples"]
+    return torch.cat([t.flatten() for t in out.unbind()])
+
+
+def sparse(model, **changes):
+    from adaptive_sparse_attention.nodes.sparse_node import AdaptiveSparseAttentionH3
+
+    return AdaptiveSparseAttentionH3.execute(model=model, **{**SPARSE, **changes}).result[0]
+
+
+def summaries(caplog) -> list[tuple[int, ...]]:
+    return [tuple(map(int, m.groups())) for r in caplog.records if (m := SUMMARY.search(r.getMessage()))]
