@@ -33,6 +33,7 @@ import torch
 from ..kernels import dispatch
 from ..nodes.capture import load_capture
 from . import long_clips, planner_timing, reblock_timing, routing_quality, tiling_ceiling, ulysses_timing
+from .e2e import RUNS
 from .methods import DEFAULT_METHOD
 from .report import acceptance, markdown_table, render_markdown, write_outputs
 from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
@@ -149,7 +150,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else work / "e2e.json"
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
                            out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile,
-                           compile_only=args.compile_only)
+                           compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared)
     print(markdown(result))
     if result["op"]:
         print()
@@ -208,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "and without our node (eager: dynamo only, for CPU checks)")
     e2e.add_argument("--compile-only", action="store_true",
                      help="with --compile: only the compiled runs and ComfyUI / ours uncompiled on the main clip")
+    e2e.add_argument("--runs", default=",".join(RUNS),
+                     help="comma-separated runs (default all): " + ", ".join(RUNS) + "; comfyui always runs")
+    e2e.add_argument("--prepared", action="store_true",
+                     help="first run the pack's prepare command in a child process (empty caches otherwise); the "
+                          "first run of ours is then the first use after it (ours-prepared)")
     e2e.set_defaults(func=cmd_e2e)
 
     long = sub.add_parser("bench-long", help="long clips on the GPU: planner memory and time, kernel, dense cuDNN")

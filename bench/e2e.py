@@ -31,9 +31,10 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -141,13 +142,17 @@ def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device) -
 
 
 def graph(ckpt: str, scale: Scale, frames: int, steps: int, cfg: float, widgets: dict | None, label: str,
-          compile_backend: str | None = None) -> dict:
-    """API-format prompt: UNETLoader -> [our node] -> [TorchCompileModel] -> timer -> KSampler -> sink."""
+          compile_backend: str | None = None, cfg_split: bool = False) -> dict:
+    """API-format prompt: UNETLoader -> [our node] -> [MultiGPU CFG Split] -> [TorchCompileModel] -> timer ->
+    KSampler -> sink."""
     model = ["1", 0]
     prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}}}
     if widgets is not None:
         prompt["2"] = {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": model, **widgets}}
         model = ["2", 0]
+    if cfg_split:
+        prompt["10"] = {"class_type": "MultiGPU_WorkUnits", "inputs": {"model": model, "max_gpus": 2}}
+        model = ["10", 0]
     if compile_backend is not None:
         prompt["9"] = {"class_type": "TorchCompileModel", "inputs": {"model": model, "backend": compile_backend}}
         model = ["9", 0]
@@ -231,16 +236,38 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     return out
 
 
+RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-all-dense", "ours-new-length",
+        "ours-cfg-split", "other-clips")
+
+
+def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
+    """Seconds of `python -m adaptive_sparse_attention prepare` for `clip`, run in a child process on
+    this benchmark's (empty) Triton cache and dense-choice file, as a user would before the first run."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this package, importable
+    package = __name__.split(".")[0]
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", package, "prepare", "--clips", clip], check=True, env=env, cwd=str(work))
+    return time.perf_counter() - start
+
+
 def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
                   clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
-                  compile_only: bool = False) -> dict:
+                  compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False) -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
     dynamo alone, for CPU tests) adds the compiled runs of the main clip; `compile_only` keeps
-    only those and the runs they compare with (ComfyUI, ours cold and warm)."""
+    only those and the runs they compare with (ComfyUI, ours cold and warm). `runs` picks runs by
+    name (`RUNS`; "comfyui" always runs: the others are compared with it). `prepared` runs the
+    pack's `prepare` command first in a child process, and the first run of ours (then named
+    ours-prepared) is the first use after it."""
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
+    unknown_runs = [r for r in runs if r not in RUNS]
+    if unknown_runs:
+        raise ValueError(f"e2e: runs {unknown_runs!r} are not runs of the benchmark; allowed: {', '.join(RUNS)}")
     scale = SCALES[scale_name]
     unknown = [clip for clip in clips if clip not in scale.frames]
     if unknown or not clips:
@@ -271,7 +298,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     references: dict[str, torch.Tensor] = {}
     counter = itertools.count()
 
-    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None) -> dict:
+    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None,
+            cfg_split: bool = False) -> dict:
         lines.lines.clear()
         e2e_nodes.STATE["calls"].clear()
         if cuda:
@@ -279,8 +307,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             torch.cuda.reset_peak_memory_stats()
         label = f"{name}-{next(counter)}"
         t0 = time.perf_counter()
-        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend), label, {},
-                         ["8"])
+        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend, cfg_split),
+                         label, {}, ["8"])
         if not executor.success:
             raise RuntimeError(f"e2e: run {name} failed: {executor.status_messages[-1:]}")
         total = time.perf_counter() - t0
@@ -297,26 +325,41 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         row["clip"], row["frames"] = clip, scale.frames[clip]
         if widgets is None and n_steps == steps and backend is None:
             references[clip] = latent
+        if name == "ours" and clip == clips[0]:
+            lone[clip] = latent
+        if cfg_split and clip in lone:  # the same latent as the lone run, bit for bit
+            row["vs_lone_max_abs"] = float((latent.float() - lone[clip].float()).abs().max())
         echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
              "".join(f", {k} {row[k]:.4g}" for k in ("dense_call_ms", "first_sparse_ms", "steady_sparse_ms",
-                                                      "peak_gib", "rel_l2", "prepare_s") if k in row))
+                                                      "peak_gib", "rel_l2", "prepare_s", "vs_lone_max_abs") if k in row))
         result["runs"].append(row)
         if out is not None:
             out.write_text(json.dumps(result, indent=1))
         return row
 
     main = clips[0]
+    lone: dict[str, torch.Tensor] = {}
+    if prepared:
+        result["prepare_ahead_s"] = prepare_ahead(main, scale_name, work)
+        echo(f"e2e prepare (child process): {result['prepare_ahead_s']:.1f} s")
     run("load", main, None, n_steps=1)  # loads the model onto the device; not reported
     result["runs"].clear()
     run("comfyui", main, None)
-    run("ours-cold", main, node_widgets(scale))
-    run("ours", main, node_widgets(scale))
+    if "ours-cold" in runs or prepared:
+        run("ours-prepared" if prepared else "ours-cold", main, node_widgets(scale))
+    if "ours" in runs:
+        run("ours", main, node_widgets(scale))
     if not compile_only:
-        run("ours-speed", main, node_widgets(scale, warmup_mode="speed"))
-        run("ours-ratio-0.1", main, node_widgets(scale, topk_ratio=0.1))
-        run("ours-all-dense", main, node_widgets(scale, warmup_mode="dense"))  # our dense kernel; the rounding floor
+        for name, widgets in (("ours-speed", node_widgets(scale, warmup_mode="speed")),
+                              ("ours-ratio-0.1", node_widgets(scale, topk_ratio=0.1)),
+                              ("ours-all-dense", node_widgets(scale, warmup_mode="dense"))):  # the rounding floor
+            if name in runs:
+                run(name, main, widgets)
+        if "ours-cfg-split" in runs:
+            with one_device_twice():
+                run("ours-cfg-split", main, node_widgets(scale), cfg_split=True)
         for clip in ("new-length", "new-length-2"):
-            if clip in scale.frames:
+            if clip in scale.frames and "ours-new-length" in runs:
                 run("ours-new-length", clip, node_widgets(scale))
     if compile_backend is not None:
         for name, widgets in (("comfyui-compiled", None), ("ours-compiled", node_widgets(scale))):
@@ -326,7 +369,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     if compile_only:
         logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
         return result
-    for clip in clips[1:]:
+    for clip in clips[1:] if "other-clips" in runs else ():
         run("comfyui", clip, None)
         run("ours", clip, node_widgets(scale))
         run("ours-ratio-1", clip, node_widgets(scale, topk_ratio=1.0))
@@ -339,6 +382,26 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             out.write_text(json.dumps(result, indent=1))
     logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
     return result
+
+
+@contextmanager
+def one_device_twice() -> Iterator[None]:
+    """ComfyUI sees this process's device twice (under two names), so MultiGPU CFG Split deep-clones
+    the model onto the same device and runs cond and uncond in two device threads."""
+    import comfy.model_management as mm
+
+    real = mm.get_all_torch_devices
+    device = mm.get_torch_device()
+    alias = torch.device(device.type) if device.index is not None else torch.device(device.type, 0)
+
+    def twice(exclude_current: bool = False) -> list[torch.device]:
+        return [alias] if exclude_current else [device, alias]
+
+    mm.get_all_torch_devices = twice
+    try:
+        yield
+    finally:
+        mm.get_all_torch_devices = real
 
 
 def default_work() -> Path:

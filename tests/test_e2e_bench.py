@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import comfyui_stubs
+
 from adaptive_sparse_attention.bench import e2e
 from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS, config_from_widgets
 
@@ -71,7 +73,10 @@ def test_unknown_clip_is_named(tmp_path: Path):
                     reason="set COMFYUI_PATH to a ComfyUI checkout to run the benchmark in it")
 def test_tiny_run_in_real_comfyui(tmp_path: Path):
     out = tmp_path / "e2e.json"
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    (tmp_path / "stubs").mkdir()
+    (tmp_path / "stubs" / "sitecustomize.py").write_text(comfyui_stubs.STUBS)  # ComfyUI imports on this CPU
+    path = os.pathsep.join(p for p in (str(tmp_path / "stubs"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-m", "adaptive_sparse_attention", "e2e", "--comfyui", COMFYUI,
                            "--scale", "tiny", "--blocks", "1", "--steps", "2", "--clips", "10s",
                            "--work", str(tmp_path), "--out", str(out), "--compile", "eager"], capture_output=True,
