@@ -6,6 +6,8 @@
 - bench: a preset (cpu-small, h3-5s, h3-10s, h3-14s, h3-30s, h3-60s) x methods x ratios; writes a markdown
   table, JSON and plots to --out and prints the table.
 - evaluate: the same metrics on a capture file written by the "Capture H3 Attention" node.
+- prepare: compile the kernels and measure the dense-kernel choice for this GPU ahead of the first
+  sampler run (bench/prepare.py; install.py runs it too).
 - e2e: the whole KSampler run in real ComfyUI (COMFYUI_PATH) with and without our node
   (bench/e2e.py).
 - bench-long: long clips (30 s, 60 s) on the GPU: planner memory and time, kernel time, dense
@@ -32,7 +34,8 @@ import torch
 
 from ..kernels import dispatch
 from ..nodes.capture import load_capture
-from . import long_clips, planner_timing, reblock_timing, routing_quality, tiling_ceiling, ulysses_timing
+from . import (long_clips, planner_timing, prepare, reblock_timing, routing_quality, tiling_ceiling,
+               ulysses_timing)
 from .e2e import RUNS
 from .methods import DEFAULT_METHOD
 from .report import acceptance, markdown_table, render_markdown, write_outputs
@@ -215,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="first run the pack's prepare command in a child process (empty caches otherwise); the "
                           "first run of ours is then the first use after it (ours-prepared)")
     e2e.set_defaults(func=cmd_e2e)
+
+    prep = sub.add_parser("prepare", help="compile the kernels and measure the dense kernel for this GPU, ahead of "
+                                          "the first run", description=prepare.__doc__.splitlines()[0])
+    prepare.add_arguments(prep)
+    prep.set_defaults(func=prepare.run)
 
     long = sub.add_parser("bench-long", help="long clips on the GPU: planner memory and time, kernel, dense cuDNN")
     long_clips.add_arguments(long)

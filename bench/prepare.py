@@ -1,0 +1,105 @@
+"""Prepare a machine ahead of the first run: compile the kernels and measure the dense-kernel choice.
+
+The first sparse use on a machine compiles the Triton kernels, and the first dense block of a
+shape measures which exact dense kernel is fastest. Both results persist (Triton's disk cache,
+the dense-choice file), so doing them here, once, takes the wait out of the first sampler run.
+`python -m adaptive_sparse_attention prepare` runs it; `install.py` runs it too when it finds a
+GPU. H3's shapes at 1344x768: the kernels do not depend on the clip length beyond power-of-two
+row buckets, so the 5 s and 10 s clips cover the usual lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..backend.config import SparseConfig
+from ..backend.warmup import prepare_kernels
+from ..kernels.dense import DenseChoices, default_cache_path
+from .scenes import SIZES
+
+log = logging.getLogger("adaptive_sparse_attention")
+CLIPS = {"5s": "h3-5s", "10s": "h3-10s", "14s": "h3-14s", "30s": "h3-30s"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def comfy_user_dir(pack_dir: Path) -> Path | None:
+    """ComfyUI's default user directory when the pack sits in ``ComfyUI/custom_nodes/<folder>``."""
+    if pack_dir.parent.name == "custom_nodes" and (pack_dir.parent.parent / "main.py").is_file():
+        return pack_dir.parent.parent / "user"
+    return None
+
+
+def strided_qkv(rows: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v [1, H, S, D] laid out as ComfyUI's H3 attention hands them to the dense kernel:
+    strided views of one fused [S, 3 * H * D] projection (so the dense choice's key matches)."""
+    g = torch.Generator(device).manual_seed(0)
+    qkv = torch.randn(1, rows, 3, heads, head_dim, generator=g, device=device, dtype=dtype)
+    return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+
+
+def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: SparseConfig,
+            choices: DenseChoices, echo=print) -> dict[str, dict[str, float]]:
+    """Compile the kernels of `config` and measure the dense choice for each H3 clip.
+
+    Args:
+        clips: names in `CLIPS`.
+        device: a CUDA device.
+        dtype: the model's compute dtype.
+        config: the sparse configuration whose kernels are compiled (the node's defaults).
+        choices: where the dense choices are measured and saved.
+        echo: prints one line per step.
+    Returns:
+        clip -> {"kernels_s", "dense_s"}.
+    """
+    result = {}
+    for clip in clips:
+        size = SIZES[CLIPS[clip]]
+        start = time.perf_counter()
+        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim)
+        kernels_s = time.perf_counter() - start
+        echo(f"prepare {clip} ({size.total} tokens): sparse kernels "
+             + ("already prepared" if compiled is None else f"ready in {kernels_s:.1f} s"))
+        start = time.perf_counter()
+        q, k, v = strided_qkv(size.total, size.heads, size.head_dim, dtype, device)
+        kernel = choices.choice(q, k, v)
+        del q, k, v
+        torch.cuda.synchronize(device)
+        dense_s = time.perf_counter() - start
+        echo(f"prepare {clip}: dense attention runs on SDPA's {kernel or 'default'} kernel "
+             f"(measured in {dense_s:.1f} s, saved in {choices.path})")
+        result[clip] = {"kernels_s": kernels_s, "dense_s": dense_s}
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clips", default="5s,10s", help=f"H3 clips at 1344x768 ({', '.join(CLIPS)}; default 5s,10s)")
+    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="the model's compute dtype")
+    parser.add_argument("--device", default="cuda", help="the CUDA device (default cuda)")
+    parser.add_argument("--user-dir", help="ComfyUI's user directory, where the node keeps its dense-kernel "
+                                           "choices (default: found from the pack's folder inside ComfyUI)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `prepare` command."""
+    clips = [c for c in args.clips.split(",") if c]
+    unknown = [c for c in clips if c not in CLIPS]
+    if unknown or not clips:
+        print(f"prepare: --clips {args.clips!r}: {unknown or 'none given'} not allowed; allowed: {', '.join(CLIPS)}")
+        return 2
+    if not torch.cuda.is_available():
+        print("prepare: no CUDA GPU visible: nothing to prepare (on the CPU the torch reference kernel runs, "
+              "which compiles nothing)")
+        return 0
+    device = torch.device(args.device)
+    pack_dir = Path(__file__).resolve().parent.parent
+    user_dir = Path(args.user_dir) if args.user_dir else comfy_user_dir(pack_dir)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"prepare: compiling the sparse-attention kernels for {torch.cuda.get_device_name(device)} and measuring "
+          f"the dense kernel for {', '.join(clips)}; this takes about a minute the first time on a machine")
+    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), DenseChoices(default_cache_path(user_dir)))
+    return 0
