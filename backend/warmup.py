@@ -8,29 +8,24 @@ default schedule); Triton keeps what it compiled in its on-disk cache for later 
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
+from dataclasses import fields
 
 import torch
 
 from .attention import sparse_attention
-from .cache import BoundedCache
 from .config import SparseConfig
 from .layout import SequenceLayout
-from .reblock import eager_partition
 
 log = logging.getLogger("adaptive_sparse_attention")
+SCHEDULE_FIELDS = ("warmup_mode", "warmup_ratio", "dense_layers", "min_tokens", "strict", "dense_attention")
 
-_prepared: BoundedCache[float] = BoundedCache(16)
 
-
-@functools.lru_cache(maxsize=16)
-def kernel_fields(config: SparseConfig) -> SparseConfig:
-    """`config` with the schedule-only fields at fixed values: configs that launch the same kernels
-    map to one value. Cached, as every block call asks (a replace validates every field again)."""
-    return config.replace(warmup_mode="speed", warmup_ratio=0.0, dense_layers=(), min_tokens=0, strict=False,
-                          dense_attention="fastest")
+def kernel_fields(config: SparseConfig) -> tuple:
+    """The values of `config` that decide which kernels a sparse call launches (every field but
+    the schedule-only ones): configs that launch the same kernels map to one value."""
+    return tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name not in SCHEDULE_FIELDS)
 
 
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
@@ -46,8 +41,8 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
     """
     if device.type != "cuda":
         return None
-    key = (layout.signature(), kernel_fields(config), dtype, str(device), head_dim)
-    if key in _prepared.entries:
+    key = (kernel_fields(config), dtype, str(device), head_dim)
+    if layout.cache.has("prepared", key):
         return None
 
     def run() -> float:
@@ -58,11 +53,13 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         g = torch.Generator(device).manual_seed(0)
         q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
                    for _ in range(3))
-        with eager_partition():
-            sparse_attention(q, k, v, layout, config)
+        scratch = SequenceLayout(layout.segments)  # what this one-head call builds goes with it
+        scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
+        scratch.cache.notes = layout.cache.notes  # what it says is said once for the layout
+        sparse_attention(q, k, v, scratch, config)
         torch.cuda.synchronize(device)  # once per layout: the time is reported
         seconds = time.perf_counter() - start
         log.info("adaptive sparse attention: kernels ready in %.1f s", seconds)
         return seconds
 
-    return _prepared.get(key, run)
+    return layout.cache.get("prepared", key, run)

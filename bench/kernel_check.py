@@ -40,7 +40,7 @@ from .timing import bench_ms, queued_ms
 from ..backend.planner import build_plan, make_tiling
 from ..backend.tail import block_reduce
 from ..kernels.configs import CONFIGS, FAMILIES, KernelConfig, finish_config, kernel_config
-from ..kernels.cudnn_attention import cudnn_unavailable_reason
+from ..kernels.table import unavailable_reason
 from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling
 from ..kernels.reference import block_sparse_reference
 from ..kernels.triton_attention import block_sparse_triton
@@ -127,7 +127,7 @@ def sanitize_child() -> None:
         plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3, tail_granularity=gran))
         for fam in FAMILIES:
             block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, family=fam))
-        if cudnn_unavailable_reason(q.device, q.dtype, 128, 64) is None:
+        if unavailable_reason("cudnn", q.device, q.dtype, 128, 64) is None:
             from ..kernels.cudnn_attention import block_sparse_cudnn
 
             block_sparse_cudnn(q, k, v, plan)
@@ -221,7 +221,7 @@ def planner_profile(q, k, v, layout, ratio) -> dict:
     plan = results["build_plan reweight"]
     key, value, bias = results["reweight_summaries"]
     out["block_reduce (block gran.)"] = bench_ms(
-        lambda: block_reduce(results["block_means q"], key, value, bias, plan), rep_ms=300)
+        lambda: block_reduce(results["block_means q"], key, value, bias, plan.dense_hi, plan.q2k_idx, plan.q2k_num), rep_ms=300)
     return out
 
 
@@ -296,7 +296,7 @@ def cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops) -> dic
         row[f"op_default_{backend}_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg), rep_ms=1500)
         # planning as the op's share of device time: launches queued behind GPU work, as in a forward pass
         row[f"plan_default_{backend}_ms"], row[f"plan_default_{backend}_host_ms"] = queued_ms(
-            lambda: build_plan(q, k, v, layout, cfg, backend=backend), q.device, warmup=1, reps=10)
+            lambda: build_plan(q, k, v, layout, cfg), q.device, warmup=1, reps=10)
         row[f"plan_share_{backend}"] = row[f"plan_default_{backend}_ms"] / row[f"op_default_{backend}_ms"]
     print(f"  cudnn r{ratio} {gran:5s}: anchor {anchor_ms:.2f} ms {row['anchor_tflops']:.0f} TFLOP/s "
           f"({100 * row['anchor_vs_dense_rate']:.0f}% of dense rate; default tiling "
@@ -355,7 +355,7 @@ def timing(results: dict, shapes: list[str], ratios: list[float], block_sizes: l
                                                                   rep_ms=1500)
                             row["sparse_attention_vs_dense"] = row["sparse_attention_ms"] / dense_ms
                         entry["rows"].append(row)
-                        if bs == 64 and fam == FAMILIES[-1] and cudnn_unavailable_reason(q.device, q.dtype, DIM, bs) is None:
+                        if bs == 64 and fam == FAMILIES[-1] and unavailable_reason("cudnn", q.device, q.dtype, DIM, bs) is None:
                             entry.setdefault("cudnn", []).append(
                                 cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops))
                         extra = (f" | whole op {row['sparse_attention_ms']:.1f} ms "

@@ -20,6 +20,7 @@ with interpreter_env():
     from adaptive_sparse_attention.kernels import reblock_features
 
 from adaptive_sparse_attention.backend import reblock
+from adaptive_sparse_attention.kernels.table import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -35,7 +36,7 @@ def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     x[0, :5] = 0  # zero rows: norm 0, features 0
     x[1, 7, 3] = float("inf")  # a non-finite row must not reach the split
     want = reblock.metric_features(x, other)
-    got = reblock.metric_features(x, other, "triton")
+    got = reblock.metric_features(x, other, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
     assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock.FEATURE_DIMS)
     assert torch.isfinite(got).all()
     lo, hi = torch.minimum(got, want), torch.maximum(got, want)
@@ -67,12 +68,12 @@ def test_gram_matches_torch(dtype, tol, normalise):
 
 def test_gram_factor_is_checked():
     with pytest.raises(ValueError, match="factor must be"):
-        reblock_features.gram_triton(torch.zeros(2, 8, 16), torch.zeros(2, 16, 16, dtype=torch.float64))
+        reblock_features.gram_triton(torch.zeros(2, 8, 16), torch.zeros(2, 16, 8))
 
 
 def test_bad_weights_are_named():
     x = torch.zeros(1, 4, 16)
     with pytest.raises(ValueError, match="r=8 is not allowed"):
         reblock_features.metric_project_triton(x, torch.zeros(1, 16, 16), torch.zeros(1, 16, 8))
-    with pytest.raises(ValueError, match="in x's dtype"):
-        reblock_features.metric_project_triton(x, torch.zeros(1, 16, 16, dtype=torch.float64), torch.zeros(1, 16, 16))
+    with pytest.raises(ValueError, match="factor must be a floating"):
+        reblock_features.metric_project_triton(x, torch.zeros(1, 16, 8), torch.zeros(1, 16, 16))
