@@ -28,6 +28,7 @@ from ..backend.layout import SequenceLayout
 from .scenes import SceneSize
 from ..backend.planner import build_plan
 from ..backend import reblock
+from ..backend.reblock_partition import partition
 from ..backend.head_choice import choose_tubes
 from ..kernels.table import resolve
 from .timing import queued_ms, time_call
@@ -94,10 +95,10 @@ def run(args: argparse.Namespace) -> int:
     schedule = reblock.cached_static(layout, 64, dev).parts[-1]
     z = reblock.metric_features(ks, qs, triton)
     res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64, triton, layout.cache, seg.start),
-                                                           reblock.partition(z, schedule, triton)))
-    torch_levels = reblock.partition(z, schedule)  # every level on the torch path
+                                                           partition(z, schedule, triton)))
+    torch_levels = partition(z, schedule)  # every level on the torch path
     res["checks"]["fused_levels_agree_with_torch_levels"] = float(
-        (reblock.partition(z, schedule, triton) == torch_levels).double().mean())
+        (partition(z, schedule, triton) == torch_levels).double().mean())
     t, host = {}, {}
     for graphs in (True, False):
         suffix = "" if graphs else "_eager"
@@ -109,15 +110,15 @@ def run(args: argparse.Namespace) -> int:
             t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
     t["features"] = time_call(lambda: reblock.metric_features(ks, qs, triton), dev, 3, 10)
     t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64, triton, layout.cache, seg.start), dev, 3, 10)
-    t["partition_eager"] = time_call(lambda: reblock.partition(z, schedule, triton), dev, 3, 10)
-    t["partition_eager_torch_levels"] = time_call(lambda: reblock.partition(z, schedule), dev, 3, 10)
+    t["partition_eager"] = time_call(lambda: partition(z, schedule, triton), dev, 3, 10)
+    t["partition_eager_torch_levels"] = time_call(lambda: partition(z, schedule), dev, 3, 10)
     res["ms"] = t
     save()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            reblock.partition(z, schedule, triton)
+            partition(z, schedule, triton)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
     save()

@@ -1,7 +1,7 @@
 """Fused projection of the reblock tree features (CPU interpreter) against the torch path.
 
 `metric_features` is run on the same inputs with and without the Triton kernel; both store the
-features in fp16 (`reblock.feature_dtype`). fp32 inputs: the kernel's products are full fp32
+features in fp16 (`reblock_reference.feature_dtype`). fp32 inputs: the kernel's products are full fp32
 ("ieee"), in another summation order, so features (unit scale) agree before rounding to 1e-5,
 and after it to 1e-5 or one fp16 step where a value lies at a rounding boundary. 16-bit inputs: both paths multiply 16-bit values with fp32 accumulation,
 but the torch path rounds the [N, D + r] product to the input dtype before the norm, so they
@@ -19,7 +19,7 @@ with interpreter_env():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels import reblock_features
 
-from adaptive_sparse_attention.backend import reblock
+from adaptive_sparse_attention.backend import reblock_metric
 from adaptive_sparse_attention.kernels.table import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -35,9 +35,9 @@ def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     x, other = base[:, 4:N + 4], other[:, :N]  # strided heads, as a region's slice of Q/K is
     x[0, :5] = 0  # zero rows: norm 0, features 0
     x[1, 7, 3] = float("inf")  # a non-finite row must not reach the split
-    want = reblock.metric_features(x, other)
-    got = reblock.metric_features(x, other, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
-    assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock.FEATURE_DIMS)
+    want = reblock_metric.metric_features(x, other)
+    got = reblock_metric.metric_features(x, other, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
+    assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock_metric.FEATURE_DIMS)
     assert torch.isfinite(got).all()
     lo, hi = torch.minimum(got, want), torch.maximum(got, want)
     adjacent = torch.nextafter(lo, hi) == hi  # one fp16 step apart: a value at a rounding boundary

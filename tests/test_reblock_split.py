@@ -24,8 +24,8 @@ with interpreter_env():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels import reblock_split
 
-from adaptive_sparse_attention.backend import reblock
-from adaptive_sparse_attention.backend.reblock import build_schedule, partition
+from adaptive_sparse_attention.backend.reblock_partition import partition
+from adaptive_sparse_attention.backend.reblock_schedule import build_schedule
 from adaptive_sparse_attention.kernels import reblock_reference
 from adaptive_sparse_attention.kernels.table import resolve
 
