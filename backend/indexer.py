@@ -1,4 +1,4 @@
-"""Cheap 8-bit routing scores (seed 002, section 4.1): Hadamard-rotated, quantised block means.
+"""Cheap 8-bit routing scores: Hadamard-rotated, quantised block means.
 
 The routing only needs the order of the pooled scores E = q_mean k_mean^T / sqrt(D), so the
 block means can be multiplied in 8 bits. A few dimensions of the means carry most of their

@@ -1,4 +1,4 @@
-"""Routing (seed 000): block means of Q and K, pooled scores, per-region TopK, index tables.
+"""Routing: block means of Q and K, pooled scores, per-region TopK, index tables.
 
 Every query block of a sparse region keeps, per candidate key region r, the R_r key blocks with
 the highest pooled score E = q_mean k_mean^T / sqrt(D) (fp32), where
@@ -50,7 +50,7 @@ def pooled_scores(q_mean: torch.Tensor, k_mean: torch.Tensor, rows: tuple[int, i
 def index_table(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Boolean block mask [..., J] -> (q2k_idx [..., J] int32, ascending, -1 padded; q2k_num [...] int32).
 
-    Matches seed 000's map_to_index: the row width is the candidate count, kernels read only
+    The row width is the candidate count; kernels read only
     the first q2k_num entries.
     """
     J = mask.shape[-1]

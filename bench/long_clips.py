@@ -106,7 +106,7 @@ def plan_rows(q, k, v, layout, config: SparseConfig, shape: str, qkv_mib: float)
            "R": int(plan.q2k_idx.shape[-1]), "qkv_mib": qkv_mib, "plan_peak_mib": peak,
            "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first, "cached_mib": cached}
     row["plan_ms"], row["plan_host_ms"] = ms(lambda: build_plan(q, k, v, layout, config))
-    row["kernel_ms"], _ = ms(lambda: resolve("triton", q.device, q.dtype).attention(q, k, v, plan))
+    row["kernel_ms"], _ = ms(lambda: resolve("triton", q.device, q.dtype).attention.attend_blocks(q, k, v, plan))
     row["call_ms"], row["call_host_ms"] = ms(lambda: sparse_attention(q, k, v, layout, config))
     return row
 

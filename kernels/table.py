@@ -37,8 +37,8 @@ from .cudnn_attention import BLOCK_SIZE as CUDNN_BLOCK_SIZE
 from .cudnn_attention import DTYPES as CUDNN_DTYPES
 from .cudnn_attention import FAMILIES as CUDNN_FAMILIES
 from .cudnn_attention import HEAD_DIMS as CUDNN_HEAD_DIMS
-from .custom_op import cudnn_attention, triton_attention
-from .reference import block_sparse_reference
+from .custom_op import CudnnAttention, TritonAttention
+from .reference import ReferenceAttention
 
 log = logging.getLogger("adaptive_sparse_attention")
 TRITON_MIN_CAPABILITY = (8, 0)  # the kernels' 16-bit tensor-core paths and shared-memory plans start at Ampere
@@ -172,18 +172,19 @@ def _projection_rank(x: torch.Tensor, factor: torch.Tensor, proj: torch.Tensor) 
 @dataclass(frozen=True)
 class Implementation:
     """One backend's implementation of an operation: the function (a "module:name" of this package
-    for the Triton kernels, imported only when resolved), what it needs of the call, and what it
-    needs of its inputs (`accepts(*args)` says why not, None when it takes them)."""
+    for the Triton kernels, imported only when resolved; for the attention an object whose
+    `attend_blocks(q, k, v, plan)` runs it), what it needs of the call, and what it needs of its inputs
+    (`accepts(*args)` says why not, None when it takes them)."""
 
     backend: str
-    function: Callable | str
+    function: Any
     requires: tuple[Requirement, ...] = ()
     accepts: Callable[..., str | None] | None = None
     accepts_label: str = ""
 
     def load(self) -> Callable:
         """The function itself."""
-        if callable(self.function):
+        if not isinstance(self.function, str):
             return self.function
         module, name = self.function.split(":")
         return getattr(importlib.import_module(f"{__package__}.{module}"), name)
@@ -237,8 +238,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("partition_level", "one level of the reblock tree split", (
         _torch(tree_ref.partition_level_torch), _triton("reblock_split:partition_level_triton"))),
     Operation("attention", "block-sparse attention under the plan", (
-        _torch(block_sparse_reference), Implementation("triton", triton_attention, TRITON_ATTENTION),
-        Implementation("cudnn", cudnn_attention, CUDNN_ATTENTION))),
+        _torch(ReferenceAttention()), Implementation("triton", TritonAttention(), TRITON_ATTENTION),
+        Implementation("cudnn", CudnnAttention(), CUDNN_ATTENTION))),
 )
 ATTENTION = OPERATIONS[-1]
 
@@ -324,10 +325,11 @@ class Stage:
 @dataclass(frozen=True)
 class Kernels:
     """Every operation's implementation for one call (`resolve`): the planner's stages as `Stage`s
-    and `attention(q, k, v, plan) -> (out, lse)`, a direct reference to its kernel's entry."""
+    and the attention, whose `attend_blocks(q, k, v, plan) -> (out, lse)` is defined in its kernel's file
+    (`reference.py` or `custom_op.py`)."""
 
     backend: str
-    attention: Callable
+    attention: Any
     block_sums: Stage
     block_summaries: Stage
     pooled_scores: Stage
@@ -423,4 +425,4 @@ def reference_kernels() -> Kernels:
     """The torch reference of every operation (any device and dtype; never falls back)."""
     stages = {op.name: Stage(op.name, "torch", op.of("torch").function, op.of("torch").function, None, True, set())
               for op in OPERATIONS if op is not ATTENTION}
-    return Kernels("torch", block_sparse_reference, **stages)
+    return Kernels("torch", ATTENTION.of("torch").function, **stages)
