@@ -16,7 +16,7 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():  # the kernels must be first imported in interpreter mode
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels import block_select  # noqa: F401  (route_blocks imports it lazily)
+    from adaptive_sparse_attention.kernels import block_select  # noqa: F401  (the table imports it when it resolves Triton)
     from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton, quantised_scores_triton
 
 from adaptive_sparse_attention.backend import indexer, pooling, routing, tail

@@ -6,8 +6,6 @@ Availability is decided from a `Host` (which packages import, the interpreter) a
 """
 import importlib.util
 import logging
-import os
-import sys
 from pathlib import Path
 
 import pytest
