@@ -92,13 +92,14 @@ def report() -> list[str]:
 
     table = kernel_table()
     host = table.Host.current()
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        gpus = [(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
+                for i in range(torch.cuda.device_count())]
+        lines += gpu_lines(table, gpus, host)
+    else:
         auto = table.auto_choices(table.Target("cpu"), host)
-        return lines + ["  GPU: none visible -> every block that runs sparse uses the torch reference kernel on the "
-                        f"CPU (for testing; real H3 runs need a CUDA GPU); auto runs {auto[torch.float32]}"]
-    gpus = [(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
-            for i in range(torch.cuda.device_count())]
-    lines += gpu_lines(table, gpus, host)
+        lines.append("  GPU: none visible -> every block that runs sparse uses the torch reference kernel on the "
+                     f"CPU (for testing; real H3 runs need a CUDA GPU); auto runs {auto[torch.float32]}")
     lines.append("  what runs where (operation: backends [what each needs]):")
     return lines + ["    " + line for line in table.operation_lines()]
 
