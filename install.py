@@ -9,6 +9,7 @@ optional piece makes the pack slower, not broken.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as metadata
 import importlib.util
 import platform
@@ -16,8 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-MIN_CAPABILITY = (8, 0)  # the Triton kernel's bf16 tensor-core path needs Ampere or newer
-CUDNN_FAMILIES = (9,)  # kernels/cudnn_attention.py FAMILIES (the pack is not importable by name here)
+PACKAGE = "adaptive_sparse_attention"
 
 
 def version(dist: str) -> str | None:
@@ -28,12 +28,28 @@ def version(dist: str) -> str | None:
         return None
 
 
-def kernel_families():
-    """`family_of` from kernels/configs.py, loaded by path (the pack is not importable by name here)."""
-    spec = importlib.util.spec_from_file_location("_asa_kernel_configs", ROOT / "kernels" / "configs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.family_of
+def kernel_table():
+    """The pack's `kernels/table.py`, imported from this folder under the package's name (ComfyUI
+    runs this file from the pack's folder, whose name need not be the package's)."""
+    if PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[PACKAGE] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{PACKAGE}.kernels.table")
+
+
+def gpu_lines(table, gpus: list[tuple[str, tuple[int, int]]], host) -> list[str]:
+    """Per GPU (name, capability): which backend ``auto`` runs for every dtype, from the table itself."""
+    lines = []
+    for i, (name, cap) in enumerate(gpus):
+        auto = table.auto_choices(table.Target("cuda", cap), host)
+        lines.append(f"  cuda:{i} {name} (sm{cap[0]}{cap[1]}): auto runs "
+                     + ", ".join(f"{str(d).removeprefix('torch.')} -> {b}" for d, b in auto.items()))
+        if cap[0] in table.CUDNN_FAMILIES and not host.cudnn:
+            lines.append(f"    this GPU can run cuDNN-frontend's block-sparse kernel for the exact keys, faster than "
+                         f"the Triton kernel: {table.CUDNN_INSTALL}")
+    return lines
 
 
 def report() -> list[str]:
@@ -58,12 +74,8 @@ def report() -> list[str]:
         lines.append(f"  {triton_dist} {triton_version}: fast Triton kernel available on supported GPUs")
 
     frontend = version("nvidia-cudnn-frontend")
-    if frontend is None:
-        lines.append("  nvidia-cudnn-frontend: not installed (optional; the engine's backend='cudnn' on sm90 uses its "
-                     "block-sparse kernel for the exact keys, the node runs Triton)")
-    else:
-        lines.append(f"  nvidia-cudnn-frontend {frontend}: the engine's backend='cudnn' can use it on sm90 "
-                     "(asked for by name; the node and backend='auto' run Triton)")
+    lines.append(f"  nvidia-cudnn-frontend {frontend}" if frontend else
+                 "  nvidia-cudnn-frontend: not installed (optional; on Hopper GPUs `auto` runs its block-sparse kernel)")
 
     kitchen = version("comfy-kitchen")
     if kitchen is None:
@@ -78,23 +90,18 @@ def report() -> list[str]:
             lines.append(f"  comfy-kitchen {kitchen}: fused RMSNorm+RoPE used for Q/K production"
                          + ("; sol_attn present (benchmark baseline)" if has_sol else ""))
 
-    if not torch.cuda.is_available():
-        return lines + ["  GPU: none visible -> every block that runs sparse uses the torch reference kernel on the "
-                        "CPU (for testing; real H3 runs need a CUDA GPU)"]
-    family_of = kernel_families()
-    for i in range(torch.cuda.device_count()):
-        cap = torch.cuda.get_device_capability(i)
-        name = torch.cuda.get_device_name(i)
-        if cap < MIN_CAPABILITY:
-            where = "torch reference kernel (the Triton kernel needs compute capability 8.0+)"
-        elif triton_version is None:
-            where = "torch reference kernel (install Triton for the fast kernel)"
-        else:
-            where = f"Triton kernel, {family_of(cap)} configs"
-            if frontend is not None and cap[0] in CUDNN_FAMILIES:
-                where += "; backend='cudnn' also runs here"
-        lines.append(f"  cuda:{i} {name} (sm{cap[0]}{cap[1]}): {where}")
-    return lines
+    table = kernel_table()
+    host = table.Host.current()
+    if torch.cuda.is_available():
+        gpus = [(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
+                for i in range(torch.cuda.device_count())]
+        lines += gpu_lines(table, gpus, host)
+    else:
+        auto = table.auto_choices(table.Target("cpu"), host)
+        lines.append("  GPU: none visible -> every block that runs sparse uses the torch reference kernel on the "
+                     f"CPU (for testing; real H3 runs need a CUDA GPU); auto runs {auto[torch.float32]}")
+    lines.append("  what runs where (operation: backends [what each needs]):")
+    return lines + ["    " + line for line in table.operation_lines()]
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.dispatch import block_sparse_attention, resolve_backend
 from ..kernels.plan import BlockSparsePlan
 from .config import SparseConfig
 from .layout import SequenceLayout
-from .planner import build_plan
+from .planner import build_plan, call_kernels
 from .tail import coarse_branch
 
 HEAD_DIMS = (32, 64, 128)
@@ -81,28 +80,13 @@ def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
                          f"{q.device} broadcastable to the output {tuple(q.shape)} (e.g. [H, 1, 1])")
 
 
-def exact_density(plan: BlockSparsePlan, seq_len: int) -> float:
-    """Fraction of all (query, key) token pairs computed exactly, averaged over batch and heads.
-
-    Counted from the index tables in O(B x H x J x R) (the dense prefix through a prefix sum of
-    the block lengths), never from J x J masks; reading the result synchronises once.
-    """
-    n = plan.block_len.to(torch.float64)
-    prefix = torch.cat([n.new_zeros(1), n.cumsum(0)])
-    R = plan.q2k_idx.shape[-1]
-    picked = (torch.arange(R, device=n.device) < plan.q2k_num.unsqueeze(-1)) & (plan.q2k_idx >= 0)
-    keys = prefix[plan.dense_hi.long()] + torch.where(picked, n[plan.q2k_idx.long().clamp(min=0)], 0.0).sum(-1)
-    pairs = (keys * n).sum(-1)
-    return float(pairs.mean() / float(seq_len) ** 2) if pairs.numel() else 0.0  # no batch or heads: none
-
-
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
                      config: SparseConfig | None = None, *, return_info: bool = False,
                      coarse_gate: torch.Tensor | None = None, timings: bool = False):
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
     Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
-    kernel of the call runs on the backend `config.backend` resolves to (`kernels/dispatch.py`).
+    stage of the call runs the implementation the table gives it for `config.backend` (`kernels/table.py`).
     Bad inputs raise before anything is computed (`check_inputs`).
 
     Args:
@@ -118,20 +102,20 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """
     config = SparseConfig() if config is None else config
     check_inputs(q, k, v, layout, config, coarse_gate)
-    backend = resolve_backend(config.backend, q.device, q.dtype, config.strict, q.shape[-1], config.block_size)
+    kernels = call_kernels(q, layout, config)
     marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
-    plan = build_plan(q, k, v, layout, config, backend=backend)
+    plan = build_plan(q, k, v, layout, config, kernels=kernels)
     marks.append(_now(q, timings))
-    out, _ = block_sparse_attention(q, k, v, plan, backend)
+    out, _ = kernels.attention.attend_blocks(q, k, v, plan)
     if config.tail == "coarse" and coarse_gate is not None:
-        out = out + coarse_gate.to(out.dtype) * coarse_branch(q, k, v, plan, config.tail_granularity, backend)
+        out = out + coarse_gate.to(out.dtype) * coarse_branch(q, k, v, plan, config.tail_granularity, kernels)
     marks.append(_now(q, timings))
     if not return_info:
         return out
-    budgets = {f"{seg.kind}[{seg.start}:{seg.stop}]": budget
+    budgets = {f"{seg.kind}[{seg.start}:{seg.stop}]": g.budget
                for seg, span in zip(plan.tiling.regions, plan.tiling.region_blocks)
-               for lo, hi, budget in plan.groups if (lo, hi) == span}
-    info = SparseInfo(exact_density(plan, layout.total), budgets, backend, plan)
+               for g in plan.groups if (g.lo, g.hi) == span}
+    info = SparseInfo(plan.density(), budgets, kernels.backend, plan)
     if timings:
         info.timings_ms = {"plan": (marks[1] - marks[0]) * 1e3, "kernel": (marks[2] - marks[1]) * 1e3}
     return out, info

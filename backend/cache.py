@@ -1,7 +1,11 @@
-"""`BoundedCache`: a small least-recently-used map for objects derived from shapes.
+"""Bounded caches of objects derived from shapes, and `ShapeCache`, the one store a layout owns.
 
-Layouts, tilings and schedules depend only on the sequence's shape, so they are built once and
-reused; the bound keeps memory from growing when a session sees many shapes.
+Layouts, tilings, schedules, routing plans, captured partitions and kernel resolutions depend
+only on the sequence's shape (and the device, dtype, block size they were built for), so they
+are built once and reused. Each `SequenceLayout` carries its own `ShapeCache`: whoever holds
+the layout (the node's per-model layout cache, or an API user) owns what was built for it, and
+dropping or `clear()`-ing the layout frees it. Bounds keep memory from growing when one layout
+sees many devices, dtypes or block sizes.
 """
 from __future__ import annotations
 
@@ -9,6 +13,10 @@ from collections import OrderedDict
 from typing import Callable, Generic, Hashable, TypeVar
 
 T = TypeVar("T")
+
+# entries kept per job of a `ShapeCache` (the oldest goes first); graphs hold GPU memory
+JOB_BOUNDS = {"kernels": 8, "cube_tiling": 4, "route_plan": 8, "tube_statics": 4, "reblock_static": 4,
+              "partition_graph": 4, "prepared": 4}
 
 
 class BoundedCache(Generic[T]):
@@ -29,3 +37,35 @@ class BoundedCache(Generic[T]):
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+class ShapeCache:
+    """What was built for one layout, per job (`JOB_BOUNDS`), and the once-only record of what
+    was said about it (`notes`: fallbacks logged once per layout, not once per call). `graphs`
+    off: nothing is captured as a CUDA graph (a scratch layout for shapes never seen again)."""
+
+    def __init__(self, graphs: bool = True) -> None:
+        self.jobs: dict[str, BoundedCache] = {}
+        self.notes: set[str] = set()
+        self.graphs = graphs  # whether partitions built for this layout are captured and replayed as CUDA graphs
+
+    def get(self, job: str, key: Hashable, build: Callable[[], T]) -> T:
+        """The entry of `job` for `key` (what it depends on: device, dtype, block size, ...), built on a miss."""
+        if job not in JOB_BOUNDS:
+            raise ValueError(f"ShapeCache: job={job!r} is not allowed: expected one of {', '.join(JOB_BOUNDS)}")
+        cache = self.jobs.get(job)
+        if cache is None:
+            cache = self.jobs[job] = BoundedCache(JOB_BOUNDS[job])
+        return cache.get(key, build)
+
+    def has(self, job: str, key: Hashable) -> bool:
+        """Whether `job` holds an entry for `key`."""
+        return job in self.jobs and key in self.jobs[job].entries
+
+    def clear(self) -> None:
+        """Drop every entry and the record of what was said."""
+        self.jobs.clear()
+        self.notes.clear()
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.jobs.values())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..kernels.dispatch import BACKENDS as KERNEL_BACKENDS
+from ..kernels.table import BACKENDS as KERNEL_BACKENDS
 from .rules import Choice, Flag, Integer, LayerIndices, Number, Rule
 
 WARMUP_MODES = ("fidelity", "speed", "dense")
@@ -22,7 +22,7 @@ TILINGS = ("reblock", "cube")
 REBLOCK_LAYOUTS = ("q_reuse_k", "independent")
 TAILS = ("reweight", "mean", "none", "coarse")
 BLOCK_SIZES = (64, 128)
-BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a row of the one dispatch (kernels/dispatch.py)
+BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a backend of the one table (kernels/table.py)
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
 MAX_MIN_TOKENS = 1 << 22  # largest min_tokens a (possibly hostile) workflow or script may ask for

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import runs_triton
-from .cache import BoundedCache
+from ..kernels.table import Kernels, reference_kernels
 from .layout import SequenceLayout
-from .pooling import POOL_HEADS, accum_dtype
 from .routing import region_budget
 from .tiling import golden_positions, snake_perm
 
 TUBES = ((1, 2), (2, 4))  # (bH, bW) patches: tubes of block_size / (bH * bW) frames
 PROBES = 64  # sampled target-video queries per head
 
-_STATICS: BoundedCache[tuple[torch.Tensor, torch.Tensor]] = BoundedCache(8)  # a few shapes per session
 
 
 def tube_perms(layout: SequenceLayout, block_size: int, device: torch.device) -> torch.Tensor:
@@ -42,52 +39,30 @@ def probe_rows(layout: SequenceLayout) -> torch.Tensor:
 
 
 def cached_statics(layout: SequenceLayout, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tube permutations and the probe rows, built on the host once per shape and kept on the
-    device (a copy from the host per call would wait for the GPU to drain)."""
+    """The tube permutations and the probe rows, built on the host once per (block size, device) and
+    kept on the device by the layout (a copy from the host per call would wait for the GPU to drain)."""
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         perms = [snake_perm(layout, block_size, patch) for patch in TUBES]
         return torch.stack(perms).to(device), probe_rows(layout).to(device)
 
-    return _STATICS.get((layout.signature(), block_size, str(device)), build)
+    return layout.cache.get("tube_statics", (block_size, str(device)), build)
 
 
 def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, block_size: int,
-                   backend: str = "torch") -> torch.Tensor:
+                   kernels: Kernels | None = None) -> torch.Tensor:
     """log sum_i exp(q . k_i / sqrt(D)) of every probe q [G, P, D] over the rows of every key
     block of k [G, S, D] listed by perm [Gp, n * block_size] (Gp in {1, G}, -1 pads): [G, P, n]
-    in k's accumulation dtype. A Triton kernel on the Triton backend (power-of-two probe counts and
-    block sizes); here a few heads' logits at a time."""
-    if runs_triton(backend) and all(n >= 16 and n & (n - 1) == 0 for n in (probes.shape[1], block_size)):
-        from ..kernels.block_mass import block_log_mass_triton
-
-        return block_log_mass_triton(probes, k, perm, block_size)
-    G, P, D = probes.shape
-    acc = accum_dtype(k)
-    ids = perm.long()
-    out = torch.empty(G, P, ids.shape[-1] // block_size, dtype=acc, device=k.device)
-    for g0 in range(0, G, POOL_HEADS):
-        g1 = min(G, g0 + POOL_HEADS)
-        logits = probes[g0:g1].to(acc) @ k[g0:g1].to(acc).transpose(1, 2) * D ** -0.5
-        rows = (ids if ids.shape[0] == 1 else ids[g0:g1]).unsqueeze(1)
-        cols = torch.gather(logits, 2, rows.clamp(min=0).expand(g1 - g0, P, -1))
-        cols = cols.masked_fill(rows < 0, float("-inf"))
-        out[g0:g1] = cols.view(g1 - g0, P, -1, block_size).logsumexp(-1)
-    return out
+    in k's accumulation dtype (`kernels.block_log_mass`)."""
+    return (reference_kernels() if kernels is None else kernels).block_log_mass(probes, k, perm, block_size)
 
 
-def top_share(log_mass: torch.Tensor, budget: int, backend: str = "torch") -> torch.Tensor:
-    """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...].
-    One Triton program per row on the Triton backend (kernels/block_mass.py)."""
-    if runs_triton(backend) and log_mass.dtype == torch.float32:
-        from ..kernels.block_mass import top_share_triton
-
-        return top_share_triton(log_mass, budget).mean(-1)
-    total = log_mass.logsumexp(-1, keepdim=True)
-    return (log_mass.topk(budget, -1).values - total).exp().sum(-1).mean(-1)
+def top_share(log_mass: torch.Tensor, budget: int, kernels: Kernels | None = None) -> torch.Tensor:
+    """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...]."""
+    return (reference_kernels() if kernels is None else kernels).top_share(log_mass, budget).mean(-1)
 
 
 def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: SequenceLayout, block_size: int,
-                 span: tuple[int, int], ratio: float, backend: str = "torch") -> torch.Tensor:
+                 span: tuple[int, int], ratio: float, kernels: Kernels | None = None) -> torch.Tensor:
     """Per head, the tree's permutations or the best tube's, by the rule of the module docstring.
 
     Args:
@@ -97,7 +72,7 @@ def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: S
         layout, block_size: the call's layout and block size (the tubes are cut from them).
         span: the target video's [lo, hi) blocks.
         ratio: the routing ratio whose budget the shares are taken at.
-        backend: the kernels to run (`kernels/dispatch.py`).
+        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
     Returns:
         The chosen permutations, tree's shape and dtype.
     """
@@ -112,8 +87,8 @@ def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: S
     probes = q.index_select(2, rows).reshape(B * H, PROBES, D)
     keys = k.reshape(B * H, -1, D)
     candidates = [tree[-1].reshape(B * H, L)] + [t.view(1, L) for t in tubes]
-    share = top_share(torch.stack([block_log_mass(probes, keys, c[:, window], block_size, backend) for c in candidates]),
-                      budget, backend)  # one TopK over every candidate
+    share = top_share(torch.stack([block_log_mass(probes, keys, c[:, window], block_size, kernels) for c in candidates]),
+                      budget, kernels)  # one TopK over every candidate
     pick = share.argmax(0).view(1, B, H, 1)  # the first of equal shares
     chosen = tubes.index_select(0, (pick - 1).clamp(min=0).view(-1)).view(1, B, H, L)
     return torch.where(pick == 0, tree, chosen)

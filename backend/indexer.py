@@ -1,4 +1,4 @@
-"""Cheap 8-bit routing scores (seed 002, section 4.1): Hadamard-rotated, quantised block means.
+"""Cheap 8-bit routing scores: Hadamard-rotated, quantised block means.
 
 The routing only needs the order of the pooled scores E = q_mean k_mean^T / sqrt(D), so the
 block means can be multiplied in 8 bits. A few dimensions of the means carry most of their
@@ -19,9 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import BoundedCache
-
-_HADAMARD: BoundedCache[torch.Tensor] = BoundedCache(8)
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
@@ -38,15 +35,11 @@ class QuantisedMeans:
 
 def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Orthonormal Sylvester-Hadamard matrix [dim, dim] fp32 (dim a power of two), symmetric.
-    Built on the host once per (dim, device) and cached: a copy from pageable host memory on
-    every call would wait for the GPU to drain. Read-only."""
+    Built on `device` by log2(dim) doublings in float64 (no copy from the host, which on the GPU
+    would wait for it to drain)."""
     if dim < 1 or dim & (dim - 1):
         raise ValueError(f"hadamard: dim={dim} is not allowed: expected a power of two")
-    return _HADAMARD.get((dim, str(torch.device(device))), lambda: _sylvester(dim).to(device))
-
-
-def _sylvester(dim: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64, device=device)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / dim ** 0.5).to(torch.float32)
@@ -71,14 +64,6 @@ def quantise_means(q_mean: torch.Tensor, k_mean: torch.Tensor, fmt: str) -> Quan
     q_codes, q_scale = quantise(q_mean, fmt)
     k_codes, k_scale = quantise(k_mean, fmt)
     return QuantisedMeans(q_codes, q_scale * q_mean.shape[-1] ** -0.5, k_codes, k_scale)
-
-
-def quantised_scores(m: QuantisedMeans, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-    """Window [B, H, i1 - i0, c1 - c0] of the 8-bit scores (torch path: codes as fp32, so int8
-    sums are exact and match the kernel's int32 sums)."""
-    (i0, i1), (c0, c1) = rows, cols
-    acc = torch.matmul(m.q_codes[:, :, i0:i1].float(), m.k_codes[:, :, c0:c1].float().transpose(-1, -2))
-    return acc * m.q_scale[:, :, i0:i1].unsqueeze(-1) * m.k_scale[:, :, c0:c1].unsqueeze(-2)
 
 
 def fp8_unavailable_reason(device: torch.device) -> str | None:

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from .cache import ShapeCache
+
 CONTEXT_KINDS = ("text", "cond", "cond_audio", "ref_img", "ref_audio", "audio", "context")
 VIDEO_KINDS = ("video", "ref_video")
 KINDS = CONTEXT_KINDS + VIDEO_KINDS
@@ -97,6 +99,7 @@ class SequenceLayout:
                 f"SequenceLayout needs exactly one target 'video' segment, found {len(targets)}"
             )
         self.total: int = expected
+        self.cache = ShapeCache()  # what is built for this layout's shape; not part of its value
 
     @classmethod
     def from_segments(cls, segments: Iterable[Any]) -> "SequenceLayout":
@@ -143,7 +146,7 @@ class SequenceLayout:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     def signature(self) -> tuple:
-        """A hashable value equal for equal layouts: the key of every per-shape cache."""
+        """A hashable value equal for equal layouts (equality and hash; the cache is not part of it)."""
         return tuple((s.start, s.stop, s.kind, s.grid) for s in self.segments)
 
     def __eq__(self, other: object) -> bool:

@@ -1,8 +1,8 @@
 """Planner: tiling -> pooled scores -> per-region TopK -> the plan (index tables + tail summaries).
 
 Everything runs on the device of Q/K/V with no host synchronisation; only the shape-only cube
-tiling is built on the host, once per layout, and cached. The kernels it runs are those of the
-call's backend (`kernels/dispatch.py`).
+tiling is built on the host, once per layout, and kept by the layout. The kernels it runs are the
+call's resolution of the table (`kernels/table.py`).
 """
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import logging
 
 import torch
 
-from ..kernels.dispatch import resolve_backend
 from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling, group_span
-from .cache import BoundedCache
+from ..kernels.table import Kernels, resolve
 from .config import SparseConfig
 from .indexer import fp8_unavailable_reason
 from .layout import SequenceLayout
@@ -21,29 +20,42 @@ from .routing import route_blocks, route_plan
 from .tail import block_reduce, mean_summaries, reweight_summaries, target_anchor
 from .tiling import cube_tiling
 
-_CUBE_TILINGS: BoundedCache[Tiling] = BoundedCache(8)  # a few shapes per session
 log = logging.getLogger("adaptive_sparse_attention")
-_warned: set[str] = set()
+
+
+def call_kernels(q: torch.Tensor, layout: SequenceLayout, config: SparseConfig) -> Kernels:
+    """The kernels of a call on q under `config` (`layout_kernels`)."""
+    return layout_kernels(layout, config, q.device, q.dtype, q.shape[-1])
+
+
+def layout_kernels(layout: SequenceLayout, config: SparseConfig, device: torch.device, dtype: torch.dtype,
+                   head_dim: int) -> Kernels:
+    """The kernels of calls on `layout` under `config` (`kernels.table.resolve`), resolved once per
+    (request, device, dtype, head dim, block size) and kept by the layout, which also owns the
+    once-only record of the fallbacks it says."""
+    key = (config.backend, config.strict, str(device), dtype, head_dim, config.block_size)
+    return layout.cache.get("kernels", key, lambda: resolve(
+        config.backend, device, dtype, strict=config.strict, head_dim=head_dim, block_size=config.block_size,
+        notes=layout.cache.notes))
 
 
 def cached_cube_tiling(layout: SequenceLayout, block_size: int, device: torch.device) -> Tiling:
-    """`cube_tiling` of the layout, built once per (layout, block size, device)."""
-    return _CUBE_TILINGS.get((layout.signature(), block_size, str(device)),
-                             lambda: cube_tiling(layout, block_size, device))
+    """`cube_tiling` of the layout, built once per (block size, device) and kept by the layout."""
+    return layout.cache.get("cube_tiling", (block_size, str(device)), lambda: cube_tiling(layout, block_size, device))
 
 
 def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config: SparseConfig,
-                backend: str = "torch") -> Tiling:
+                kernels: Kernels | None = None) -> Tiling:
     """The tiling `config.tiling` asks for: the cached cube tiling, or a reblock tiling of q, k."""
     if config.tiling == "cube":
         return cached_cube_tiling(layout, config.block_size, q.device)
     from .reblock import reblock_tiling
 
-    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout, config.topk_ratio, backend=backend)
+    return reblock_tiling(q, k, layout, config.block_size, config.reblock_layout, config.topk_ratio, kernels=kernels)
 
 
 def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-               config: SparseConfig, tiling: Tiling | None = None, backend: str | None = None) -> BlockSparsePlan:
+               config: SparseConfig, tiling: Tiling | None = None, kernels: Kernels | None = None) -> BlockSparsePlan:
     """Plan sparse attention of q, k, v [B, H, S, D] (model order) under `config`.
 
     Args:
@@ -51,41 +63,39 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         layout: their segments.
         config: the engine's settings.
         tiling: a tiling to use instead of the one `config.tiling` builds.
-        backend: the kernels to plan with (a `kernels.dispatch.BACKENDS` name); default: resolved from
-            `config.backend` for q's device and dtype.
+        kernels: the kernels to plan with (`kernels.table.resolve`); default: `call_kernels`.
     Returns:
         The plan. With ``tail="coarse"`` it has no tail: the coarse branch is an additive term
         (`tail.coarse_branch`).
     """
-    if backend is None:
-        backend = resolve_backend(config.backend, q.device, q.dtype, config.strict, q.shape[-1], config.block_size)
-    tiling = make_tiling(q, k, layout, config, backend) if tiling is None else tiling
-    q_mean = block_means(q, tiling.q_perm, tiling, backend)
-    k_mean = block_means(k, tiling.k_perm, tiling, backend)
-    dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
-    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device), backend,
+    kernels = call_kernels(q, layout, config) if kernels is None else kernels
+    tiling = make_tiling(q, k, layout, config, kernels) if tiling is None else tiling
+    q_mean = block_means(q, tiling.q_perm, tiling, kernels)
+    k_mean = block_means(k, tiling.k_perm, tiling, kernels)
+    dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio, layout.cache)
+    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device, layout.cache.notes), kernels,
                                     group_span(groups))
     tail: Tail = None
     if config.tail in ("mean", "reweight"):
         if config.tail == "mean":
-            key, value, bias = mean_summaries(k, v, tiling, k_mean, backend)
+            key, value, bias = mean_summaries(k, v, tiling, kernels)
         else:
-            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q_mean, tiling), backend)
+            key, value, bias = reweight_summaries(k, v, tiling, target_anchor(q_mean, tiling), kernels)
         tail = QuerySummaries(key, value, bias)
         if config.tail_granularity == "block":
-            tail = BlockSummaries(*block_reduce(q_mean, key, value, bias, BlockSparsePlan(tiling, dense_hi, q2k_idx, q2k_num)))
-    return BlockSparsePlan(tiling, dense_hi, q2k_idx, q2k_num, tuple(groups), tail)
+            tail = BlockSummaries(*block_reduce(q_mean, key, value, bias, dense_hi, q2k_idx, q2k_num))
+    return BlockSparsePlan(tiling, dense_hi, q2k_idx, q2k_num, groups, tail)
 
 
-def routing_scores(config: SparseConfig, device: torch.device) -> str:
+def routing_scores(config: SparseConfig, device: torch.device, notes: set[str]) -> str:
     """The routing score format to use: `config.routing_scores`, except fp8 on a GPU without it,
-    which raises (strict) or runs int8 and says so once."""
+    which raises (strict) or runs int8 and says so once into `notes` (the owner's record)."""
     reason = fp8_unavailable_reason(device) if config.routing_scores == "fp8" else None
     if reason is None:
         return config.routing_scores
     if config.strict:
         raise RuntimeError(f"SparseConfig.routing_scores='fp8' cannot run: {reason} (strict mode)")
-    if reason not in _warned:
-        _warned.add(reason)
+    if reason not in notes:
+        notes.add(reason)
         log.warning("%s; routing with int8 scores instead", reason)
     return "int8"

@@ -1,16 +1,12 @@
-"""Block pooling: rows gathered per block by a tiling's permutation, and their means.
-
-Heads are processed a few at a time so the gathered copy stays a small fraction of Q/K/V.
-"""
+"""Block pooling: the means of the rows every block of a tiling gathers, and the planner's row chunks."""
 from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import runs_triton
-from ..kernels.plan import pack, perm_heads
+from ..kernels.planner_reference import accum_dtype
+from ..kernels.table import Kernels, reference_kernels
 from .tiling import Tiling
 
-POOL_HEADS = 8
 CHUNK_ELEMENTS = 1 << 26  # per-block planner buffers that grow with J x J are streamed in row
 # chunks of at most this many elements (256 MB of fp32), so planner memory stays linear in J
 
@@ -29,37 +25,14 @@ def row_chunks(rows: tuple[int, int], per_row: int, align: int = 64) -> list[tup
     return [(a, min(hi, b)) for a, b in zip(starts, starts[1:] + [hi]) if a < min(hi, b)]
 
 
-def accum_dtype(x: torch.Tensor) -> torch.dtype:
-    """Dtype the planner reduces x in: float64 for float64 inputs (the reference), else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def block_rows(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, h0: int, h1: int) -> torch.Tensor:
-    """Heads h0:h1 of x gathered into blocks: [B, h, J, block_size, D] in the accumulation dtype."""
-    rows = pack(x[:, h0:h1], perm_heads(perm, h0, h1)).to(accum_dtype(x))
-    return rows.view(x.shape[0], h1 - h0, tiling.num_blocks, tiling.block_size, x.shape[-1])
-
-
-def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, backend: str = "torch") -> torch.Tensor:
+def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, kernels: Kernels | None = None) -> torch.Tensor:
     """Per-block means over valid rows [B, H, J, D]; pooling divides by each block's true length.
 
-    Rows are summed in the accumulation dtype without materialising an upcast copy. Non-finite
-    entries of a mean (a NaN or inf row in the block) become 0, on the device: everything pooled
-    from the means (scores, TopK, anchors, block summaries) stays finite, so one bad row cannot
-    spread beyond the rows that read it directly. Finite means are unchanged."""
-    B, H, _, D = x.shape
-    acc = accum_dtype(x)
-    n = tiling.block_len.to(acc).view(1, 1, -1, 1)
-    if runs_triton(backend):  # kernels/block_stats.py
-        from ..kernels.block_stats import block_sums_triton
-
-        out = block_sums_triton(x, perm, tiling.block_len, tiling.block_size) / n
-    else:
-        out = x.new_empty(B, H, tiling.num_blocks, D, dtype=acc)
-        for h0 in range(0, H, POOL_HEADS):
-            h1 = min(H, h0 + POOL_HEADS)
-            rows = pack(x[:, h0:h1], perm_heads(perm, h0, h1))
-            out[:, h0:h1] = rows.view(B, h1 - h0, tiling.num_blocks, tiling.block_size, D).sum(3, dtype=acc) / n
+    Rows are summed in the accumulation dtype (`kernels.block_sums`) without materialising an
+    upcast copy. Non-finite entries of a mean (a NaN or inf row in the block) become 0, on the
+    device: everything pooled from the means (scores, TopK, anchors, block summaries) stays
+    finite, so one bad row cannot spread beyond the rows that read it directly."""
+    kernels = reference_kernels() if kernels is None else kernels
+    n = tiling.block_len.to(accum_dtype(x)).view(1, 1, -1, 1)
+    out = kernels.block_sums(x, perm, tiling.block_len, tiling.block_size) / n
     return out.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
-

@@ -15,8 +15,6 @@ applied by the kernel's indexed loads, not by gathering rows before the projecti
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -24,9 +22,9 @@ CHUNK_ROWS = 4096  # rows per projection chunk: 4096 x 3 x 7168 bf16 = 176 MB at
 KITCHEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what comfy-kitchen's rope kernels take
 
 
-@functools.lru_cache(maxsize=1)
 def kitchen():
-    """comfy-kitchen's module when importable (it imports `packaging` without declaring it)."""
+    """comfy-kitchen's module when importable (it imports `packaging` without declaring it); after
+    the first import this is a lookup in Python's module table, so nothing is cached here."""
     try:
         import comfy_kitchen
     except Exception:  # not installed or broken install: the torch path is equivalent

@@ -1,429 +1,29 @@
-"""Reblock tiling (seed 001): per-head token layouts that group tokens with similar attention.
+"""Reblock tiling: per-head token layouts that group tokens with similar attention.
 
-Metric (seed 001, section 05). Two queries want the same keys when their logit profiles K q_i
-and K q_j point the same way; <K q_i, K q_j> = q_i^T K^T K q_j, so queries are compared by the
-cosine of q^T L_K with L_K L_K^T = M_K = K^T K / N (uncentered second moment of the keys, plus a
-small ridge relative to trace/d), and keys by the cosine of k^T L_Q. Moments are estimated per
-(batch, head) from an evenly strided sample of the region's rows; the factor is a Cholesky
-factor (`cholesky_ex`, no host sync). The small moment, factor and basis math runs in float64 and
-a failed factorization falls back to the diagonal factor: in float32 the factorization of the
-metric failed on the GPU (info != 0, NaN factor) for most heads of a structured scene, which
-turned their features into zeros and their blocks into raster order (docs/performance-notes.md,
-"Reblock v3").
-
-Partition (section 06). Features are normalised in the full head dimension, then projected on
-their top `FEATURE_DIMS` principal directions (subspace iteration, per head) and stored in half
-precision (unit-scale coordinates; the tree's levels are bound by gathering them); the tree
-computes with them in float32 on every device, so a tiling does not depend on where it is built. A
-region of N rows is ceil(N / block_size) blocks; the root holds all blocks, and every node
-splits its blocks into halves (floor, ceil) and its tokens by capacity: the left child takes
-the tokens with the smallest projections on the node's split direction (found from a few
-landmark members of the node: their top principal direction, refined by balanced 2-means
-steps), exactly its capacity, a multiple of the block size. The region's last block is its
-edge block (N mod block_size rows). Leaves are single blocks, in tree order. Every level is a
-few batched ops over all (tree, node) pairs: nodes are padded to the level's widest (sizes at
-one depth differ by at most one block); the features stay in token order and only the int32
-token ids of every slot move. On the GPU Triton kernels find every node's split direction,
-project, split by radix select and place the ids (kernels/reblock_split.py); the torch levels (the reference) split by
-selection (kthvalue, ties by slot) and prefix sums and move the ids by one gather inside their
-parent node through a static index map. No sort anywhere. Work is O(N log N) per head; the
-shape-only schedule is built on the host once per (layout, block size, device) and cached; on
-the GPU the partition is replayed from a CUDA graph.
+Every video region gets a tree: its rows' features under the attention metric
+(`reblock_metric.py`) are split by capacity, level by level along the node's principal direction,
+into blocks of similar tokens (`reblock_partition.py`, on the shape-only `reblock_schedule.py`,
+replayed from a CUDA graph on the GPU: `reblock_graphs.py`). Context regions keep the 1D chunks
+of the cube tiling.
 
 Layout modes: `q_reuse_k` builds the key layout and queries reuse it; `independent` builds both
-(queries by X_Q, keys by X_K) in one batched run. V always follows K. Context regions keep the
-1D chunks of the cube tiling. Then every head keeps its tree or takes a fixed space-time tube
-tiling cut into the same blocks, whichever holds more sampled attention mass (heads that attend
-by position are served better by tubes; backend/head_choice.py).
+(queries by X_Q, keys by X_K) in one batched run. V always follows K. Then every head keeps its
+tree or takes a fixed space-time tube tiling cut into the same blocks, whichever holds more
+sampled attention mass (heads that attend by position are served better by tubes;
+backend/head_choice.py).
 """
 from __future__ import annotations
 
-import logging
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
-
 import torch
 
-from ..kernels.dispatch import runs_triton
-from .cache import BoundedCache
+from ..kernels.table import Kernels
 from .config import REBLOCK_LAYOUTS
 from .head_choice import choose_tubes
-from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
-from .pooling import accum_dtype
-from .tiling import Tiling, chunk_tiles, golden_positions
-
-MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
-RIDGE = 1e-3  # ridge added to the second moment, relative to trace / d
-FEATURE_DIMS = 16  # principal directions of the normalised features kept for the tree
-BASIS_ITERATIONS = 4  # subspace iterations for those directions
-LANDMARKS = 32  # members per node used to find its split direction (at least) ...
-LEVEL_LANDMARKS = 2048  # ... and per level of one tree, so the first, widest splits get more
-SQUARINGS = 4  # split direction: a column of (C / tr C) ** (2 ** SQUARINGS) ...
-REFINE_STEPS = 3  # ... refined by balanced 2-means steps on the landmarks
-TINY = 1e-30
-
-log = logging.getLogger("adaptive_sparse_attention")
-
-_STATIC: BoundedCache[StaticLayout] = BoundedCache(8)  # a few shapes per session; bounded so nothing grows
-_GRAPHS: BoundedCache[CapturedPartition | None] = BoundedCache(4)  # None: capture failed; each graph holds
-# its input, output and working memory on the GPU
-
-
-@dataclass(frozen=True)
-class Level:
-    """Static slots of one tree level: `nodes` nodes of `width` slots each, tokens first.
-
-    valid: bool [nodes, width], slot holds a token. left: long [nodes, 1], the left child's
-    capacity (tokens); right: long [nodes, width], left + slot (where right-going slots start).
-    Selection pads every node so that its left[i]-th smallest projection is the kth-smallest
-    value of its row: fill [nodes, width] puts -inf in kth - left[i] padding slots and +inf in
-    the others. landmarks: long [nodes, marks], slots spread over every node's tokens (an empty
-    node's first slot). carry: long [nodes, 2, next width], the slot of its parent (after the
-    split) that every slot of the two children takes; padding takes any slot (never read).
-    sizes: int32 [2, nodes], tokens and left capacity of every node (the fused split's input).
-    """
-
-    nodes: int
-    width: int
-    marks: int
-    kth: int
-    valid: torch.Tensor
-    fill: torch.Tensor
-    left: torch.Tensor
-    right: torch.Tensor
-    landmarks: torch.Tensor
-    carry: torch.Tensor
-    sizes: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The shape-only part of one region's tree: its levels and the last level's slot that
-    every block slot takes (`leaf_slots` [blocks * block_size], the dummy for padding)."""
-
-    levels: tuple[Level, ...]
-    leaf_slots: torch.Tensor
-
-
-def build_schedule(length: int, block_size: int, device: torch.device) -> Schedule:
-    """Static tree of a region of `length` rows cut into `block_size` blocks (edge block last)."""
-    blocks = -(-length // block_size)
-    short = blocks * block_size - length  # rows the edge block lacks
-
-    def tokens(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        edge = ((hi == blocks) & (hi > lo)).long() * short
-        return (hi - lo) * block_size - edge
-
-    def width(lo: torch.Tensor, hi: torch.Tensor, tok: torch.Tensor) -> int:
-        left = (hi - lo) // 2 * block_size  # the left child never holds the edge block
-        return int((tok + left.max() - left).max())  # room for the selection's -inf padding
-
-    lo, hi = torch.zeros(1, dtype=torch.long), torch.full((1,), blocks, dtype=torch.long)
-    tok = tokens(lo, hi)
-    levels = []
-    while int((hi - lo).max()) > 1:
-        nodes, w = lo.numel(), width(lo, hi, tok)
-        mid = lo + (hi - lo) // 2
-        left = (mid - lo) * block_size
-        c_lo, c_hi = torch.stack([lo, mid], 1).reshape(-1), torch.stack([mid, hi], 1).reshape(-1)
-        c_tok = tokens(c_lo, c_hi)
-        c_w = width(c_lo, c_hi, c_tok) if int((c_hi - c_lo).max()) > 1 else int(c_tok.max())
-        offset = torch.stack([torch.zeros_like(left), left], 1).view(nodes, 2, 1)
-        carry = (offset + torch.arange(c_w)).clamp(max=w - 1)  # in range; padding is never read
-        m = max(LANDMARKS, min(w, LEVEL_LANDMARKS // nodes))
-        marks = golden_positions(m, tok.view(-1, 1))  # spread over each node's tokens; empty node: slot 0
-        t = torch.arange(w)
-        kth = int(left.max())
-        fill = torch.where(t < (tok + kth - left).view(-1, 1), float("-inf"), float("inf"))
-        levels.append(Level(nodes, w, m, kth, (t < tok.view(-1, 1)).to(device), fill.to(device),
-                            left.view(-1, 1).to(device), (left.view(-1, 1) + t).to(device),
-                            marks.to(device), carry.to(device),
-                            torch.stack([tok, left]).to(torch.int32).to(device)))
-        lo, hi, tok = c_lo, c_hi, c_tok
-    nodes, w = lo.numel(), int(tok.max())
-    leaf = hi > lo  # every non-empty node is now one block
-    t = torch.arange(block_size)
-    slots = torch.arange(nodes).view(-1, 1) * w + t
-    slots = torch.where(t < tok.view(-1, 1), slots, torch.full_like(slots, nodes * w))[leaf]
-    return Schedule(tuple(levels), slots.reshape(-1).to(device))
-
-
-@dataclass(frozen=True)
-class StaticLayout:
-    """Shape-only part of a reblock tiling: per region in block order either the region's tree
-    `Schedule` (video) or its 1D chunks as absolute rows [n * block_size] (context), and the
-    tiling's block lengths and region block spans. Built on the host once, kept on the device."""
-
-    parts: tuple[Schedule | torch.Tensor, ...]
-    block_len: torch.Tensor
-    region_blocks: tuple[tuple[int, int], ...]
-
-
-def build_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
-    """The `StaticLayout` of `layout`: a tree `Schedule` per video region, 1D chunks for context."""
-    parts, lens, spans, lo = [], [], [], 0
-    for seg in layout.regions():
-        members, lengths = chunk_tiles(seg.length, block_size)  # a video region's edge block is last too
-        if seg.region in (REFERENCE_VIDEO, TARGET_VIDEO):
-            parts.append(build_schedule(seg.length, block_size, device))
-        else:
-            parts.append(torch.where(members >= 0, members + seg.start, members).reshape(-1).to(device))
-        lens.append(lengths)
-        spans.append((lo, lo + lengths.numel()))
-        lo += lengths.numel()
-    return StaticLayout(tuple(parts), torch.cat(lens).to(torch.int32).to(device), tuple(spans))
-
-
-def cached_static(layout: SequenceLayout, block_size: int, device: torch.device) -> StaticLayout:
-    """`build_static`, once per (layout, block size, device): it is built on the host."""
-    return _STATIC.get((layout.signature(), block_size, str(device)), lambda: build_static(layout, block_size, device))
-
-
-def ridge(m: torch.Tensor, relative: float) -> torch.Tensor:
-    """m [..., n, n] plus (relative * trace / n + TINY) * I."""
-    n = m.shape[-1]
-    tr = m.diagonal(dim1=-2, dim2=-1).sum(-1)
-    return m + (relative * tr / n + TINY).unsqueeze(-1).unsqueeze(-1) * torch.eye(n, dtype=m.dtype, device=m.device)
-
-
-def cholesky_factor(m: torch.Tensor) -> torch.Tensor:
-    """Lower Cholesky factor of symmetric PSD m [..., n, n], or the diagonal factor sqrt(diag m)
-    (non-finite entries 0) where the factorization fails or is not finite; no host sync
-    (`cholesky_ex`, then a select), so a failure can never hand on garbage or NaN."""
-    L, info = torch.linalg.cholesky_ex(m)
-    ok = (info == 0) & torch.isfinite(L).all(-1).all(-1)
-    root = m.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()
-    fallback = torch.diag_embed(torch.nan_to_num(root, nan=0.0, posinf=0.0))
-    return torch.where(ok.unsqueeze(-1).unsqueeze(-1), L, fallback)
-
-
-def orthonormalize(y: torch.Tensor) -> torch.Tensor:
-    """Columns of y [..., n, r] made orthonormal by a shifted Cholesky QR (no host sync)."""
-    g = ridge(y.transpose(-1, -2) @ y, 1e-4)  # the shift keeps rank-deficient y factorizable
-    return torch.linalg.solve_triangular(cholesky_factor(g), y.transpose(-1, -2), upper=False).transpose(-1, -2)
-
-
-def principal_basis(c: torch.Tensor, rank: int) -> torch.Tensor:
-    """Top-`rank` eigenvector basis of symmetric PSD c [G, n, n] by subspace iteration: [G, n, rank]."""
-    n = c.shape[-1]
-    c = c / (c.diagonal(dim1=-2, dim2=-1).sum(-1) + TINY).view(-1, 1, 1)
-    # deterministic dense start (no generator state): a fixed quasi-random matrix
-    i = torch.arange(n, dtype=c.dtype, device=c.device).view(n, 1)
-    j = torch.arange(rank, dtype=c.dtype, device=c.device).view(1, rank)
-    y = torch.cos(0.7548776662 * (i + 1) * (j + 1) + 0.5698402910 * i)
-    for _ in range(BASIS_ITERATIONS):
-        y = orthonormalize(c @ y)
-    return orthonormalize(y)
-
-
-def moment(a: torch.Tensor) -> torch.Tensor:
-    """a^T a / n of rows a [G, n, D] in float64."""
-    return (a.transpose(-1, -2) @ a / a.shape[1]).double()
-
-
-def feature_dtype(x: torch.Tensor) -> torch.dtype:
-    """Storage of the tree features of x: float16, float64 for float64 inputs (the reference)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float16
-
-
-def metric_features(x: torch.Tensor, other: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in
-    `feature_dtype(x)`, on every device alike.
-
-    Rows of x L (L L^T = other^T other / N + ridge) are normalised in the full dimension, then
-    projected on their top r principal directions, estimated from the strided sample. The small
-    moments, factor and basis ([G, D, D]) are factorized in float64, so the factorizations
-    cannot fail by rounding (the ridge is far above the products' rounding). On the Triton backend the
-    products run in x's dtype on tensor cores with fp32 accumulation: a Triton kernel reads the
-    strided sample in place and forms either moment (the second one of the normalised rows a L
-    / |a L|, rounded to x's dtype), still positive semidefinite, and another computes x @ [L | L W]
-    and writes only the r feature columns (kernels/reblock_features.py); elsewhere the products
-    run in x's accumulation dtype.
-    """
-    G, N, D = x.shape
-    acc = accum_dtype(x)
-    rank = min(FEATURE_DIMS, D)
-    fused = runs_triton(backend) and rank >= 16 and rank & (rank - 1) == 0
-    step = -(-N // MOMENT_SAMPLES)  # an evenly strided sample of the rows, read in place
-    sample, rows = other[:, ::step], x[:, ::step]
-    if fused:
-        from ..kernels.reblock_features import gram_triton, metric_project_triton
-
-        factor = cholesky_factor(ridge(gram_triton(sample), RIDGE))
-        basis = principal_basis(gram_triton(rows, factor.to(x.dtype)), rank)  # moment of the normalised rows
-        return metric_project_triton(x, factor.to(x.dtype), (factor @ basis).to(x.dtype))
-    factor = cholesky_factor(ridge(moment(sample.to(acc)), RIDGE))
-    s = rows.to(acc) @ factor.to(acc)
-    basis = principal_basis(moment(s / (torch.linalg.vector_norm(s, dim=-1, keepdim=True) + TINY)), rank)
-    f = x @ torch.cat([factor, factor @ basis], dim=-1).to(x.dtype)
-    norm = torch.linalg.vector_norm(f[..., :D], dim=-1, keepdim=True, dtype=acc)
-    # non-finite inputs must not reach the split: a NaN projection would break its counts
-    return torch.nan_to_num(f[..., D:].to(acc) / (norm + TINY), nan=0.0, posinf=0.0, neginf=0.0).to(feature_dtype(x))
-
-
-def split_directions(marks: torch.Tensor) -> torch.Tensor:
-    """Split direction of every node from its landmarks [G, nodes, m, r] -> unit [G, nodes, r, 1].
-
-    Start: the top principal direction. The centred covariance is scaled to unit Frobenius norm
-    (eigenvalues <= 1, the top one >= 1 / sqrt(r), so the power neither overflows nor
-    underflows in fp32); the largest column of its 2**SQUARINGS-th power is that eigenvector up
-    to scale. Then REFINE_STEPS steps of balanced 2-means: split the landmarks at their median
-    projection and point the direction from the lower half's sum to the upper half's, which is
-    the split the capacity cut makes (more recall than the PCA direction alone;
-    docs/performance-notes.md, "Reblock").
-    """
-    centred = marks - marks.mean(2, keepdim=True)
-    c = centred.transpose(-1, -2) @ centred
-    c = c / torch.linalg.matrix_norm(c, keepdim=True).clamp_min(TINY)
-    c = torch.linalg.matrix_power(c, 2 ** SQUARINGS)
-    col = torch.linalg.vector_norm(c, dim=-2, keepdim=True).argmax(-1, keepdim=True)
-    d = torch.take_along_dim(c, col, dim=-1)
-    minus_total = -marks.sum(2).unsqueeze(-1)  # [G, nodes, r, 1]
-    median = (marks.shape[2] + 1) // 2  # kthvalue, not median: CUDA median refuses deterministic mode
-    for _ in range(REFINE_STEPS):
-        s = marks @ d  # [G, nodes, m, 1]
-        upper = (s > s.kthvalue(median, dim=2, keepdim=True).values).to(marks.dtype)
-        d = torch.add(minus_total, marks.transpose(-1, -2) @ upper, alpha=2)  # upper sum - lower sum
-    return d / torch.linalg.vector_norm(d, dim=-2, keepdim=True).clamp_min(TINY)
-
-
-def token_features(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Feature rows of the token ids [G, ...] of every tree (features z [G, N, r] in token
-    order): [G, ..., r] in z's accumulation dtype."""
-    G, r = z.shape[0], z.shape[-1]
-    rows = torch.gather(z, 1, ids.reshape(G, -1, 1).long().expand(-1, -1, r)).view(*ids.shape, r)
-    return rows.to(accum_dtype(z))
-
-
-def landmark_features(z: torch.Tensor, rows: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
-    """Features [G, nodes, m, r] of the tokens in the landmark slots [nodes, m] of every node of
-    rows [G, nodes, width] (token ids; features z [G, N, r] in token order)."""
-    G, nodes, _ = rows.shape
-    return token_features(z, torch.gather(rows, 2, landmarks.view(1, nodes, -1).expand(G, nodes, -1)))
-
-
-def project(z: torch.Tensor, rows: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
-    """Projections [G, nodes, width] of the tokens `rows` [G, nodes, width] (features z [G, N, r])
-    on their node's direction [G, nodes, r]: sum over i of d_i z_i, i ascending, the fused
-    kernel's order, so both round alike."""
-    zi = token_features(z, rows)
-    proj = torch.zeros(rows.shape, dtype=zi.dtype, device=z.device)
-    for i in range(z.shape[-1]):
-        proj = proj + direction[..., i:i + 1] * zi[..., i]
-    return proj
-
-
-def split(proj: torch.Tensor, level: Level) -> torch.Tensor:
-    """Capacity-exact split of every node [G, nodes, width] by projection: the destination slot of
-    every slot. The left[i] smallest projections (ties by slot) go first in slot order, then the
-    other tokens in slot order, then padding. Selection (kthvalue) and prefix sums, no sort."""
-    proj = torch.where(level.valid, proj, level.fill)  # fp32 at least
-    tau = proj.kthvalue(level.kth, dim=-1, keepdim=True).values  # left[i]-th smallest token
-    less = (proj < tau) & level.valid
-    ties = proj == tau  # padding only ties at tau = -inf, where no tie is taken (left = 0)
-    go_left = less | (ties & (ties.cumsum(-1) <= level.left - less.sum(-1, keepdim=True)))
-    before = go_left.cumsum(-1)
-    return torch.where(go_left, before - 1, level.right - before)
-
-
-def partition(z: torch.Tensor, schedule: Schedule, backend: str = "torch") -> torch.Tensor:
-    """Capacity-exact tree partition of features z [G, N, r]: block slots -> row [G, blocks * bs], -1 pads.
-
-    The features stay in token order; what moves from level to level are the int32 token ids of
-    every node's slots. On the Triton backend Triton kernels find the split directions, project (in a kernel
-    of their own for the wide nodes of the first levels), split and place the ids
-    (kernels/reblock_split.py); elsewhere the torch levels do
-    the same by a selection, a scatter and the gathers of the level's static carry map.
-    """
-    G, N, _ = z.shape
-    fused = runs_triton(backend)
-    if fused:
-        from ..kernels.reblock_split import split_directions_triton, split_level_triton
-    rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)  # the root is every token
-    for level in schedule.levels:
-        nodes, width, c_w = level.nodes, level.width, level.carry.shape[-1]
-        if fused:
-            direction = split_directions_triton(z, rows, level.landmarks, SQUARINGS, REFINE_STEPS)
-            rows = split_level_triton(z, rows, direction, level.sizes[0], level.sizes[1], c_w)
-            continue
-        marks = landmark_features(z, rows, level.landmarks)
-        dest = split(project(z, rows, split_directions(marks).squeeze(-1)), level)
-        slots = torch.arange(width, device=z.device).expand(G, nodes, width)
-        src = torch.empty_like(dest).scatter_(2, dest, slots)  # slot before the split of every slot after
-        pick = torch.gather(src.unsqueeze(2).expand(G, nodes, 2, width), 3,
-                            level.carry.unsqueeze(0).expand(G, nodes, 2, c_w))
-        rows = torch.gather(rows.unsqueeze(2).expand(G, nodes, 2, width), 3, pick).view(G, 2 * nodes, c_w)
-    rows = torch.nn.functional.pad(rows.reshape(G, -1), (0, 1), value=-1)
-    return torch.index_select(rows, 1, schedule.leaf_slots).long()
-
-
-@dataclass
-class CapturedPartition:
-    """`partition` of a static input `z` captured as a CUDA graph; `schedule` keeps the static
-    tensors the graph reads alive."""
-
-    graph: "torch.cuda.CUDAGraph"
-    z: torch.Tensor
-    out: torch.Tensor
-    schedule: Schedule
-
-
-def capture_partition(z: torch.Tensor, schedule: Schedule, backend: str) -> CapturedPartition:
-    """`partition` of a copy of z captured as a CUDA graph (after one warm-up run on a side stream);
-    raises RuntimeError where capture fails."""
-    static = z.clone()
-    stream = torch.cuda.Stream(z.device)
-    stream.wait_stream(torch.cuda.current_stream(z.device))
-    with torch.cuda.stream(stream):
-        partition(static, schedule, backend)  # warm-up outside the graph (workspaces, lazy init)
-    torch.cuda.current_stream(z.device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = partition(static, schedule, backend)
-    return CapturedPartition(graph, static, out, schedule)
-
-
-def capture_or_none(z: torch.Tensor, schedule: Schedule, backend: str) -> CapturedPartition | None:
-    """`capture_partition`, or None where capture fails (said once, as the result is cached):
-    the partition then keeps working eagerly."""
-    try:
-        return capture_partition(z, schedule, backend)
-    except RuntimeError as e:
-        log.warning("reblock: CUDA graph capture failed (%s); running the partition eagerly", e)
-        return None
-
-
-_eager = threading.local()
-
-
-@contextmanager
-def eager_partition() -> Iterator[None]:
-    """Run partitions eagerly in this thread (no CUDA graph is captured or replayed): for calls
-    whose shapes are never seen again, such as the kernel warm-up."""
-    saved = getattr(_eager, "on", False)
-    _eager.on = True
-    try:
-        yield
-    finally:
-        _eager.on = saved
-
-
-def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int, backend: str = "torch") -> torch.Tensor:
-    """`partition`, replayed from a cached CUDA graph on the GPU (its ~50 small ops per level are
-    bound by host launch overhead); eager elsewhere, under `eager_partition`, while the caller is
-    itself capturing, or where capture failed."""
-    if not z.is_cuda or getattr(_eager, "on", False) or torch.cuda.is_current_stream_capturing():
-        return partition(z, schedule, backend)
-    key = (tuple(z.shape), z.dtype, str(z.device), block_size, backend)
-    with torch.cuda.device(z.device):
-        captured = _GRAPHS.get(key, lambda: capture_or_none(z, schedule, backend))
-        if captured is None:
-            return partition(z, schedule, backend)
-        captured.z.copy_(z)
-        captured.graph.replay()
-        return captured.out.clone()
+from .layout import SequenceLayout
+from .reblock_graphs import run_partition
+from .reblock_metric import metric_features
+from .reblock_schedule import Schedule, cached_static
+from .tiling import Tiling
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int, layout_mode: str) -> None:
@@ -452,7 +52,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block
 
 def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block_size: int,
                    layout_mode: str = "q_reuse_k", ratio: float = 0.1, tubes: bool = True,
-                   backend: str = "torch") -> Tiling:
+                   kernels: Kernels | None = None) -> Tiling:
     """Adaptive per-head tiling of q, k [B, H, S, D] (model order).
 
     Args:
@@ -463,7 +63,7 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
         tubes: every head keeps the tree or takes a fixed space-time tube, whichever holds more
             sampled attention mass in its routing budget at `ratio` (backend/head_choice.py);
             False keeps the tree for every head.
-        backend: the kernels to run (`kernels/dispatch.py`).
+        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
     Returns:
         The tiling; its permutations are [B, H, J * block_size]."""
     check_inputs(q, k, layout, block_size, layout_mode)
@@ -480,14 +80,14 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
             continue
         qs = q[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
         ks = k[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
-        z = metric_features(ks, qs, backend)  # keys under the queries' metric
+        z = metric_features(ks, qs, kernels)  # keys under the queries' metric
         if sides == 2:
-            z = torch.cat([metric_features(qs, ks, backend), z])  # queries under the keys' metric
-        members = run_partition(z, part, block_size, backend).view(sides, B, H, -1)
+            z = torch.cat([metric_features(qs, ks, kernels), z])  # queries under the keys' metric
+        members = run_partition(z, part, block_size, kernels, layout.cache, seg.start).view(sides, B, H, -1)
         pieces.append(torch.where(members >= 0, members + seg.start, members))
     perm = torch.cat(pieces, dim=-1).to(torch.int32)
     if tubes:  # every layout has one target video, its last region
-        perm = choose_tubes(q, k, perm, layout, block_size, static.region_blocks[-1], ratio, backend)
+        perm = choose_tubes(q, k, perm, layout, block_size, static.region_blocks[-1], ratio, kernels)
     q_perm = perm[0]
     k_perm = perm[1] if sides == 2 else q_perm
     return Tiling(block_size, q_perm, k_perm, static.block_len, tuple(layout.regions()), static.region_blocks)

@@ -1,11 +1,11 @@
 """Tail summaries: what stands in for the candidate key blocks TopK did not select.
 
 - `mean`: mean key and value of the block with a +log(n) mass bias (a block of n equal keys).
-- `reweight` (seed 001): weights p_j = softmax(a.k_j / sqrt(d)) at an anchor query a (the mean
+- `reweight`: weights p_j = softmax(a.k_j / sqrt(d)) at an anchor query a (the mean
   of the head's target-video queries); summary key sum p_j k_j, value sum p_j v_j, bias
   log Z(a) - a.k~/sqrt(d) computed against the key as stored (after rounding to its dtype), so
   at q = a the summary reproduces the block's exact mass and numerator.
-- `coarse` (seed 000, 6.7): softmax(E) V-bar over all blocks, broadcast per query block and added
+- `coarse`: softmax(E) V-bar over all blocks, broadcast per query block and added
   after normalisation, scaled by the model's learned gate; computed only when there is a gate.
 Summaries are built in fp32 (fp64 for fp64 inputs). With `block` granularity, the summaries
 of a query block are reduced once, at its mean query, to one log-mass and one value.
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import runs_triton
-from ..kernels.plan import BlockSparsePlan, Tiling, unpack
+from ..kernels.plan import BlockSparsePlan, Tiling, summary_mask, unpack
+from ..kernels.table import Kernels, reference_kernels
 from .layout import TARGET_VIDEO
-from .pooling import POOL_HEADS, accum_dtype, block_means, block_rows, row_chunks
+from .pooling import block_means, row_chunks
 from .routing import pooled_scores
 
 
@@ -38,72 +38,42 @@ def target_anchor(q_mean: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     return (q_mean[:, :, lo:hi] * n.view(1, 1, -1, 1)).sum(2) / n.sum()
 
 
-def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, k_mean: torch.Tensor, backend: str = "torch"
+def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, kernels: Kernels | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean tail summaries: every block's mean key and value with a log(n) mass bias, so a summary
-    weighs as much as its n keys would if they were equal.
+    weighs as much as its n keys would if they were equal (`kernels.block_summaries`, one pass
+    over K and V).
 
     Returns:
-        (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias log(n) [B,H,J]). On the
-        Triton backend one pass over K and V replaces `k_mean` (the same fp32 block sums).
+        (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias log(n) [B,H,J]).
     """
-    if runs_triton(backend):
-        from ..kernels.block_stats import block_summaries_triton
-
-        return block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, None)
-    v_mean = block_means(v, tiling.k_perm, tiling, backend)
-    bias = torch.log(tiling.block_len.to(k_mean.dtype)).expand(k_mean.shape[:3]).contiguous()
-    return k_mean.to(k.dtype), v_mean.to(v.dtype), bias
+    kernels = reference_kernels() if kernels is None else kernels
+    return kernels.block_summaries(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, None)
 
 
 def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor: torch.Tensor,
-                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reweighted tail summaries (seed 001, section 08): every block's key and value weighted by
-    softmax(anchor . k / sqrt(D)) and its log-mass bias, so a query at the anchor gets the block's
-    exact mass and numerator from one column.
+                       kernels: Kernels | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reweighted tail summaries: every block's key and value weighted by softmax(anchor . k /
+    sqrt(D)) and its log-mass bias, so a query at the anchor gets the block's exact mass and
+    numerator from one column (`kernels.block_summaries`).
 
     Args:
         k, v: [B, H, S, D], model order; tiling: their block layout (`k_perm`).
         anchor: [B, H, D], the mean target-video query (`target_anchor`).
-        backend: the kernels to run (`kernels/dispatch.py`).
+        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
     Returns:
         (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias [B,H,J] in the accumulation
         dtype, -inf for a block without a finite key).
     """
-    if runs_triton(backend):
-        from ..kernels.block_stats import block_summaries_triton
-
-        return block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, anchor)
-    B, H, _, D = k.shape
-    scale = D ** -0.5
-    acc = accum_dtype(k)
-    J, bs = tiling.num_blocks, tiling.block_size
-    valid = torch.arange(bs, device=k.device).view(1, bs) < tiling.block_len.view(J, 1)
-    key = k.new_empty(B, H, J, D)
-    value = v.new_empty(B, H, J, D)
-    bias = torch.empty(B, H, J, dtype=acc, device=k.device)
-    for h0 in range(0, H, POOL_HEADS):
-        h1 = min(H, h0 + POOL_HEADS)
-        a = anchor[:, h0:h1].to(acc)
-        kk = block_rows(k, tiling.k_perm, tiling, h0, h1)
-        good = valid & torch.isfinite(kk).all(-1)  # a non-finite key row is left out of its block's summary
-        kk = kk.masked_fill(~good.unsqueeze(-1), 0.0)
-        logits = torch.einsum("bhjsd,bhd->bhjs", kk, a) * scale
-        logits = logits.masked_fill(~good, float("-inf"))
-        lse = torch.logsumexp(logits, -1)  # -inf for a block without a finite key: its bias drops it
-        w = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
-        stored = torch.einsum("bhjs,bhjsd->bhjd", w, kk).to(k.dtype)
-        key[:, h0:h1] = stored
-        vv = block_rows(v, tiling.k_perm, tiling, h0, h1).masked_fill(~good.unsqueeze(-1), 0.0)
-        value[:, h0:h1] = torch.einsum("bhjs,bhjsd->bhjd", w, vv).to(v.dtype)
-        bias[:, h0:h1] = lse - torch.einsum("bhjd,bhd->bhj", stored.to(acc), a) * scale
-    return key, value, bias
+    kernels = reference_kernels() if kernels is None else kernels
+    return kernels.block_summaries(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, anchor)
 
 
 def block_reduce(q_mean: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                 plan: BlockSparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
+                 dense_hi: torch.Tensor, q2k_idx: torch.Tensor, q2k_num: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`block` granularity: the summaries of each query block scored once at its mean query,
-    over the candidate blocks `plan` leaves unselected (`plan.summary_mask`), in chunks of query blocks.
+    over the candidate blocks the routing (dense_hi, q2k_idx, q2k_num) leaves unselected
+    (`plan.summary_mask`), in chunks of query blocks.
 
     Returns (log-mass [B,H,J], normalised value [B,H,J,D]); a block without summaries gets -inf.
     """
@@ -113,7 +83,7 @@ def block_reduce(q_mean: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b
     out = q_mean.new_empty(B, H, J, value.shape[-1])
     for i0, i1 in row_chunks((0, J), B * H * J):
         logits = torch.matmul(q_mean[:, :, i0:i1], key.to(acc).transpose(-1, -2)) * (D ** -0.5) + bias.unsqueeze(2)
-        logits = logits.masked_fill(~plan.summary_mask(slice(i0, i1)), float("-inf"))
+        logits = logits.masked_fill(~summary_mask(dense_hi, q2k_idx, q2k_num, slice(i0, i1)), float("-inf"))
         m = torch.logsumexp(logits, -1)
         w = torch.exp(logits - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1))
         lse[:, :, i0:i1], out[:, :, i0:i1] = m, torch.matmul(w, value.to(acc))
@@ -121,7 +91,7 @@ def block_reduce(q_mean: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b
 
 
 def coarse_branch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, granularity: str,
-                  backend: str = "torch") -> torch.Tensor:
+                  kernels: Kernels | None = None) -> torch.Tensor:
     """Coarse branch C of `tail="coarse"` in model order [B, H, S, D], zero on rows of dense query
     blocks; the caller adds it scaled by the model's gate (it is computed only when there is one).
 
@@ -129,23 +99,23 @@ def coarse_branch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block
         q, k, v: the call's inputs [B, H, S, D], model order.
         plan: the call's plan (its tiling and dense prefix).
         granularity: `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i
-            (seed 000), E the pooled scores, in chunks of query blocks; `query`: every row uses its
+            E the pooled scores, in chunks of query blocks; `query`: every row uses its
             own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)), in chunks of rows.
-        backend: the kernels to run (`kernels/dispatch.py`).
+        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
     Returns:
         C in q's dtype.
     """
     B, H, S, D = q.shape
     tiling = plan.tiling
     J, bs = tiling.num_blocks, tiling.block_size
-    k_mean = block_means(k, tiling.k_perm, tiling, backend)
-    v_mean = block_means(v, tiling.k_perm, tiling, backend)
+    k_mean = block_means(k, tiling.k_perm, tiling, kernels)
+    v_mean = block_means(v, tiling.k_perm, tiling, kernels)
     sparse_blocks = plan.dense_hi < J
     if granularity == "block":
-        q_mean = block_means(q, tiling.q_perm, tiling, backend)
+        q_mean = block_means(q, tiling.q_perm, tiling, kernels)
         per_block = v_mean.new_empty(B, H, J, D)
         for i0, i1 in row_chunks((0, J), B * H * J):
-            scores = pooled_scores(q_mean, k_mean, (i0, i1), backend)
+            scores = pooled_scores(q_mean, k_mean, (i0, i1), kernels)
             per_block[:, :, i0:i1] = torch.matmul(torch.softmax(scores, -1), v_mean)
         per_block = per_block * sparse_blocks.view(1, 1, J, 1)
         rows = per_block.repeat_interleave(bs, 2)

@@ -6,7 +6,7 @@ A `Tiling` (`kernels/plan.py`) places every token of a region into fixed-capacit
 block's true length `block_len[j]` is enough to mask its padding. Blocks never cross a region
 boundary; regions are laid out context first, then reference videos, then the target video.
 
-Cube tiling (seed 000) uses (bT, bH, bW) space-time tiles, ordered t-tile, h-tile, w-tile with
+Cube tiling uses (bT, bH, bW) space-time tiles, ordered t-tile, h-tile, w-tile with
 members in t, h, w order; context segments are cut into 1D chunks. The reblock tiling
 (`backend/reblock.py`) produces the same structure with data-dependent, per-head permutations.
 """

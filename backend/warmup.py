@@ -4,65 +4,80 @@ The Triton kernels specialise only on what a clip length cannot change (dtype, h
 size, config) and on the power-of-two bucket of row widths, so one call with the real layout but
 a single head compiles every kernel the sparse steps will launch, at a small fraction of a step's
 memory and time. The node runs it at the first block call of a layout (a dense warmup step in the
-default schedule); Triton keeps what it compiled in its on-disk cache for later processes.
+default schedule), after saying so; Triton keeps what it compiled in its on-disk cache for later
+processes, and `python -m adaptive_sparse_attention prepare` fills that cache ahead.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
+from dataclasses import fields
+from typing import Callable
 
 import torch
 
 from .attention import sparse_attention
-from .cache import BoundedCache
 from .config import SparseConfig
 from .layout import SequenceLayout
-from .reblock import eager_partition
+from .planner import layout_kernels
 
 log = logging.getLogger("adaptive_sparse_attention")
+SCHEDULE_FIELDS = ("warmup_mode", "warmup_ratio", "dense_layers", "min_tokens", "strict", "dense_attention")
 
-_prepared: BoundedCache[float] = BoundedCache(16)
+
+def kernel_fields(config: SparseConfig) -> tuple:
+    """The values of `config` that decide which kernels a sparse call launches (every field but
+    the schedule-only ones): configs that launch the same kernels map to one value."""
+    return tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name not in SCHEDULE_FIELDS)
 
 
-@functools.lru_cache(maxsize=16)
-def kernel_fields(config: SparseConfig) -> SparseConfig:
-    """`config` with the schedule-only fields at fixed values: configs that launch the same kernels
-    map to one value. Cached, as every block call asks (a replace validates every field again)."""
-    return config.replace(warmup_mode="speed", warmup_ratio=0.0, dense_layers=(), min_tokens=0, strict=False,
-                          dense_attention="fastest")
+def first_use_message(layout: SequenceLayout, dtype: torch.dtype, head_dim: int) -> str:
+    """What the user reads before the kernels of a new shape are prepared (the wait comes next)."""
+    return (f"adaptive sparse attention: preparing the sparse-attention kernels for {layout.total} tokens "
+            f"({str(dtype).removeprefix('torch.')}, head_dim {head_dim}) before the first sparse step. The first "
+            "time on a machine Triton compiles them, which takes from half a minute to a minute; later runs load them from "
+            "Triton's cache in seconds. `python -m adaptive_sparse_attention prepare` (or ComfyUI-Manager's "
+            "install step) does this ahead.")
 
 
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-                    head_dim: int) -> float | None:
+                    head_dim: int, announce: Callable[[str], None] | None = None) -> float | None:
     """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
+
+    Nothing runs when the call's backend compiles nothing (the torch reference) or the layout was
+    prepared already; otherwise the wait is announced before it starts.
 
     Args:
         layout: the packed-sequence layout the sparse steps will see.
-        config: their configuration.
+        config: their configuration (its backend is resolved here: strict raises when it cannot run).
         dtype, device, head_dim: of their Q/K/V.
+        announce: also shows the message before the wait (e.g. in ComfyUI's UI); it is always logged.
     Returns:
-        Seconds spent, or None when nothing was to do (already prepared, or not on CUDA).
+        Seconds spent, or None when nothing was to do.
     """
-    if device.type != "cuda":
+    if not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return None
-    key = (layout.signature(), kernel_fields(config), dtype, str(device), head_dim)
-    if key in _prepared.entries:
+    key = (kernel_fields(config), dtype, str(device), head_dim)
+    if layout.cache.has("prepared", key):
         return None
 
     def run() -> float:
-        log.info("adaptive sparse attention: preparing kernels for %d tokens (%s, head_dim %d); the first use on "
-                 "a machine compiles them, later runs load them from Triton's cache", layout.total,
-                 str(dtype).removeprefix("torch."), head_dim)
+        message = first_use_message(layout, dtype, head_dim)
+        log.warning("%s", message)
+        if announce is not None:
+            announce(message)
         start = time.perf_counter()
         g = torch.Generator(device).manual_seed(0)
         q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
                    for _ in range(3))
-        with eager_partition():
-            sparse_attention(q, k, v, layout, config)
-        torch.cuda.synchronize(device)  # once per layout: the time is reported
+        scratch = SequenceLayout(layout.segments)  # what this one-head call builds goes with it
+        scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
+        scratch.cache.notes = layout.cache.notes  # what it says is said once for the layout
+        sparse_attention(q, k, v, scratch, config)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # once per layout: the time is reported
         seconds = time.perf_counter() - start
         log.info("adaptive sparse attention: kernels ready in %.1f s", seconds)
         return seconds
 
-    return _prepared.get(key, run)
+    return layout.cache.get("prepared", key, run)

@@ -33,7 +33,7 @@ from ..backend.config import SparseConfig
 from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_blocks, route_plan, select_blocks
-from ..kernels.dispatch import block_sparse_attention, resolve_backend
+from ..kernels.table import resolve
 from ..kernels.plan import group_span
 from .methods import dense_call
 from .runner import environment
@@ -68,14 +68,14 @@ def shared_picks(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
-    backend = resolve_backend(config.backend, q.device, q.dtype)
-    tiling = make_tiling(q, k, layout, config, backend)
-    q_mean, k_mean = block_means(q, tiling.q_perm, tiling, backend), block_means(k, tiling.k_perm, tiling, backend)
+    kernels = resolve(config.backend, q.device, q.dtype)
+    tiling = make_tiling(q, k, layout, config, kernels)
+    q_mean, k_mean = block_means(q, tiling.q_perm, tiling, kernels), block_means(k, tiling.k_perm, tiling, kernels)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
     rows, picks = [], {}
     for scores in ("fp32", "int8", "fp8"):
         def streamed():  # as the planner calls it
-            return route_blocks(q_mean, k_mean, dense_hi, groups, scores, backend, group_span(groups))
+            return route_blocks(q_mean, k_mean, dense_hi, groups, scores, kernels, group_span(groups))
 
         (idx, _), peak = peak_extra_mb(streamed)
         picks[scores] = idx
@@ -83,7 +83,7 @@ def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
                "peak_mib": peak, "shared_picks_vs_fp32": shared_picks(picks["fp32"], idx)}
         row["ms"], row["host_ms"] = ms(streamed, reps=20)
         rows.append(row)
-    full = lambda: select_blocks(pooled_scores(q_mean, k_mean, backend=backend), dense_hi, groups, backend)  # noqa: E731
+    full = lambda: select_blocks(pooled_scores(q_mean, k_mean, kernels=kernels), dense_hi, groups, kernels)  # noqa: E731
     row = {"shape": shape, "tiling": config.tiling, "routing": "full matrix (before streaming)",
            "J": tiling.num_blocks}
     try:
@@ -106,7 +106,7 @@ def plan_rows(q, k, v, layout, config: SparseConfig, shape: str, qkv_mib: float)
            "R": int(plan.q2k_idx.shape[-1]), "qkv_mib": qkv_mib, "plan_peak_mib": peak,
            "plan_peak_share_of_qkv": peak / qkv_mib, "first_plan_peak_mib": first, "cached_mib": cached}
     row["plan_ms"], row["plan_host_ms"] = ms(lambda: build_plan(q, k, v, layout, config))
-    row["kernel_ms"], _ = ms(lambda: block_sparse_attention(q, k, v, plan, "triton"))
+    row["kernel_ms"], _ = ms(lambda: resolve("triton", q.device, q.dtype).attention.attend_blocks(q, k, v, plan))
     row["call_ms"], row["call_host_ms"] = ms(lambda: sparse_attention(q, k, v, layout, config))
     return row
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..backend.attention import exact_density, sparse_attention
+from ..backend.attention import sparse_attention
 from ..backend.config import TAIL_GRANULARITIES, TAILS, TILINGS, SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import build_plan
@@ -231,4 +231,4 @@ def _prepare_flex(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     block_mask = flex_block_mask(kp)
     qt, kt, vt = pack(q, kp.q_perm), pack(k, kp.k_perm), pack(v, kp.k_perm)
     call = lambda: fn(qt, kt, vt, block_mask=block_mask, kernel_options=FLEX_TILES)  # noqa: E731
-    return Prepared(call, kp, exact_density(plan, layout.total), output=lambda: unpack(call(), kp.q_perm, q.shape[2]))
+    return Prepared(call, kp, plan.density(), output=lambda: unpack(call(), kp.q_perm, q.shape[2]))

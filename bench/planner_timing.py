@@ -21,6 +21,7 @@ from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_plan, select_blocks
 from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
 from .scenes import SIZES, h3_qkv
+from ..kernels.table import resolve
 from .timing import bench_ms
 
 
@@ -28,18 +29,19 @@ def steps(q, k, v, layout, ratio: float, backend: str = "triton") -> dict:
     """name -> callable of every planner step on `backend`'s kernels (later steps read earlier
     results from `state`)."""
     cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity="query", backend=backend)
-    tiling = make_tiling(q, k, layout, cfg, backend)
+    kernels = resolve(backend, q.device, q.dtype)
+    tiling = make_tiling(q, k, layout, cfg, kernels)
     state: dict = {}
     parts = {
-        "block_means q": lambda: block_means(q, tiling.q_perm, tiling, backend),
-        "block_means k": lambda: block_means(k, tiling.k_perm, tiling, backend),
-        "block_means v (coarse tail)": lambda: block_means(v, tiling.k_perm, tiling, backend),
-        "pooled_scores": lambda: pooled_scores(state["block_means q"], state["block_means k"], backend=backend),
+        "block_means q": lambda: block_means(q, tiling.q_perm, tiling, kernels),
+        "block_means k": lambda: block_means(k, tiling.k_perm, tiling, kernels),
+        "block_means v (coarse tail)": lambda: block_means(v, tiling.k_perm, tiling, kernels),
+        "pooled_scores": lambda: pooled_scores(state["block_means q"], state["block_means k"], kernels=kernels),
         "route_plan": lambda: route_plan(tiling, cfg.sparse_scope, ratio),
-        "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"], backend),
+        "select_blocks": lambda: select_blocks(state["pooled_scores"], *state["route_plan"], kernels),
         "target_anchor": lambda: target_anchor(state["block_means q"], tiling),
-        "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"], backend),
-        "mean_summaries": lambda: mean_summaries(k, v, tiling, state["block_means k"], backend),
+        "reweight_summaries": lambda: reweight_summaries(k, v, tiling, state["target_anchor"], kernels),
+        "mean_summaries": lambda: mean_summaries(k, v, tiling, kernels),
         "build_plan reweight": lambda: build_plan(q, k, v, layout, cfg),
         "build_plan mean": lambda: build_plan(q, k, v, layout, cfg.replace(tail="mean")),
     }

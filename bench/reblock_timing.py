@@ -19,17 +19,18 @@ host). Inputs are random bf16 (the cost depends on shapes only).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 
 import torch
 
 from ..backend.config import SparseConfig
+from ..backend.layout import SequenceLayout
 from .scenes import SceneSize
 from ..backend.planner import build_plan
 from ..backend import reblock
+from ..backend.reblock_partition import partition
 from ..backend.head_choice import choose_tubes
-from ..kernels.dispatch import block_sparse_attention
+from ..kernels.table import resolve
 from .timing import queued_ms, time_call
 
 
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     S, H, D = layout.total, args.heads, 128
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(1, H, S, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    triton = resolve("triton", dev, torch.bfloat16, strict=True, head_dim=D, block_size=64)
     res: dict = {"shape": {"B": 1, "H": H, "S": S, "D": D, "video": [T, Hh, W], "dtype": "bf16", "block": 64},
                  "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
@@ -60,17 +62,18 @@ def run(args: argparse.Namespace) -> int:
 
     reserved = torch.cuda.memory_reserved()
     for mode in ("q_reuse_k", "independent"):  # build the static schedule, capture the graphs
-        reblock.reblock_tiling(q, k, layout, 64, mode, backend="triton")
+        reblock.reblock_tiling(q, k, layout, 64, mode, kernels=triton)
     torch.cuda.synchronize()
     res["memory_gb"] = {"reserved_by_first_calls": (torch.cuda.memory_reserved() - reserved) / 2**30}
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with reblock.eager_partition():
-        reblock.reblock_tiling(q, k, layout, 64, backend="triton")
+    eager = SequenceLayout(layout.segments)  # the same layout without CUDA graphs
+    eager.cache.graphs = False
+    reblock.reblock_tiling(q, k, eager, 64, kernels=triton)
     res["memory_gb"]["eager_tiling_peak"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     torch.cuda.set_sync_debug_mode("error")
     try:
-        reblock.reblock_tiling(q, k, layout, 64, "independent", backend="triton")
+        reblock.reblock_tiling(q, k, layout, 64, "independent", kernels=triton)
         res["host_sync"] = "none"
     except RuntimeError as e:
         res["host_sync"] = f"FOUND: {e}"
@@ -78,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_sync_debug_mode(0)
 
     seg = layout.target
-    a = reblock.reblock_tiling(q, k, layout, 64, "independent", backend="triton")
-    b = reblock.reblock_tiling(q, k, layout, 64, "independent", backend="triton")
+    a = reblock.reblock_tiling(q, k, layout, 64, "independent", kernels=triton)
+    b = reblock.reblock_tiling(q, k, layout, 64, "independent", kernels=triton)
     lo = a.region_blocks[-1][0] * 64
     rows = a.k_perm[0, :, lo:].long()
     res["checks"] = {
@@ -90,46 +93,45 @@ def run(args: argparse.Namespace) -> int:
     qs = q[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     ks = k[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     schedule = reblock.cached_static(layout, 64, dev).parts[-1]
-    z = reblock.metric_features(ks, qs, "triton")
-    res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64, "triton"),
-                                                           reblock.partition(z, schedule, "triton")))
-    torch_levels = reblock.partition(z, schedule, "torch")  # every level on the torch path
+    z = reblock.metric_features(ks, qs, triton)
+    res["checks"]["graph_equals_eager"] = bool(torch.equal(reblock.run_partition(z, schedule, 64, triton, layout.cache, seg.start),
+                                                           partition(z, schedule, triton)))
+    torch_levels = partition(z, schedule)  # every level on the torch path
     res["checks"]["fused_levels_agree_with_torch_levels"] = float(
-        (reblock.partition(z, schedule, "triton") == torch_levels).double().mean())
+        (partition(z, schedule, triton) == torch_levels).double().mean())
     t, host = {}, {}
     for graphs in (True, False):
         suffix = "" if graphs else "_eager"
         for mode in ("q_reuse_k", "independent"):
             def fn(mode=mode, graphs=graphs):
-                with contextlib.nullcontext() if graphs else reblock.eager_partition():
-                    return reblock.reblock_tiling(q, k, layout, 64, mode, backend="triton")
+                return reblock.reblock_tiling(q, k, layout if graphs else eager, 64, mode, kernels=triton)
             name = f"tiling_{mode}{suffix}"
             t[name] = time_call(fn, dev, 3, 10)
             t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
-    t["features"] = time_call(lambda: reblock.metric_features(ks, qs, "triton"), dev, 3, 10)
-    t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64, "triton"), dev, 3, 10)
-    t["partition_eager"] = time_call(lambda: reblock.partition(z, schedule, "triton"), dev, 3, 10)
-    t["partition_eager_torch_levels"] = time_call(lambda: reblock.partition(z, schedule, "torch"), dev, 3, 10)
+    t["features"] = time_call(lambda: reblock.metric_features(ks, qs, triton), dev, 3, 10)
+    t["partition_graph"] = time_call(lambda: reblock.run_partition(z, schedule, 64, triton, layout.cache, seg.start), dev, 3, 10)
+    t["partition_eager"] = time_call(lambda: partition(z, schedule, triton), dev, 3, 10)
+    t["partition_eager_torch_levels"] = time_call(lambda: partition(z, schedule), dev, 3, 10)
     res["ms"] = t
     save()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            reblock.partition(z, schedule, "triton")
+            partition(z, schedule, triton)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
     save()
 
     t["dense_sdpa"] = time_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), dev, 1, 3)
-    configs = {tiling: SparseConfig(topk_ratio=0.1, tiling=tiling, backend="triton") for tiling in ("cube", "reblock")}
+    configs = {tiling: SparseConfig(topk_ratio=0.1, tiling=tiling, kernels=triton) for tiling in ("cube", "reblock")}
     for tiling, cfg in configs.items():
         t[f"plan_{tiling}"] = time_call(lambda: build_plan(q, k, v, layout, cfg), dev, 2, 5)
-    tree = reblock.reblock_tiling(q, k, layout, 64, tubes=False, backend="triton").k_perm.unsqueeze(0)
-    queued = {"tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False, backend="triton"),
-              "head_choice": lambda: choose_tubes(q, k, tree, layout, 64, a.region_blocks[-1], 0.1, "triton"),
-              "features": lambda: reblock.metric_features(ks, qs, "triton"),
-              "partition_graph": lambda: reblock.run_partition(z, schedule, 64, "triton"),
+    tree = reblock.reblock_tiling(q, k, layout, 64, tubes=False, kernels=triton).k_perm.unsqueeze(0)
+    queued = {"tiling_tree_only": lambda: reblock.reblock_tiling(q, k, layout, 64, tubes=False, kernels=triton),
+              "head_choice": lambda: choose_tubes(q, k, tree, layout, 64, a.region_blocks[-1], 0.1, triton),
+              "features": lambda: reblock.metric_features(ks, qs, triton),
+              "partition_graph": lambda: reblock.run_partition(z, schedule, 64, triton, layout.cache, seg.start),
               **{f"plan_{tiling}": (lambda cfg=cfg: build_plan(q, k, v, layout, cfg)) for tiling, cfg in configs.items()}}
     for name, fn in queued.items():
         t[f"{name}_queued"], host[name] = queued_ms(fn, dev, 2, 5)
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     for tiling, cfg in configs.items():
         plan = build_plan(q, k, v, layout, cfg)
         try:
-            t[f"kernel_{tiling}"] = time_call(lambda: block_sparse_attention(q, k, v, plan, "triton"), dev, 2, 5)
+            t[f"kernel_{tiling}"] = time_call(lambda: triton.attention.attend_blocks(q, k, v, plan), dev, 2, 5)
         except Exception as e:  # the kernel belongs to another module; report, keep the tiling numbers
             res[f"kernel_{tiling}_error"] = repr(e)[:300]
     if "kernel_reblock" in t:

@@ -1,12 +1,12 @@
-"""Block-sparse attention kernels, the pure-torch reference they are tested against, and the one
-dispatch between them (`dispatch.py`). Importing this package needs neither Triton nor a GPU.
+"""Block-sparse attention kernels, the pure-torch references they are tested against, and the one
+table of operations x backends between them (`table.py`). Importing this package needs neither
+Triton nor a GPU.
 """
 from __future__ import annotations
 
-from .dispatch import BACKENDS, block_sparse_attention, resolve_backend, triton_unavailable_reason
-from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling, pack, unpack
+from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, RoutingGroup, Tiling, pack, unpack
 from .reference import block_sparse_reference
+from .table import BACKENDS, Kernels, resolve, resolve_backend
 
-__all__ = ["BACKENDS", "BlockSparsePlan", "BlockSummaries", "EMPTY_ROW_LSE", "QuerySummaries", "Tiling",
-           "block_sparse_attention", "block_sparse_reference", "pack", "resolve_backend", "triton_unavailable_reason",
-           "unpack"]
+__all__ = ["BACKENDS", "BlockSparsePlan", "BlockSummaries", "EMPTY_ROW_LSE", "Kernels", "QuerySummaries",
+           "RoutingGroup", "Tiling", "block_sparse_reference", "pack", "resolve", "resolve_backend", "unpack"]

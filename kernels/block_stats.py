@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import TRITON_DTYPES as DTYPES
 from .configs import row_align
-from .triton_attention import _perm_strides
+from .offsets import perm_strides
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def block_sums_triton(x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tens
     J = block_len.numel()
     perm = perm.contiguous()
     out = torch.empty(B, H, J, D, dtype=torch.float32, device=x.device)
-    _block_sums[(J, B * H)](x, perm, block_len.contiguous(), out, *x.stride(), *_perm_strides(perm),
+    _block_sums[(J, B * H)](x, perm, block_len.contiguous(), out, *x.stride(), *perm_strides(perm),
                             H, J, D, **_launch_args(D, block_size, x))
     return out
 
@@ -166,6 +166,6 @@ def block_summaries_triton(k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor,
     bias = torch.empty(B, H, J, dtype=torch.float32, device=k.device)
     a = key if anchor is None else anchor.to(torch.float32).contiguous()  # unread without an anchor
     _block_summaries[(J, B * H)](k, v, perm, block_len.contiguous(), a, key, value, bias,
-                                 *k.stride(), *v.stride(), *_perm_strides(perm), H, J, D, D ** -0.5,
+                                 *k.stride(), *v.stride(), *perm_strides(perm), H, J, D, D ** -0.5,
                                  REWEIGHT=anchor is not None, **_launch_args(D, block_size, k, v))
     return key, value, bias

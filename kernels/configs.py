@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 FAMILY_ENV = "ADAPTIVE_SPARSE_KERNEL_FAMILY"
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what every Triton kernel takes
 FAMILIES = ("sm80", "sm90")
 
 

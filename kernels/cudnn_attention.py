@@ -9,13 +9,10 @@ from cuDNN's normalised rows and log-sum-exp (`block_sparse_triton(partial=...)`
 summaries, normalises once and stores rows in model order. Same semantics as the reference.
 
 The package `nvidia-cudnn-frontend` (with `nvidia-cutlass-dsl`) is optional: without it, or on a
-GPU family it is not enabled for, this backend is unavailable. `auto` never takes it: it is
-asked for by name (BENCHMARKS.md has where it is faster).
+GPU family it is not enabled for, this backend is unavailable; where it runs, `auto` takes it
+(`table.py`).
 """
 from __future__ import annotations
-
-import functools
-import importlib.util
 
 from typing import Callable
 
@@ -30,34 +27,12 @@ FAMILIES = (9,)  # sm90: the family measured; sm100/sm120 have kernels in the pa
 HEADS_PER_CALL = 8  # packed Q/K/V copies stay at most 8 / H of Q/K/V's size
 
 
-@functools.lru_cache(maxsize=None)
-def _missing_package() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (it adds the tail)"
-    if importlib.util.find_spec("cudnn") is None or importlib.util.find_spec("cudnn.block_sparse_attention") is None:
-        return "nvidia-cudnn-frontend (with its block-sparse attention) is not installed"
-    return None
-
-
-def cudnn_unavailable_reason(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
-                             block_size: int | None = None) -> str | None:
-    """Why this backend cannot run on `device` for `dtype`, `head_dim` and `block_size` (None: any),
-    or None when it can."""
-    if device.type != "cuda":
-        return f"the tensors are on {device.type}, and cuDNN runs on CUDA"
-    missing = _missing_package()
-    if missing:
-        return missing
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in FAMILIES:
-        return f"sm{major}{minor} is not enabled for it (enabled: " + ", ".join(f"sm{f}x" for f in FAMILIES) + ")"
-    if dtype is not None and dtype not in DTYPES:
-        return f"dtype {dtype} is not supported (expected float16 or bfloat16)"
-    if head_dim is not None and head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim} is not supported (expected one of {HEAD_DIMS})"
-    if block_size is not None and block_size != BLOCK_SIZE:
-        return f"block_size {block_size} is not supported (expected {BLOCK_SIZE})"
-    return None
+def check_call(q: torch.Tensor, plan: BlockSparsePlan) -> None:
+    """Raise ValueError unless q's device, dtype and head dim and the plan's block size are ones
+    this kernel takes (the table, `table.CUDNN_ATTENTION`, declares the same facts for `auto`)."""
+    if q.device.type != "cuda" or q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or plan.block_size != BLOCK_SIZE:
+        raise ValueError(f"block_sparse_cudnn cannot run: q {q.dtype} head_dim {q.shape[-1]} on {q.device}, block_size "
+                         f"{plan.block_size}: expected CUDA, dtype in {DTYPES}, head_dim in {HEAD_DIMS}, block_size {BLOCK_SIZE}")
 
 
 def sparse_span(plan: BlockSparsePlan) -> tuple[int, int]:
@@ -155,16 +130,14 @@ def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
     and the store to model order on the Triton kernel.
 
     Args:
-        q, k, v: one fp16/bf16 dtype on an enabled GPU (`cudnn_unavailable_reason`), head_dim in
+        q, k, v: one fp16/bf16 dtype on an enabled GPU (`table.CUDNN_ATTENTION`), head_dim in
             HEAD_DIMS, any strides.
         plan: a plan with block size 64 and the routing groups (`sparse_span`).
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log), as
         `block_sparse_triton`.
     """
-    reason = cudnn_unavailable_reason(q.device, q.dtype, q.shape[-1], plan.block_size)
-    if reason is not None:
-        raise ValueError(f"block_sparse_cudnn cannot run: {reason}")
+    check_call(q, plan)
     from .configs import finish_config
     from .triton_attention import block_sparse_triton
 

@@ -1,4 +1,4 @@
-"""Whether a tensor's row offsets fit 32-bit indexing, for kernels that index rows in 32 bits."""
+"""Offsets of the kernels' gathered rows: whether they fit 32-bit indexing, and a permutation's strides."""
 from __future__ import annotations
 
 import torch
@@ -19,3 +19,8 @@ def wide_rows(*tensors: torch.Tensor) -> bool:
     """
     return any((t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3)) >= ROW_INDEX_LIMIT
                for t in tensors if t.shape[2] > 0 and t.shape[3] > 0)
+
+
+def perm_strides(perm: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) strides of a [Bp, Hp, L] permutation; 0 where it is shared."""
+    return (perm.stride(0) if perm.shape[0] > 1 else 0, perm.stride(1) if perm.shape[1] > 1 else 0)

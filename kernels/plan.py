@@ -11,8 +11,8 @@ when the plan is made (from metadata only: nothing is read from the device):
   first in block order, so this is the "always exact" prefix); dense_hi[i] == J is a dense row.
 - q2k_idx int16 (while J < 2**15, half the memory of the planner's largest table at long clips)
   or int32 [B, H, J, R]: selected key blocks, ascending, all >= dense_hi[i], -1 padded;
-  q2k_num int32 [B, H, J]: how many entries of a row are valid. `groups`: the candidate key block
-  ranges (lo, hi, budget) that routing chose from.
+  q2k_num int32 [B, H, J]: how many entries of a row are valid. `groups`: the `RoutingGroup`s
+  (candidate key block range and budget) that routing chose from.
 - The tail, exactly one of: none; `QuerySummaries` (every query scores a summary key per unselected
   candidate block); `BlockSummaries` (one summary result per query block).
 All attention terms (exact keys and summaries) share one softmax, normalised once.
@@ -20,7 +20,7 @@ All attention terms (exact keys and summaries) share one softmax, normalised onc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -41,6 +41,15 @@ def _require(ok: bool, owner: str, name: str, value: Any, expected: str) -> None
 
 def _is(t: Any, dtypes: tuple[torch.dtype, ...], dim: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == dim
+
+
+class RoutingGroup(NamedTuple):
+    """One TopK group of the routing: every sparse query block keeps the `budget` best key blocks
+    of the candidate range [lo, hi)."""
+
+    lo: int
+    hi: int
+    budget: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,11 @@ class Tiling:
         """J, the number of blocks."""
         return int(self.block_len.shape[0])
 
+    def __repr__(self) -> str:
+        shared = "shared" if self.q_perm is self.k_perm else "separate"
+        return (f"Tiling(J={self.num_blocks}, block_size={self.block_size}, perms {tuple(self.q_perm.shape)} {shared}, "
+                f"regions={[getattr(seg, 'region', seg) for seg in self.regions]}, on {self.block_len.device})")
+
     def blocks_of(self, region: str) -> tuple[int, int]:
         """[lo, hi) block range covering every region of one kind (they are adjacent)."""
         spans = [rb for seg, rb in zip(self.regions, self.region_blocks) if seg.region == region]
@@ -95,6 +109,9 @@ class QuerySummaries:
     value: torch.Tensor
     bias: torch.Tensor
 
+    def __repr__(self) -> str:
+        return f"QuerySummaries(key {_describe(self.key)})"
+
 
 @dataclass(frozen=True)
 class BlockSummaries:
@@ -104,6 +121,9 @@ class BlockSummaries:
 
     logit: torch.Tensor
     value: torch.Tensor
+
+    def __repr__(self) -> str:
+        return f"BlockSummaries(value {_describe(self.value)})"
 
 
 Tail = Union[QuerySummaries, BlockSummaries, None]
@@ -117,7 +137,7 @@ class BlockSparsePlan:
     dense_hi: torch.Tensor
     q2k_idx: torch.Tensor
     q2k_num: torch.Tensor
-    groups: tuple[tuple[int, int, int], ...] = ()
+    groups: tuple[RoutingGroup, ...] = ()
     tail: Tail = None
 
     def __post_init__(self) -> None:
@@ -136,9 +156,11 @@ class BlockSparsePlan:
             p = getattr(self.tiling, name)
             _require(p.shape[0] in (1, B) and p.shape[1] in (1, H), owner, f"tiling.{name}", p,
                      f"[1 or {B}, 1 or {H}, slots] (q2k_idx has B={B}, H={H})")
-        ok = all(len(g) == 3 and all(isinstance(x, int) for x in g) and 0 <= g[0] <= g[1] <= J for g in self.groups)
+        ok = all(isinstance(g, tuple) and len(g) == 3 and all(isinstance(x, int) for x in g) and 0 <= g[0] <= g[1] <= J
+                 for g in self.groups)
         _require(isinstance(self.groups, tuple) and ok, owner, "groups", self.groups,
-                 f"a tuple of (lo, hi, budget) ints with 0 <= lo <= hi <= {J}")
+                 f"a tuple of RoutingGroup(lo, hi, budget) ints with 0 <= lo <= hi <= {J}")
+        object.__setattr__(self, "groups", tuple(RoutingGroup(*g) for g in self.groups))
         tail = self.tail
         if isinstance(tail, QuerySummaries):
             shape = tuple(tail.key.shape[:3])
@@ -181,16 +203,30 @@ class BlockSparsePlan:
         """J, the number of blocks."""
         return self.tiling.num_blocks
 
+    def __repr__(self) -> str:
+        B, H, J, R = self.q2k_idx.shape
+        groups = ", ".join(f"[{g.lo}:{g.hi}] top {g.budget}" for g in self.groups)
+        return (f"BlockSparsePlan(B={B}, H={H}, J={J}, R={R}, block_size={self.block_size}, groups=({groups}), "
+                f"tail={self.tail!r}, on {self.block_len.device})")
+
+    def density(self) -> float:
+        """Fraction of all (query, key) token pairs computed exactly, averaged over batch and heads.
+
+        Counted from the index tables in O(B x H x J x R) (the dense prefix through a prefix sum of
+        the block lengths), never from J x J masks; reading the result synchronises once. The
+        sequence length is the tiling's row count (every model row sits in one block)."""
+        n = self.block_len.to(torch.float64)
+        prefix = torch.cat([n.new_zeros(1), n.cumsum(0)])
+        R = self.q2k_idx.shape[-1]
+        picked = (torch.arange(R, device=n.device) < self.q2k_num.unsqueeze(-1)) & (self.q2k_idx >= 0)
+        keys = prefix[self.dense_hi.long()] + torch.where(picked, n[self.q2k_idx.long().clamp(min=0)], 0.0).sum(-1)
+        pairs = (keys * n).sum(-1)
+        return float(pairs.mean() / prefix[-1] ** 2) if pairs.numel() else 0.0  # no batch or heads: none
+
     def selected_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: key block j selected (by TopK) for query block i; `rows` picks
         query blocks (callers that must stay linear in J take a few at a time)."""
-        idx, num = self.q2k_idx[:, :, rows], self.q2k_num[:, :, rows]
-        B, H, n, R = idx.shape
-        J = self.num_blocks
-        mask = torch.zeros(B, H, n, J + 1, dtype=torch.bool, device=idx.device)
-        valid = torch.arange(R, device=mask.device).view(1, 1, 1, R) < num.unsqueeze(-1)
-        mask.scatter_(3, torch.where(valid & (idx >= 0), idx.long(), torch.full_like(idx, J).long()), True)
-        return mask[..., :J]
+        return selected_mask(self.q2k_idx, self.q2k_num, rows)
 
     def allowed_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: key blocks computed exactly (dense prefix or selected)."""
@@ -199,11 +235,58 @@ class BlockSparsePlan:
 
     def summary_mask(self, rows: slice = slice(None)) -> torch.Tensor:
         """bool [B, H, J, J]: candidate key blocks that are represented by their summary."""
-        cols = torch.arange(self.num_blocks, device=self.dense_hi.device)
-        return (cols.view(1, -1) >= self.dense_hi[rows].view(-1, 1)) & ~self.selected_mask(rows)
+        return summary_mask(self.dense_hi, self.q2k_idx, self.q2k_num, rows)
+
+    def flatten(self) -> tuple[list[torch.Tensor], int, list[int], str]:
+        """The plan as a custom op's arguments: (tensors, block_size, groups as lo, hi, budget
+        ints, tail kind "none" / "query" / "block"); `unflatten` is its inverse."""
+        tensors = [self.q_perm, self.k_perm, self.block_len, self.dense_hi, self.q2k_idx, self.q2k_num]
+        kind = "none"
+        if isinstance(self.tail, QuerySummaries):
+            tensors, kind = tensors + [self.tail.key, self.tail.value, self.tail.bias], "query"
+        elif isinstance(self.tail, BlockSummaries):
+            tensors, kind = tensors + [self.tail.logit, self.tail.value], "block"
+        return tensors, self.block_size, [x for g in self.groups for x in g], kind
+
+    @classmethod
+    def unflatten(cls, tensors: list[torch.Tensor], block_size: int, groups: list[int], kind: str
+                  ) -> "BlockSparsePlan":
+        """The plan `flatten` took apart (its tiling without region names), not checked again: it
+        was checked when it was made."""
+        q_perm, k_perm, block_len, dense_hi, q2k_idx, q2k_num, *tail = tensors
+        summaries = {"none": lambda: None, "query": lambda: QuerySummaries(*tail), "block": lambda: BlockSummaries(*tail)}
+        tiling = object.__new__(Tiling)
+        for name, value in (("block_size", block_size), ("q_perm", q_perm), ("k_perm", k_perm),
+                            ("block_len", block_len), ("regions", ()), ("region_blocks", ())):
+            object.__setattr__(tiling, name, value)
+        plan = object.__new__(cls)
+        routing = tuple(RoutingGroup(*groups[i:i + 3]) for i in range(0, len(groups), 3))
+        for name, value in (("tiling", tiling), ("dense_hi", dense_hi), ("q2k_idx", q2k_idx), ("q2k_num", q2k_num),
+                            ("groups", routing), ("tail", summaries[kind]())):
+            object.__setattr__(plan, name, value)
+        return plan
 
 
-def group_span(groups: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]]) -> tuple[int, int]:
+def selected_mask(q2k_idx: torch.Tensor, q2k_num: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+    """bool [B, H, n, J]: key block j selected for query block i, for the query blocks `rows`."""
+    idx, num = q2k_idx[:, :, rows], q2k_num[:, :, rows]
+    B, H, n, R = idx.shape
+    J = q2k_idx.shape[2]
+    mask = torch.zeros(B, H, n, J + 1, dtype=torch.bool, device=idx.device)
+    valid = torch.arange(R, device=mask.device).view(1, 1, 1, R) < num.unsqueeze(-1)
+    mask.scatter_(3, torch.where(valid & (idx >= 0), idx.long(), torch.full_like(idx, J).long()), True)
+    return mask[..., :J]
+
+
+def summary_mask(dense_hi: torch.Tensor, q2k_idx: torch.Tensor, q2k_num: torch.Tensor, rows: slice = slice(None)
+                 ) -> torch.Tensor:
+    """bool [B, H, n, J]: candidate key blocks (at or past the dense prefix) left unselected, so
+    represented by their summary, for the query blocks `rows`."""
+    cols = torch.arange(dense_hi.shape[0], device=dense_hi.device)
+    return (cols.view(1, -1) >= dense_hi[rows].view(-1, 1)) & ~selected_mask(q2k_idx, q2k_num, rows)
+
+
+def group_span(groups: tuple[RoutingGroup, ...]) -> tuple[int, int]:
     """[first lo, last hi) of routing groups (lo, hi, budget): the query blocks that routing makes
     sparse, each with that span's start as its dense prefix; every other block is dense (the rule of
     `routing.route_plan`, which made the groups). (0, 0) without groups."""

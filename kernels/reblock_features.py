@@ -80,12 +80,12 @@ def _metric_project(X, L, P, Out, N, D, sx_g, sx_n, R: tl.constexpr, DP: tl.cons
 
 def gram_triton(a: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
     """a^T a / n per head of a [G, n, D] (fp16/bf16/fp32, any row and head strides): float64
-    [G, D, D]. With factor [G, D, D] (a's dtype) the rows are first a L / (|a L| + tiny),
+    [G, D, D]. With factor [G, D, D] (rounded to a's dtype) the rows are first a L / (|a L| + tiny),
     rounded to a's dtype."""
     G, n, D = a.shape
-    if factor is not None and (factor.shape != (G, D, D) or factor.dtype != a.dtype):
-        raise ValueError(f"gram_triton: factor must be [G, D, D] in a's dtype {a.dtype}, got {factor.dtype} "
-                         f"{tuple(factor.shape)}")
+    if factor is not None and (factor.shape != (G, D, D) or not factor.is_floating_point()):
+        raise ValueError(f"gram_triton: factor must be a floating [G, D, D], got {factor.dtype} {tuple(factor.shape)}")
+    factor = None if factor is None else factor.to(a.dtype)
     if a.stride(-1) != 1:
         a = a.contiguous()
     out = torch.empty(G, SPLITS, D, D, dtype=torch.float32, device=a.device)
@@ -101,14 +101,15 @@ def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Ten
     feature storage, `backend/reblock.feature_dtype`).
 
     x [G, N, D] fp16/bf16/fp32, any row and head strides (no copy of a strided view of Q/K);
-    factor [G, D, D] and proj [G, D, r] in x's dtype (r a power of two, at least 16). Products
+    factor [G, D, D] and proj [G, D, r], rounded to x's dtype (r a power of two, at least 16). Products
     accumulate in fp32 (full fp32 for fp32 inputs).
     """
     G, N, D = x.shape
     r = proj.shape[-1]
-    if factor.shape != (G, D, D) or proj.shape != (G, D, r) or factor.dtype != x.dtype or proj.dtype != x.dtype:
-        raise ValueError(f"metric_project_triton: factor must be [G, D, D] and proj [G, D, r] in x's dtype {x.dtype}, "
+    if factor.shape != (G, D, D) or proj.shape != (G, D, r) or not (factor.is_floating_point() and proj.is_floating_point()):
+        raise ValueError(f"metric_project_triton: factor must be a floating [G, D, D] and proj [G, D, r], "
                          f"got {factor.dtype} {tuple(factor.shape)} and {proj.dtype} {tuple(proj.shape)}")
+    factor, proj = factor.to(x.dtype), proj.to(x.dtype)
     if r < 16 or r & (r - 1):
         raise ValueError(f"metric_project_triton: r={r} is not allowed: expected a power of two >= 16")
     if x.stride(-1) != 1:

@@ -18,11 +18,14 @@ Importing this module imports Triton: the backend imports it only on demand.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from .radix_select import float_key, kth_largest_key, kth_largest_key_in_memory, top_k_mask
+from .reblock_reference import REFINE_STEPS, SQUARINGS
 
 CHUNK = 8192  # slots one program holds in registers (32 per thread at 8 warps)
 WIDE_CHUNK = 2048  # chunk of a wide node's passes when there are at least FEW_PROGRAMS programs
@@ -254,3 +257,11 @@ def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Ten
                              z.shape[1], nodes, width, out_width, R=r, BLOCK=block, WIDE=wide, SAMPLE=SAMPLE,
                              MARGIN=MARGIN, CAP=CAP, num_warps=max(1, min(8, block // 512)))
     return out
+
+
+def partition_level_triton(z: torch.Tensor, rows: torch.Tensor, level: Any) -> torch.Tensor:
+    """One tree level on the Triton kernels: every node's split direction from its landmarks, then
+    the split and the placement of its token ids in the next level (int32 [G, 2 * nodes, next
+    width]); the twin of `reblock_reference.partition_level_torch`."""
+    direction = split_directions_triton(z, rows, level.landmarks, SQUARINGS, REFINE_STEPS)
+    return split_level_triton(z, rows, direction, level.sizes[0], level.sizes[1], level.carry.shape[-1])

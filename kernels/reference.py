@@ -73,3 +73,12 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     out = unpack(out_t, plan.q_perm, S).to(q.dtype)
     lse = unpack(lse_t.unsqueeze(-1), plan.q_perm, S).squeeze(-1)
     return out, lse
+
+
+class ReferenceAttention:
+    """The `torch` row of the attention: `block_sparse_reference`."""
+
+    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, S, D] in q's dtype, lse [B, H, S]) of q, k, v under `plan`."""
+        return block_sparse_reference(q, k, v, plan)

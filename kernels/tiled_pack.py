@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .configs import row_align
-from .triton_attention import _perm_strides
+from .offsets import perm_strides
 
 SLOTS = 64  # slots per program
 
@@ -62,6 +62,6 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_perm: torch.Te
     _pack_qkv[(L // SLOTS, B * H)](
         q, k, v, q_perm, k_perm, qt, kt, vt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), *_perm_strides(q_perm), *_perm_strides(k_perm), H, L,
+        v.stride(2), *perm_strides(q_perm), *perm_strides(k_perm), H, L,
         HEAD_DIM=D, BLOCK=SLOTS, ALIGN=row_align(q, k, v), num_warps=4)
     return qt, kt, vt

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import TRITON_DTYPES as DTYPES
 from .configs import KernelConfig, dot_precision, kernel_config
-from .dispatch import TRITON_DTYPES as DTYPES
-from .offsets import wide_rows
+from .offsets import perm_strides, wide_rows
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries
 
 
@@ -180,11 +180,6 @@ def _block_sparse_fwd(
     tl.store(Lse + b * sl_b + h * sl_h + orow * sl_s, lse, mask=qmask)
 
 
-def _perm_strides(perm: torch.Tensor) -> tuple[int, int]:
-    """(batch, head) strides of a [Bp, Hp, L] permutation; 0 where it is shared."""
-    return (perm.stride(0) if perm.shape[0] > 1 else 0, perm.stride(1) if perm.shape[1] > 1 else 0)
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4 or t.shape != q.shape:
@@ -270,7 +265,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
         tail_k, tail_v, tail_bias, block_logit, block_value, part_out, part_lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        *_perm_strides(q_perm), *_perm_strides(k_perm),
+        *perm_strides(q_perm), *perm_strides(k_perm),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
         H, J, q2k_idx.shape[-1], scale * 1.4426950408889634,
         BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,

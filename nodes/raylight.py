@@ -33,8 +33,8 @@ import torch
 from ..backend.attention import check_inputs
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
+from ..backend.planner import layout_kernels
 from ..backend.ulysses import check_sequence_parallel, local_heads_attention, padded_rows
-from ..kernels.dispatch import resolve_backend
 from .block_patches import install
 from .h3_model import check_h3
 from .hooks import CallContext, Mark
@@ -89,8 +89,8 @@ class RaylightSparseAttention(SparseAttentionHook):
         if schedule_reason(self.config, layer, self.warmup(ctx), rows) is None:
             problem = self.shard_problem(x, layout)
             if problem is None:
-                # strict raises here when Triton is asked for and cannot run
-                resolve_backend(self.config.backend, x.device, x.dtype, self.config.strict)
+                # strict raises here when the asked-for backend cannot run
+                layout_kernels(layout, self.config, x.device, x.dtype, attn.head_dim)
                 return ctx.step, layout
             self.refuse(layer, problem)
         self.tracker.note_block(ctx.step, sparse=False)

@@ -14,11 +14,11 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense import DenseChoices, default_cache_path
-from ..kernels.dispatch import resolve_backend, runs_triton
 from .comfy_weights import head_groups, linear_weights, on_device, outside_allocation_graph, unwrap_input
 from .block_patches import install
 from .dense_override import DenseOverride
 from .hooks import BlockHook, CallContext, log
+from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
 
 DEVICES = ("cuda", "cpu")
@@ -157,11 +157,10 @@ class SparseAttentionHook(BlockHook):
                                   "only; sparse blocks run adaptive sparse attention")
 
     def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
-        """Resolve the backend and, for Triton, compile its kernels for this layout before they run."""
-        if runs_triton(resolve_backend(self.config.backend, device, dtype, self.config.strict, attn.head_dim,
-                                       self.config.block_size)):
-            with outside_allocation_graph():
-                prepare_kernels(layout, self.config, dtype, device, attn.head_dim)
+        """Compile the kernels of this layout before they run (once per layout, where the backend
+        compiles any), announced in the console and as progress text on the running node."""
+        with outside_allocation_graph():
+            prepare_kernels(layout, self.config, dtype, device, attn.head_dim, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),

@@ -16,6 +16,7 @@ with interpreter_env():
     from adaptive_sparse_attention.kernels.block_select import select_blocks_triton
 
 from adaptive_sparse_attention.backend.routing import select_blocks
+from adaptive_sparse_attention.kernels.table import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -64,6 +65,6 @@ def test_pooled_scores_kernel_matches_float64(monkeypatch, B, H, J, D):
     q_mean, k_mean = (torch.randn(B, H, J, D, generator=g) for _ in range(2))
     want = q_mean.double() @ k_mean.double().transpose(-1, -2) * D ** -0.5
     torch.testing.assert_close(pooled_scores_triton(q_mean, k_mean).double(), want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(routing.pooled_scores(q_mean, k_mean, backend="triton").double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(routing.pooled_scores(q_mean, k_mean, kernels=resolve("triton", torch.device("cpu"), torch.float32, strict=True)).double(), want, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="must be fp32"):
         pooled_scores_triton(q_mean.double(), k_mean.double())

@@ -25,6 +25,7 @@ from adaptive_sparse_attention.backend.pooling import block_means
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
 from adaptive_sparse_attention.backend.tiling import Tiling
 from adaptive_sparse_attention.kernels.configs import row_align
+from adaptive_sparse_attention.kernels.table import resolve
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 STORED_TOL = {torch.float32: FP32_TOL, torch.float16: dict(rtol=1e-3, atol=1e-5)}
@@ -95,7 +96,7 @@ def test_mean_summaries(dim, dtype, per_head, block_size):
     k, v = h3_views(B, H, S, dim, dtype, seed=dim + 4)
     key, value, bias = block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, block_size, None)
     k64, v64 = k.double(), v.double()
-    ref = mean_summaries(k64, v64, tiling, block_means(k64, tiling.k_perm, tiling))
+    ref = mean_summaries(k64, v64, tiling)
     assert (key.dtype, value.dtype, bias.dtype) == (dtype, dtype, torch.float32)
     torch.testing.assert_close(key.double(), ref[0], **STORED_TOL[dtype])
     torch.testing.assert_close(value.double(), ref[1], **STORED_TOL[dtype])
@@ -104,11 +105,11 @@ def test_mean_summaries(dim, dtype, per_head, block_size):
 
 @pytest.mark.parametrize("tail_kind", ["reweight", "mean", "coarse"])
 def test_build_plan_on_both_backends(tail_kind):
-    """The one dispatch: build_plan on the Triton backend (CPU tensors run under the
+    """The one table: build_plan on the Triton backend (CPU tensors run under the
     interpreter) selects the same blocks and gives the same summaries as on the torch backend,
     and `auto` picks torch for CPU tensors."""
     from adaptive_sparse_attention.backend.tail import coarse_branch
-    from adaptive_sparse_attention.kernels.dispatch import resolve_backend
+    from adaptive_sparse_attention.kernels.table import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"
     layout = SequenceLayout.from_segments([(0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)),
@@ -116,16 +117,16 @@ def test_build_plan_on_both_backends(tail_kind):
     g = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(1, 2, layout.total, 64, generator=g) for _ in range(3))
     cfg = SparseConfig(tiling="cube", topk_ratio=0.3, tail=tail_kind)
-    ref = planner.build_plan(q, k, v, layout, cfg, backend="torch")
-    got = planner.build_plan(q, k, v, layout, cfg, backend="triton")
+    ref = planner.build_plan(q, k, v, layout, cfg, kernels=resolve("torch", q.device, q.dtype))
+    got = planner.build_plan(q, k, v, layout, cfg, kernels=resolve("triton", q.device, q.dtype, strict=True))
     assert torch.equal(got.q2k_idx, ref.q2k_idx)
     assert (got.tail is None) == (ref.tail is None) == (tail_kind == "coarse")
     for name in ("key", "value", "bias") if got.tail is not None else ():
         torch.testing.assert_close(getattr(got.tail, name), getattr(ref.tail, name), **FP32_TOL)
     if tail_kind == "coarse":
         for gran in ("query", "block"):
-            torch.testing.assert_close(coarse_branch(q, k, v, got, gran, "triton"),
-                                       coarse_branch(q, k, v, ref, gran, "torch"), **FP32_TOL)
+            torch.testing.assert_close(coarse_branch(q, k, v, got, gran, resolve("triton", q.device, q.dtype, strict=True)),
+                                       coarse_branch(q, k, v, ref, gran), **FP32_TOL)
 
 
 def test_row_alignment_divides_the_strides_and_does_not_change_with_the_clip_length():

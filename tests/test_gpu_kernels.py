@@ -56,6 +56,8 @@ from adaptive_sparse_attention.backend import indexer, pooling, routing  # noqa:
 from adaptive_sparse_attention.backend.pooling import block_means  # noqa: E402
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries  # noqa: E402
 from adaptive_sparse_attention.backend.tiling import Tiling  # noqa: E402
+from adaptive_sparse_attention.kernels.planner_reference import quantised_scores_torch, topk_blocks  # noqa: E402
+from adaptive_sparse_attention.kernels.table import resolve  # noqa: E402
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSummaries, QuerySummaries, block_sparse_reference,  # noqa: E402
                                              pack, unpack)
 from adaptive_sparse_attention.kernels import block_scores, triton_attention  # noqa: E402
@@ -184,11 +186,10 @@ BACKEND_CASES = [("triton", 2, c) for c in ATTENTION_CASES] + [("cudnn", CUDNN_M
 def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_reference(backend, multiple, case):
     """The Triton kernel within 2x; the `cudnn` backend (exact keys on cuDNN-frontend, tail on
     Triton) within 3x, on the same plans. Both repeat bit for bit."""
-    from adaptive_sparse_attention.kernels import block_sparse_attention
-    from adaptive_sparse_attention.kernels.cudnn_attention import cudnn_unavailable_reason
+    from adaptive_sparse_attention.kernels.table import unavailable_reason
 
     dtype, B, H, D, bs, tiling, scope, tail, gran, empty = case
-    reason = cudnn_unavailable_reason(DEVICE, dtype, D, bs) if backend == "cudnn" else None
+    reason = unavailable_reason("cudnn", DEVICE, dtype, D, bs) if backend == "cudnn" else None
     if reason is not None:
         pytest.skip(reason)
     layout = layout_awkward()
@@ -201,8 +202,9 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
     assert info.backend == backend and plan.block_size == bs and plan.summary_mask().any()  # candidates left out
     if empty:
         plan = with_empty_rows(plan)
-    out_fast, lse_fast = block_sparse_attention(q, k, v, plan, backend)
-    again, lse_again = block_sparse_attention(q, k, v, plan, backend)
+    attention = resolve(backend, DEVICE, dtype, strict=True, head_dim=D, block_size=bs).attention
+    out_fast, lse_fast = attention.attend_blocks(q, k, v, plan)
+    again, lse_again = attention.attend_blocks(q, k, v, plan)
     assert torch.equal(out_fast, again) and torch.equal(lse_fast, lse_again)
     if not empty:
         assert torch.equal(out_fast, out_api)  # the public call runs this kernel on this plan
@@ -260,7 +262,7 @@ def test_block_means_kernel_matches_float64_torch(dtype, dim, block_size, per_he
     B, H, S = 2, 3, 1001
     tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + block_size)
     x, _ = h3_views(B, H, S, dim, dtype, seed=dim)
-    got = block_means(x, tiling.q_perm, tiling, "triton")
+    got = block_means(x, tiling.q_perm, tiling, resolve("triton", DEVICE, torch.float32, strict=True))
     want = block_means(x.double(), tiling.q_perm, tiling)  # float64: the torch path
     assert got.dtype == torch.float32 and got.shape == (B, H, tiling.num_blocks, dim)
     torch.testing.assert_close(got.double(), want, **FP32_TOL)
@@ -276,11 +278,11 @@ def test_tail_summary_kernel_matches_float64_torch(tail, dtype, dim, block_size,
     if tail == "reweight":
         g = torch.Generator(device=DEVICE).manual_seed(dim + 9)
         anchor = 3 * torch.randn(B, H, dim, generator=g, device=DEVICE)  # peaked, non-trivial weights
-        key, value, bias = reweight_summaries(k, v, tiling, anchor, "triton")
+        key, value, bias = reweight_summaries(k, v, tiling, anchor, resolve("triton", DEVICE, torch.float32, strict=True))
         ref_key, ref_value, ref_bias = reweight_summaries(k64, v64, tiling, anchor.double())
     else:
-        key, value, bias = mean_summaries(k, v, tiling, block_means(k, tiling.k_perm, tiling, "triton"), "triton")
-        ref_key, ref_value, ref_bias = mean_summaries(k64, v64, tiling, block_means(k64, tiling.k_perm, tiling))
+        key, value, bias = mean_summaries(k, v, tiling, resolve("triton", DEVICE, torch.float32, strict=True))
+        ref_key, ref_value, ref_bias = mean_summaries(k64, v64, tiling)
     assert (key.dtype, value.dtype, bias.dtype) == (dtype, dtype, torch.float32)
     torch.testing.assert_close(key.double(), ref_key, **STORED_TOL[dtype])
     torch.testing.assert_close(value.double(), ref_value, **STORED_TOL[dtype])
@@ -314,7 +316,7 @@ def stable_sort_selection(scores, dense_hi, groups):
     """Per group the `budget` highest scores, ties toward the lower index (stable sort), ascending;
     -1 rows for dense query blocks."""
     J = scores.shape[2]
-    picks = [routing.topk_blocks(scores[..., lo:hi], budget) + lo for lo, hi, budget in groups]
+    picks = [topk_blocks(scores[..., lo:hi], budget) + lo for lo, hi, budget in groups]
     idx = torch.cat(picks, -1).sort(-1).values.to(torch.int32)
     return torch.where((dense_hi < J).view(1, 1, J, 1), idx, torch.full_like(idx, -1))
 
@@ -326,14 +328,14 @@ def test_route_blocks_kernels_select_exactly(monkeypatch, scores, B, H, J, D, gr
     q, k = tied_means(B, H, J, D, seed=J + D)
     dense_hi = torch.full((J,), groups[0][0], dtype=torch.int32, device=DEVICE)
     dense_hi[:n_dense] = J
-    idx, num = routing.route_blocks(q, k, dense_hi, groups, scores, "triton")
+    idx, num = routing.route_blocks(q, k, dense_hi, groups, scores, resolve("triton", DEVICE, torch.float32, strict=True))
     if scores == "fp32":
-        full = routing.pooled_scores(q, k, backend="triton")  # the full matrix of the same tile kernel
+        full = routing.pooled_scores(q, k, kernels=resolve("triton", DEVICE, torch.float32, strict=True))  # the full matrix of the same tile kernel
         exact = q.double() @ k.double().transpose(-1, -2) * D ** -0.5
         torch.testing.assert_close(full.double(), exact, rtol=0, atol=SCORE_TOL)
     else:
         m = indexer.quantise_means(q, k, "int8")
-        full = indexer.quantised_scores(m, (0, J), (0, J))  # torch: integer sums in fp32
+        full = quantised_scores_torch(m.q_codes, m.q_scale, m.k_codes, m.k_scale, (0, J), (0, J))  # torch: integer sums in fp32
         window = block_scores.quantised_scores_triton(m.q_codes, m.q_scale, m.k_codes, m.k_scale, (0, J), (64, J))
         assert torch.equal(window, full[:, :, :, 64:])
     want = stable_sort_selection(full, dense_hi, groups)

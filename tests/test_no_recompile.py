@@ -98,7 +98,7 @@ def test_new_clip_length_and_head_count_launch_the_same_binaries(name, launches,
 
     # the per-head tube choice on torch: its kernels have their own test below, and interpreted they
     # would take minutes here
-    monkeypatch.setattr(reblock, "choose_tubes", lambda *args: head_choice.choose_tubes(*args[:-1], "torch"))
+    monkeypatch.setattr(reblock, "choose_tubes", lambda *args: head_choice.choose_tubes(*args[:-1]))
     config = CONFIGS[name]
     first = specialisations(launches, clip(37, 53, 3, 5, 6), 2, config)
     second = specialisations(launches, clip(29, 71, 3, 6, 6), 3, config)  # same row buckets

@@ -1,23 +1,14 @@
-"""The one plan (kernels/plan.py) and the one dispatch (kernels/dispatch.py).
+"""The one plan (kernels/plan.py).
 
 The plan is frozen and checks itself from metadata when it is made, so a malformed plan fails
-where it is built, naming the field, instead of inside a kernel. The dispatch resolves
-`config.backend` from the device and dtype alone (a CUDA device object needs no GPU here).
+where it is built, naming the field, instead of inside a kernel.
 """
 import dataclasses
-import importlib.util
-import logging
-import os
 
 import pytest
 import torch
 
-from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
-from adaptive_sparse_attention.kernels import cudnn_attention
-from adaptive_sparse_attention.kernels import (BACKENDS, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
-                                             block_sparse_attention, resolve_backend)
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from adaptive_sparse_attention.kernels import BlockSparsePlan, BlockSummaries, QuerySummaries, RoutingGroup, Tiling
 J, BS, B, H, R, D = 3, 4, 1, 2, 2, 8
 
 
@@ -86,82 +77,35 @@ def test_a_malformed_tiling_names_its_field(kwargs, named):
         Tiling(**{**base, **kwargs})
 
 
-def test_auto_picks_by_device_and_dtype():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("auto", cpu, torch.float32) == "torch"
-    assert resolve_backend("auto", cuda, torch.float64) == "torch"  # the one dtype contract: no fp64 Triton
-    assert resolve_backend("auto", cuda, torch.bfloat16) == ("triton" if HAS_TRITON else "torch")
-    assert resolve_backend("torch", cuda, torch.bfloat16) == "torch"
-    mps = torch.device("mps")  # any other device: the torch reference, by auto and as the fallback
-    assert resolve_backend("auto", mps, torch.float32) == "torch"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        assert resolve_backend("triton", mps, torch.float32) == "torch"
-    with pytest.raises(ValueError, match="backend='rocm'"):
-        resolve_backend("rocm", cpu, torch.float32)
-    with pytest.raises(ValueError, match="backend='rocm'"):
-        block_sparse_attention(*(torch.zeros(1),) * 3, BlockSparsePlan(**parts()), "rocm")
-    assert tuple(BACKENDS) == ("cudnn", "triton", "torch")
 
 
-def test_the_cudnn_backend_runs_only_where_asked_for_and_able(monkeypatch, caplog):
-    """Its rule, with the package and the GPU made present: sm90, fp16/bf16, head_dim 64/128 and
-    block size 64; `auto` never takes it; asked for by name where it cannot run it says why and
-    runs the next backend (strict mode raises)."""
-    cuda = torch.device("cuda")
-    if not HAS_TRITON:
-        pytest.skip("the cuDNN backend needs Triton")
-    if importlib.util.find_spec("cudnn") is None:
-        with pytest.raises(RuntimeError, match="nvidia-cudnn-frontend .* not installed.*strict"):
-            resolve_backend("cudnn", cuda, torch.bfloat16, strict=True)
-        with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
-            assert resolve_backend("cudnn", cuda, torch.bfloat16) == "triton"
-        assert any("using backend='triton' instead" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(cudnn_attention, "_missing_package", lambda: None)
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    assert resolve_backend("cudnn", cuda, torch.bfloat16, True, head_dim=128, block_size=64) == "cudnn"
-    assert resolve_backend("cudnn", cuda, torch.float16, True) == "cudnn"  # head_dim and block size not known yet
-    assert resolve_backend("auto", cuda, torch.bfloat16, head_dim=128, block_size=64) == "triton"
-    for kwargs, named in ((dict(dtype=torch.float32), "float32"), (dict(head_dim=96), "head_dim 96"),
-                          (dict(block_size=128), "block_size 128")):
-        args = dict(dtype=torch.bfloat16, head_dim=128, block_size=64) | kwargs
-        assert named in cudnn_attention.cudnn_unavailable_reason(cuda, **args)
-        with pytest.raises(RuntimeError, match=named):
-            resolve_backend("cudnn", cuda, strict=True, **args)
-        assert resolve_backend("cudnn", cuda, **args) == "triton"  # the next backend that runs
-    capability[0] = (8, 6)
-    assert "sm86 is not enabled" in cudnn_attention.cudnn_unavailable_reason(cuda, torch.bfloat16)
-    assert resolve_backend("cudnn", cuda, torch.bfloat16) == "triton"
-    assert "cpu" in cudnn_attention.cudnn_unavailable_reason(torch.device("cpu"), torch.bfloat16)
+def test_the_plan_prints_short_and_names_its_groups():
+    plan = BlockSparsePlan(**parts())
+    text = repr(plan)
+    assert "tensor(" not in text and len(text) < 200
+    assert f"J={J}" in text and "[1:3] top 2" in text
+    assert plan.groups == (RoutingGroup(1, 3, 2),) and plan.groups[0].budget == 2
 
 
-def test_a_named_backend_that_cannot_run_raises_in_strict_mode_and_says_so_otherwise(caplog):
-    cuda = torch.device("cuda")
-    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run: .*(float64|not installed).*strict"):
-        resolve_backend("triton", cuda, torch.float64, strict=True)
-    with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
-        assert resolve_backend("triton", cuda, torch.float64) == "torch"
-    assert any("torch reference" in r.getMessage() for r in caplog.records)
+def test_density_counts_the_exact_pairs():
+    plan = BlockSparsePlan(**parts())
+    n = plan.block_len.double()
+    allowed = plan.allowed_mask().double()  # [B, H, J, J]
+    want = float((allowed * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2)).mean() / n.sum() ** 2)
+    assert plan.density() == pytest.approx(want, rel=1e-12) and 0 < want < 1
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton, to prove it is never launched")
-def test_the_torch_backend_runs_every_kernel_in_torch(monkeypatch):
-    """backend="torch" never reaches a Triton launcher, planner included (reblock, query tail),
-    even where Triton could run (its interpreter is on)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    def refuse(self, *args, **kwargs):
-        pytest.fail(f"Triton kernel {getattr(self, '__name__', self)} launched on the torch backend")
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(JITFunction, "run", refuse)
-    monkeypatch.setattr(InterpretedFunction, "run", refuse)
-    layout = SequenceLayout.from_segments([(0, 20, "text"), (20, 20 + 3 * 8 * 8, "video", (3, 8, 8))])
-    q, k, v = (torch.randn(1, 2, layout.total, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    config = SparseConfig(backend="torch", min_tokens=0)
-    with pytest.raises(pytest.fail.Exception, match="launched on the torch backend"):  # the guard sees Triton
-        sparse_attention(q, k, v, layout, config.replace(backend="triton"))
-    out, info = sparse_attention(q, k, v, layout, config, return_info=True)
-    assert info.backend == "torch" and isinstance(info.plan, BlockSparsePlan) and isinstance(info.plan.tail,
-                                                                                               QuerySummaries)
+@pytest.mark.parametrize("tail", ["none", "query", "block"])
+def test_flatten_and_unflatten_give_the_same_plan(tail):
+    base = parts()
+    if tail == "query":
+        base["tail"] = QuerySummaries(torch.zeros(B, H, J, D), torch.zeros(B, H, J, D), torch.zeros(B, H, J))
+    elif tail == "block":
+        base["tail"] = BlockSummaries(torch.zeros(B, H, J), torch.zeros(B, H, J, D))
+    plan = BlockSparsePlan(**base)
+    tensors, block_size, groups, kind = plan.flatten()
+    assert kind == tail and all(isinstance(t, torch.Tensor) for t in tensors)
+    again = BlockSparsePlan.unflatten(tensors, block_size, groups, kind)
+    assert again.groups == plan.groups and again.block_size == plan.block_size and type(again.tail) is type(plan.tail)
+    for a, b in zip(again.flatten()[0], tensors):
+        assert a is b

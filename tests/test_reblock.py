@@ -6,7 +6,10 @@ import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
-from adaptive_sparse_attention.backend.reblock import build_schedule, cholesky_factor, partition, reblock_tiling
+from adaptive_sparse_attention.backend.reblock import reblock_tiling
+from adaptive_sparse_attention.backend.reblock_metric import cholesky_factor
+from adaptive_sparse_attention.backend.reblock_partition import partition
+from adaptive_sparse_attention.backend.reblock_schedule import build_schedule
 from adaptive_sparse_attention.backend.tiling import chunk_tiles, cube_tiling
 from adaptive_sparse_attention.kernels import pack, unpack
 

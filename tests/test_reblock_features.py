@@ -1,7 +1,7 @@
 """Fused projection of the reblock tree features (CPU interpreter) against the torch path.
 
 `metric_features` is run on the same inputs with and without the Triton kernel; both store the
-features in fp16 (`reblock.feature_dtype`). fp32 inputs: the kernel's products are full fp32
+features in fp16 (`reblock_reference.feature_dtype`). fp32 inputs: the kernel's products are full fp32
 ("ieee"), in another summation order, so features (unit scale) agree before rounding to 1e-5,
 and after it to 1e-5 or one fp16 step where a value lies at a rounding boundary. 16-bit inputs: both paths multiply 16-bit values with fp32 accumulation,
 but the torch path rounds the [N, D + r] product to the input dtype before the norm, so they
@@ -19,7 +19,8 @@ with interpreter_env():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels import reblock_features
 
-from adaptive_sparse_attention.backend import reblock
+from adaptive_sparse_attention.backend import reblock_metric
+from adaptive_sparse_attention.kernels.table import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -34,9 +35,9 @@ def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     x, other = base[:, 4:N + 4], other[:, :N]  # strided heads, as a region's slice of Q/K is
     x[0, :5] = 0  # zero rows: norm 0, features 0
     x[1, 7, 3] = float("inf")  # a non-finite row must not reach the split
-    want = reblock.metric_features(x, other)
-    got = reblock.metric_features(x, other, "triton")
-    assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock.FEATURE_DIMS)
+    want = reblock_metric.metric_features(x, other)
+    got = reblock_metric.metric_features(x, other, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
+    assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock_metric.FEATURE_DIMS)
     assert torch.isfinite(got).all()
     lo, hi = torch.minimum(got, want), torch.maximum(got, want)
     adjacent = torch.nextafter(lo, hi) == hi  # one fp16 step apart: a value at a rounding boundary
@@ -67,12 +68,12 @@ def test_gram_matches_torch(dtype, tol, normalise):
 
 def test_gram_factor_is_checked():
     with pytest.raises(ValueError, match="factor must be"):
-        reblock_features.gram_triton(torch.zeros(2, 8, 16), torch.zeros(2, 16, 16, dtype=torch.float64))
+        reblock_features.gram_triton(torch.zeros(2, 8, 16), torch.zeros(2, 16, 8))
 
 
 def test_bad_weights_are_named():
     x = torch.zeros(1, 4, 16)
     with pytest.raises(ValueError, match="r=8 is not allowed"):
         reblock_features.metric_project_triton(x, torch.zeros(1, 16, 16), torch.zeros(1, 16, 8))
-    with pytest.raises(ValueError, match="in x's dtype"):
-        reblock_features.metric_project_triton(x, torch.zeros(1, 16, 16, dtype=torch.float64), torch.zeros(1, 16, 16))
+    with pytest.raises(ValueError, match="factor must be a floating"):
+        reblock_features.metric_project_triton(x, torch.zeros(1, 16, 8), torch.zeros(1, 16, 16))

@@ -24,8 +24,10 @@ with interpreter_env():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels import reblock_split
 
-from adaptive_sparse_attention.backend import reblock
-from adaptive_sparse_attention.backend.reblock import build_schedule, partition
+from adaptive_sparse_attention.backend.reblock_partition import partition
+from adaptive_sparse_attention.backend.reblock_schedule import build_schedule
+from adaptive_sparse_attention.kernels import reblock_reference
+from adaptive_sparse_attention.kernels.table import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -48,7 +50,7 @@ def features(n: int, seed: int) -> torch.Tensor:
 def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chunk, bracket, dtype):
     """bracket (SAMPLE, MARGIN, CAP) of the wide nodes' threshold: a tight one (the full selection
     runs where the threshold falls outside), a loose one, one too small to hold the keys inside.
-    fp16: the features' storage (`reblock.feature_dtype`); both paths project in fp32."""
+    fp16: the features' storage (`reblock_reference.feature_dtype`); both paths project in fp32."""
     z = features(n, seed=n + bs).to(dtype)
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
@@ -59,8 +61,8 @@ def test_fused_levels_give_the_torch_tiling(monkeypatch, n, bs, chunk, wide_chun
     monkeypatch.setattr(reblock_split, "KEY_BLOCK", 32)  # a wide node's keys from several programs
     monkeypatch.setattr(reblock_split, "FEW_PROGRAMS", 8)  # the tests' trees are few and small
     monkeypatch.setattr(reblock_split, "split_directions_triton", lambda z, rows, landmarks, *_:
-                        reblock.split_directions(reblock.landmark_features(z, rows, landmarks)).squeeze(-1))
-    got = partition(z, schedule, "triton")
+                        reblock_reference.split_directions(reblock_reference.landmark_features(z, rows, landmarks)).squeeze(-1))
+    got = partition(z, schedule, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
     assert torch.equal(got, want)
 
 
@@ -78,9 +80,9 @@ def test_directions_match_torch(m, r, dtype):
     landmarks = torch.stack([torch.randperm(m + 7, generator=g)[:m] for _ in range(3)])
     rows = torch.zeros(2, 3, m + 7, dtype=torch.int32)
     rows.scatter_(2, landmarks.expand(2, 3, m), ids.to(torch.int32).expand(2, 3, m))
-    assert torch.equal(reblock.landmark_features(z, rows, landmarks), marks)
-    got = reblock_split.split_directions_triton(z, rows, landmarks, reblock.SQUARINGS, reblock.REFINE_STEPS)
-    want = reblock.split_directions(marks).squeeze(-1)
+    assert torch.equal(reblock_reference.landmark_features(z, rows, landmarks), marks)
+    got = reblock_split.split_directions_triton(z, rows, landmarks, reblock_reference.SQUARINGS, reblock_reference.REFINE_STEPS)
+    want = reblock_reference.split_directions(marks).squeeze(-1)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -90,7 +92,7 @@ def test_fused_partition_is_a_capacity_exact_tiling_close_to_torch(monkeypatch):
     z = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1)).half()  # as stored
     schedule = build_schedule(n, bs, torch.device("cpu"))
     want = partition(z, schedule)
-    got = partition(z, schedule, "triton")
+    got = partition(z, schedule, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
     for row in got:
         assert torch.equal(row[row >= 0].sort().values, torch.arange(n))
     assert (got == want).double().mean() > 0.99

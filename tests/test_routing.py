@@ -6,7 +6,8 @@ import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend.planner import build_plan
-from adaptive_sparse_attention.backend.routing import index_table, pooled_scores, region_budget, topk_blocks
+from adaptive_sparse_attention.backend.routing import index_table, pooled_scores, region_budget
+from adaptive_sparse_attention.kernels.planner_reference import topk_blocks
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 
 
@@ -97,10 +98,12 @@ def test_route_plan_is_built_once_per_shape_and_ratio():
 
     lay = _layout_with_two_references()
     tiling = cube_tiling(lay, 64)
-    first, groups = route_plan(tiling, "joint-video", 0.2)
-    again, groups_again = route_plan(cube_tiling(lay, 64), "joint-video", 0.2)
+    first, groups = route_plan(tiling, "joint-video", 0.2, lay.cache)
+    again, groups_again = route_plan(cube_tiling(lay, 64), "joint-video", 0.2, lay.cache)
     assert again is first and groups_again == groups
-    other, _ = route_plan(tiling, "joint-video", 0.3)
+    other, _ = route_plan(tiling, "joint-video", 0.3, lay.cache)
     assert other is not first
-    groups.append((0, 0, 0))  # callers get their own list
-    assert route_plan(tiling, "joint-video", 0.2)[1] == groups_again
+    assert route_plan(tiling, "joint-video", 0.2)[0] is not first  # without the layout's cache: built anew
+    lay.cache.clear()
+    assert route_plan(tiling, "joint-video", 0.2, lay.cache)[0] is not first
+    assert isinstance(groups, tuple) and all(type(g).__name__ == "RoutingGroup" for g in groups)  # immutable, shared

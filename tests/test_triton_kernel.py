@@ -23,9 +23,9 @@ with interpreter_env():
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
-                                             block_sparse_attention, block_sparse_reference)
+                                             block_sparse_reference)
 from adaptive_sparse_attention.kernels.configs import FAMILY_ENV, KernelConfig, kernel_config
-from adaptive_sparse_attention.kernels.custom_op import block_sparse_op
+from adaptive_sparse_attention.kernels.custom_op import TritonAttention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 LSE_TOL = 1e-4
@@ -198,9 +198,10 @@ def test_custom_op_dispatch_and_compile():
     q, k, v = inputs(layout, 1, 32, torch.float32, seed=12)
     plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3))
     eager, eager_lse = block_sparse_triton(q, k, v, plan)
-    via_op, _ = block_sparse_attention(q, k, v, plan, "triton")
+    via_op, _ = TritonAttention().attend_blocks(q, k, v, plan)
     assert torch.equal(via_op, eager)
-    compiled = torch.compile(lambda a, b, c: block_sparse_op(a, b, c, plan), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(lambda a, b, c: TritonAttention().attend_blocks(a, b, c, plan), fullgraph=True,
+                             backend="aot_eager")
     out, lse = compiled(q, k, v)
     assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
 

@@ -57,7 +57,7 @@ def cudnn_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSpar
         row[f"op_default_{backend}_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg), rep_ms=1500)
         # planning as the op's share of device time: launches queued behind GPU work, as in a forward pass
         row[f"plan_default_{backend}_ms"], row[f"plan_default_{backend}_host_ms"] = queued_ms(
-            lambda: build_plan(q, k, v, layout, cfg, backend=backend), q.device, warmup=1, reps=10)
+            lambda: build_plan(q, k, v, layout, cfg), q.device, warmup=1, reps=10)
         row[f"plan_share_{backend}"] = row[f"plan_default_{backend}_ms"] / row[f"op_default_{backend}_ms"]
     print(f"  cudnn r{ratio} {gran:5s}: anchor {anchor_ms:.2f} ms {row['anchor_tflops']:.0f} TFLOP/s "
           f"({100 * row['anchor_vs_dense_rate']:.0f}% of dense rate; default tiling "

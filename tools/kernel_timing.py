@@ -16,7 +16,7 @@ from adaptive_sparse_attention.bench.planner_timing import steps
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
 from adaptive_sparse_attention.kernels.configs import FAMILIES, kernel_config
-from adaptive_sparse_attention.kernels.cudnn_attention import cudnn_unavailable_reason
+from adaptive_sparse_attention.kernels.table import unavailable_reason
 from cudnn_timing import cudnn_row
 from kernel_cases import DIM, H3_SHAPES, HEADS, plan_for
 from kernel_rows import kernel_row
@@ -33,7 +33,8 @@ def planner_profile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: S
     plan = results["build_plan reweight"]
     key, value, bias = results["reweight_summaries"]
     out["block_reduce (block gran.)"] = bench_ms(
-        lambda: block_reduce(results["block_means q"], key, value, bias, plan), rep_ms=300)
+        lambda: block_reduce(results["block_means q"], key, value, bias, plan.dense_hi, plan.q2k_idx,
+                             plan.q2k_num), rep_ms=300)
     return out
 
 
@@ -55,7 +56,7 @@ def shape_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
                                                               rep_ms=1500)
                         row["sparse_attention_vs_dense"] = row["sparse_attention_ms"] / dense_ms
                     entry["rows"].append(row)
-                    if bs == 64 and fam == FAMILIES[-1] and cudnn_unavailable_reason(q.device, q.dtype, DIM, bs) is None:
+                    if bs == 64 and fam == FAMILIES[-1] and unavailable_reason("cudnn", q.device, q.dtype, DIM, bs) is None:
                         entry.setdefault("cudnn", []).append(
                             cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops))
                     extra = (f" | whole op {row['sparse_attention_ms']:.1f} ms "

@@ -25,6 +25,7 @@ from adaptive_sparse_attention.backend.layout import TARGET_VIDEO, SequenceLayou
 from adaptive_sparse_attention.backend.planner import make_tiling
 from adaptive_sparse_attention.backend.reblock import metric_features, reblock_tiling
 from adaptive_sparse_attention.backend.tiling import Tiling
+from adaptive_sparse_attention.kernels.table import resolve
 from adaptive_sparse_attention.bench.metrics import sample_rows
 from adaptive_sparse_attention.bench.scenes import make_scene
 from adaptive_sparse_attention.bench.tiling_ceiling import head_recall
@@ -48,7 +49,7 @@ def picks(t: Tiling, layout: SequenceLayout) -> list[int]:
 def compare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, rows: torch.Tensor,
             tiling_fn: TilingFn, heads: int) -> dict:
     """GPU-built vs CPU-built tiling of `tiling_fn` on the same tensors (q, k, v on the GPU)."""
-    gpu = tiling_fn(q, k, layout, 64, backend="triton")
+    gpu = tiling_fn(q, k, layout, 64, kernels=resolve("triton", q.device, q.dtype, strict=True))
     cpu = on_device(tiling_fn(q.cpu(), k.cpu(), layout, 64), q.device)
     out = {"perm_agreement": float((gpu.k_perm == cpu.k_perm).double().mean()),
            "picks_gpu": picks(gpu, layout), "picks_cpu": picks(cpu, layout)}
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     sc = make_scene(args.scene, args.preset, seed=0, device=dev, dtype=torch.bfloat16)
     q, k, v, layout = sc.q, sc.k, sc.v, sc.layout
     rows = sample_rows(layout, 64, 0)["video"]
+    triton = resolve("triton", dev, q.dtype, strict=True)
     res: dict = {"preset": args.preset, "scene": args.scene, "device": torch.cuda.get_device_name(),
                  "torch": torch.__version__}
     cube = head_recall(q, k, v, layout, make_tiling(q, k, layout, SparseConfig(tiling="cube")), rows)
@@ -86,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
     seg, H, D = layout.target, q.shape[1], q.shape[-1]
     qs = q[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
     ks = k[:, :, seg.start:seg.stop].reshape(H, seg.length, D)
-    diff = (metric_features(ks, qs, "triton").cpu() - metric_features(ks.cpu(), qs.cpu())).abs().amax((1, 2))
+    diff = (metric_features(ks, qs, triton).cpu() - metric_features(ks.cpu(), qs.cpu())).abs().amax((1, 2))
     res["feature_max_abs_diff_per_head"] = [float(f"{x:.2e}") for x in diff[:args.heads].tolist()]
     res["feature_max_abs_diff"] = float(diff.max())
-    tree = reblock_tiling(q, k, layout, 64, tubes=False, backend="triton")
+    tree = reblock_tiling(q, k, layout, 64, tubes=False, kernels=triton)
     probes = q[0].index_select(1, probe_rows(layout).to(dev))
     window = tube_perms(layout, 64, dev)[:1, tree.blocks_of(TARGET_VIDEO)[0] * 64:]
-    mass = block_log_mass(probes, k[0], window, 64, "triton").cpu() - block_log_mass(probes.cpu().double(), k[0].cpu().double(),
+    mass = block_log_mass(probes, k[0], window, 64, triton).cpu() - block_log_mass(probes.cpu().double(), k[0].cpu().double(),
                                                                           window.cpu(), 64)
     res["block_log_mass_max_abs_diff"] = float(mass.abs().max())
     res["recall_tree_only_gpu"] = round(float(head_recall(q, k, v, layout, tree, rows).mean()), 4)
