@@ -373,8 +373,7 @@ def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
 def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     """The first block call of a layout compiles the sparse kernels, before any sparse step."""
     prepared = []
-    monkeypatch.setattr(sparse_hook, "resolve_backend", lambda requested, device, dtype, strict, *_: "triton")
-    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a: prepared.append(a))
+    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a, announce: prepared.append(a))
     model = model_of(True, seed=12)
     args = block_args(model.blocks[0], PACKED, seed=13, new=True)
     args["transformer_options"] = options(step=0)
@@ -402,8 +401,7 @@ def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_grap
     seen = []
     attention = sparse_hook.sparse_attention
     monkeypatch.setattr(sparse_hook, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
-    monkeypatch.setattr(sparse_hook, "resolve_backend", lambda requested, device, dtype, strict, *_: "triton")
-    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a: seen.append(("prepare", len(depth))))
+    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a, announce: seen.append(("prepare", len(depth))))
     model = model_of(True, seed=23, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=24, new=True)
     hook = SparseAttentionHook(config(warmup_mode="fidelity", warmup_ratio=0.3))

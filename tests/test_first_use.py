@@ -1,0 +1,49 @@
+"""The first sparse use of a layout says that the kernels are being prepared before the wait starts:
+in the console and as progress text on the node ComfyUI is running (real ComfyUI, CPU; the Triton
+backend under its interpreter stands in for a GPU's compiled kernels)."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import pytest
+
+from comfyui_harness import CKPT, COMFYUI, comfy, sample  # noqa: F401 (comfy is a fixture)
+
+pytestmark = [pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
+                                 reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests"),
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (interpreter)")]
+
+
+def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comfy, interpreter, monkeypatch,
+                                                                             caplog):
+    _, nodes = comfy
+    import server
+    from comfy_execution.utils import CurrentNodeContext
+
+    from adaptive_sparse_attention import SparseConfig
+    from adaptive_sparse_attention.backend import warmup
+    from adaptive_sparse_attention.nodes.sparse_hook import apply_sparse_attention
+
+    events = []
+
+    class UI:  # ComfyUI's PromptServer as far as progress text goes
+        def send_progress_text(self, text, node_id, sid=None):
+            events.append(("text", node_id, text))
+
+    monkeypatch.setattr(server.PromptServer, "instance", UI(), raising=False)
+    compile_call = warmup.sparse_attention
+    monkeypatch.setattr(warmup, "sparse_attention", lambda *a, **kw: events.append(("prepare",)) or compile_call(*a, **kw))
+    config = SparseConfig(backend="triton", tiling="cube", topk_ratio=0.25, warmup_ratio=0.5, min_tokens=0, strict=True)
+    model = apply_sparse_attention(nodes.UNETLoader().load_unet(CKPT, "default")[0], config)
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"), CurrentNodeContext("prompt", "7"):
+        sample(nodes, model, steps=2)
+    texts = [e for e in events if e[0] == "text"]
+    assert len(texts) == 1, events  # once per layout, not per block or step
+    _, node, text = texts[0]
+    assert node == "7" and "preparing the sparse-attention kernels" in text and "prepare" in text
+    assert events.index(texts[0]) < events.index(("prepare",))  # said before the wait
+    logged = [r.getMessage() for r in caplog.records]
+    assert text in logged and any("kernels ready in" in m for m in logged)
+    assert logged.index(text) < next(i for i, m in enumerate(logged) if "kernels ready in" in m)
