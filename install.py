@@ -4,8 +4,10 @@ It checks torch, Triton (``triton`` on Linux, ``triton-windows`` on Windows), co
 optional ``nvidia-cudnn-frontend`` and each GPU's architecture, and prints which attention kernel
 will run where. It never installs, upgrades or replaces torch (or anything else): ComfyUI owns
 its torch and comfy-kitchen pins, so this only tells what to install by hand when something is
-missing. Exit code 0 always: a missing
-optional piece makes the pack slower, not broken.
+missing. With a CUDA GPU it then prepares the machine (compiles the kernels, measures the dense
+kernel: `python -m adaptive_sparse_attention prepare`), so the first sampler run does not wait
+for that; ``ASA_SKIP_PREPARE=1`` skips it. Exit code 0 always: a missing optional piece makes
+the pack slower, not broken.
 """
 from __future__ import annotations
 
@@ -104,5 +106,25 @@ def report() -> list[str]:
     return lines + ["    " + line for line in table.operation_lines()]
 
 
+def prepare_ahead() -> None:
+    """Compile the kernels and measure the dense kernel for the first GPU now (`bench/prepare.py`),
+    so that the first sampler run does not wait for it. Skipped with ASA_SKIP_PREPARE=1; a failure
+    is reported and leaves the install as it is (the node then prepares at its first use)."""
+    import os
+
+    import torch
+
+    if os.environ.get("ASA_SKIP_PREPARE") == "1" or not torch.cuda.is_available():
+        return
+    kernel_table()  # imports the pack under its name
+    prepare = importlib.import_module(f"{PACKAGE}.bench.prepare")
+    try:
+        prepare.run(prepare.parser().parse_args([]))
+    except Exception as err:  # never fail the install: the node prepares on first use instead
+        print(f"  preparation ahead failed ({type(err).__name__}: {err}); the node prepares the kernels at "
+              "its first use instead (it says so before the wait)")
+
+
 if __name__ == "__main__":
     print("\n".join(report()), file=sys.stdout)
+    prepare_ahead()

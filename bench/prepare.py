@@ -76,6 +76,13 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
     return result
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command's own parser (install.py runs the command with its defaults)."""
+    p = argparse.ArgumentParser(prog="python -m adaptive_sparse_attention prepare", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return p
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clips", default="5s,10s", help=f"H3 clips at 1344x768 ({', '.join(CLIPS)}; default 5s,10s)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="the model's compute dtype")
