@@ -237,7 +237,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
 
 
 RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-all-dense", "ours-new-length",
-        "ours-cfg-split", "other-clips")
+        "ours-cfg-split", "comfyui-two-threads", "ours-two-threads", "other-clips")
 
 
 def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
@@ -355,6 +355,11 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                               ("ours-all-dense", node_widgets(scale, warmup_mode="dense"))):  # the rounding floor
             if name in runs:
                 run(name, main, widgets)
+        for name, widgets in (("comfyui-two-threads", None),
+                              ("ours-two-threads", node_widgets(scale, warmup_mode="speed"))):
+            if name in runs:
+                result[name] = two_threads(nodes, ckpt, scale, scale.frames[main], min(steps, 6), cfg, widgets)
+                echo(f"e2e {name} [{main}]: {result[name]}")
         if "ours-cfg-split" in runs:
             with one_device_twice():
                 run("ours-cfg-split", main, node_widgets(scale), cfg_split=True)
@@ -382,6 +387,51 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             out.write_text(json.dumps(result, indent=1))
     logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
     return result
+
+
+def two_threads(nodes: Any, ckpt: str, scale: Scale, frames: int, steps: int, cfg: float,
+                widgets: dict | None) -> dict:
+    """Our node's model (`widgets`; None: the model without it) and its multi-GPU deep clone on the
+    same device, sampled alone and then at once in two threads (as MultiGPU CFG Split runs its
+    device copies): the largest difference of each concurrent latent from its lone run (0.0: the
+    same bits)."""
+    import threading
+
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    from ..nodes.sparse_node import AdaptiveSparseAttentionH3
+
+    patched = nodes.UNETLoader().load_unet(ckpt, "default")[0]
+    if widgets is not None:
+        patched = AdaptiveSparseAttentionH3.execute(model=patched, **widgets).result[0]
+    models = {"original": patched, "deepclone": patched.deepclone_multigpu(new_load_device=patched.load_device)}
+    latent = EmptyMiniMaxH3LatentAV.execute(width=scale.width, height=scale.height, length=frames).result[0]
+    pos = e2e_nodes.ASABenchConditioning().make(1, scale.text_tokens, scale.text_dim)[0]
+    neg = e2e_nodes.ASABenchConditioning().make(2, scale.text_tokens, scale.text_dim)[0]
+
+    def sample(model: Any) -> torch.Tensor:
+        out = nodes.common_ksampler(model, 7, steps, cfg, "euler", "simple", pos, neg, latent)[0]["samples"]
+        return torch.cat([t.flatten().float().cpu() for t in out.unbind()])
+
+    lone = {name: sample(model) for name, model in models.items()}
+    together: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def work(name: str) -> None:
+        try:
+            together[name] = sample(models[name])
+        except BaseException as err:  # reported below: a thread's failure fails the check
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"e2e: two-threads run failed: {errors[0]!r}") from errors[0]
+    return {f"{name}_vs_lone_max_abs": float((together[name] - lone[name]).abs().max()) for name in models} | {
+        "deepclone_vs_original_max_abs": float((lone["deepclone"] - lone["original"]).abs().max())}
 
 
 @contextmanager
