@@ -423,4 +423,4 @@ def reference_kernels() -> Kernels:
     """The torch reference of every operation (any device and dtype; never falls back)."""
     stages = {op.name: Stage(op.name, "torch", op.of("torch").function, op.of("torch").function, None, True, set())
               for op in OPERATIONS if op is not ATTENTION}
-    return Kernels("torch", ATTENTION.of("torch").function, **stages)
+    return Kernels("torch", BACKENDS["torch"].compiles, ATTENTION.of("torch").function, **stages)
