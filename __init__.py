@@ -6,9 +6,9 @@ Public API: `SparseConfig`, `SequenceLayout`, `sparse_attention`. ComfyUI loads 
 from .backend.attention import SparseInfo, sparse_attention
 from .backend.config import SparseConfig
 from .backend.layout import SequenceLayout
+from .version import __version__
 
 __all__ = ["SparseConfig", "SequenceLayout", "SparseInfo", "sparse_attention", "comfy_entrypoint"]
-__version__ = "0.1.0"
 WEB_DIRECTORY = "./nodes/web"  # frontend extension: sizes the report node to fit its text
 
 

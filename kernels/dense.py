@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..version import __version__
 from .choice_file import ChoiceFile
 from .offsets import wide_rows
 
@@ -86,8 +87,6 @@ def device_key(device: torch.device) -> str:
     Returns:
         The key prefix.
     """
-    from .. import __version__
-
     sm = "".join(map(str, torch.cuda.get_device_capability(device)))
     return (f"pack {__version__}|{torch.cuda.get_device_name(device)}|sm{sm}|torch {torch.__version__}"
             f"|cudnn {torch.backends.cudnn.version()}")

@@ -27,6 +27,8 @@ def test_pyproject_has_the_registry_fields():
     project, comfy = PYPROJECT["project"], PYPROJECT["tool"]["comfy"]
     assert re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", project["name"]) and "comfyui" not in project["name"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"])
+    from adaptive_sparse_attention import __version__
+    assert project["version"] == __version__  # the cache keys carry the package's version
     assert project["license"] == "GPL-3.0-only" and all((REPO / f).is_file() for f in project["license-files"])
     assert comfy["PublisherId"] and comfy["DisplayName"] and "workflows" in comfy["includes"]
     assert VERSION_RANGE.match(comfy["requires-comfyui"]), comfy["requires-comfyui"]
