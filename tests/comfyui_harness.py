@@ -21,6 +21,7 @@ TINY = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attent
             ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
             time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
 CKPT = "tiny_h3_random.safetensors"
+FRONTEND_ONLY = {"Note", "MarkdownNote"}  # node types of ComfyUI's frontend: never in /object_info, never executed
 LATENT = dict(width=256, height=256, length=22)  # 7 latent frames of 8x8 patches: 448 video rows, S = 529
 SUMMARY = re.compile(r"adaptive sparse attention: steps (\d+) dense / (\d+) sparse; blocks (\d+) dense / (\d+) sparse")
 SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-video", tail_granularity="query",

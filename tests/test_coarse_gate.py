@@ -16,8 +16,8 @@ from adaptive_sparse_attention import sparse_attention
 from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook, gate_notice
 from adaptive_sparse_attention.backend.planner import build_plan
 from h3_block import block_args, layout_of
-from test_h3_patch import PACKED, TOL, config, model_of, options, reference, run_model
-from test_reference import memberships
+from h3_harness import PACKED, TOL, config, model_of, options, reference, run_model
+from layouts import memberships
 
 
 def gated_oracle(cfg):

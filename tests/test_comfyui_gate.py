@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from test_comfyui_real import CKPT, COMFYUI, comfy, sample, save_tiny_h3, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, COMFYUI, comfy, sample, save_tiny_h3, sparse  # noqa: F401 (comfy is a fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
                                 reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")

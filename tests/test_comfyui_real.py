@@ -27,9 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_workflows import FRONTEND_ONLY
 
-from comfyui_harness import (CKPT, COMFYUI, LATENT, SPARSE, SUMMARY, TINY, comfy, sample, sparse,  # noqa: F401
+from comfyui_harness import (CKPT, COMFYUI, FRONTEND_ONLY, LATENT, SPARSE, SUMMARY, TINY, comfy, sample, sparse,  # noqa: F401
                              summaries)
 
 KJNODES = os.environ.get("KJNODES_PATH", "")
