@@ -31,7 +31,7 @@ SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-vide
 
 
 def save_tiny_h3(path: Path, **extra) -> None:
-    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it (`extra`:
+    """A random-weight H3 of the tiny shape `TINY`, as ComfyUI's loader expects it (`extra`:
     more constructor arguments, e.g. current upstream's gate_compress=True)."""
     import comfy.ops
     import safetensors.torch

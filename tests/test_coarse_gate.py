@@ -2,7 +2,7 @@
 
 The patched block (current upstream's `attention` argument) is compared in float64 with a block
 whose attention is recomputed independently: q, k, v from the test block's own code, the sparse
-part with tail="none", and the gated coarse term O_sparse + g * C (seed 000, 6.7) rebuilt row by
+part with tail="none", and the gated coarse term O_sparse + g * C rebuilt row by
 row from the tiling's block memberships, g = x W_gate^T. Tolerance 1e-10 as in test_h3_patch.
 """
 from __future__ import annotations

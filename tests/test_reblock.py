@@ -1,4 +1,4 @@
-"""Reblock tiling (seed 001, sections 04-06): per-head permutations that are bijections inside
+"""Reblock tiling: per-head permutations that are bijections inside
 every region, exact block capacities, determinism, exactness at ratio 1.0, and better grouping
 than cube tiling on clustered inputs."""
 import pytest
