@@ -23,6 +23,7 @@ from adaptive_sparse_attention.nodes import raylight
 from adaptive_sparse_attention.nodes.raylight import (RaylightSparseAttention, parallel_degrees, patch_worker_model,
                                                       worker_patch)
 from h3_block import MiniMaxH3Model, layout_of
+from comfyui_harness import COMFYUI, needs_comfyui
 from h3_harness import PACKED, config
 from raylight_mirror import INNER_ATTENTION_KEY, ring_keywords, set_inner_attention
 
@@ -215,11 +216,9 @@ def test_worker_patch_ships_by_value_and_loads_the_package_from_its_folder():
     assert done.stdout.decode().strip() == os.path.join(package_dir, "__init__.py")
 
 
-COMFYUI = os.environ.get("COMFYUI_PATH", "")
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                    reason="set COMFYUI_PATH to a ComfyUI checkout to run the ModelPatcher test")
+@needs_comfyui
 def test_worker_patch_on_a_real_model_patcher(monkeypatch):
     monkeypatch.syspath_prepend(COMFYUI)
     import comfyui_stubs
