@@ -3,8 +3,8 @@
 The tree (backend/reblock.py) groups tokens whose attention wants the same keys, which wins
 for heads that attend by content. Heads that attend by position (a local window, a temporal
 line) are served better by fixed tubes that keep a token's neighbours in one block, so taking
-the better of the two per head raises recall over the tree alone on the structured scenes
-(BENCHMARKS.md, "Reblock quality").
+the better of the two per head raises recall over the tree alone on scenes that mix both
+kinds of head.
 
 Rule: sample PROBES target-video queries; for every candidate tiling and head, the share of
 those queries' exact softmax mass over the target-video keys that falls in the candidate's R

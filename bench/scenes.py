@@ -74,7 +74,7 @@ class SceneSize:
         return SequenceLayout.from_segments([(0, a, "text"), (a, b, "audio"), (b, self.total, "video", self.grid)])
 
 
-# H3 shapes from REFERENCE.md (1344x768: 24 x 42 latent rows per frame; 56 heads x 128).
+# H3's shapes: a 1344x768 video has 24 x 42 latent rows per frame; the model has 56 heads of 128.
 SIZES = {
     "demo": SceneSize(64, 96, (6, 16, 24), 2, 64),
     "cpu-small": SceneSize(64, 96, (8, 16, 24), 4, 128),

@@ -9,8 +9,8 @@ gigabyte per tiling at long clips); this writes only [heads, probes, blocks].
 
 Top share: per row of log-masses, the share of the row's mass in its `budget` heaviest blocks,
 one program per row with a radix select (`radix_select.top_k_mask_pair`), in place of torch's
-TopK, log-sum-exp and exponentials of the same [3, heads, probes, blocks] tensor
-(docs/performance-notes.md, "Reblock v7").
+TopK, log-sum-exp and exponentials of the same [3, heads, probes, blocks] tensor (each a pass
+over it).
 
 Importing this module imports Triton: the backend imports it only on demand.
 """

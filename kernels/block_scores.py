@@ -1,7 +1,7 @@
 """Triton kernels of the routing's pooled scores E = q_mean k_mean^T / sqrt(D) (`backend/routing`).
 
 The block means are fp32; torch multiplies them by an fp32 SIMT GEMM, which leaves the tensor
-cores idle (docs/performance-notes.md, "Reblock v6"). Here one program per 64 x 64 tile of a head's
+cores idle. Here one program per 64 x 64 tile of a head's
 scores multiplies on tensor cores in "tf32x3" (three TF32 products that recover about fp32
 accuracy) for fp32 inputs, so the routing sees the same scores up to fp32 rounding.
 

@@ -76,7 +76,7 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
                          f"[{B}, {H}, {J}, {R}], got {out.dtype} {tuple(out.shape)}")
     col0 = 0
     for lo, hi, budget in groups:  # about 32 scores per thread: more warps were no faster on rows of
-        # about a thousand blocks (docs/performance-notes.md, "Reblock v7")
+        # about a thousand blocks
         head, tail = row_split(hi - lo)
         _select_group[(n_rows, B * H)](scores, dense_hi, out, J, R, lo, hi - lo, budget, col0, i0, n_rows, n_cols, c0,
                                        HEAD=head, TAIL=tail, num_warps=max(1, min(8, head // 1024)))

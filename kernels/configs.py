@@ -41,9 +41,9 @@ class KernelConfig:
 
 # (family, head_dim, plan block size) -> config. Shared memory is about block_m * head_dim * 2
 # bytes for Q plus, per stage, block_n * head_dim * 2 bytes each for K and V: two stages of 64
-# keys with 64 queries at head_dim 128 need ~82 KB, under sm80's ~99 KB. Measured on sm90
-# (BENCHMARKS.md, "Kernel alone"): three stages beat two where they fit; 8 warps on a 64-row query
-# tile and key tiles spanning two blocks were slower. With 128-row blocks, sm90 takes the whole
+# keys with 64 queries at head_dim 128 need ~82 KB, under sm80's ~99 KB. Timed on sm90: three
+# stages beat two where they fit; 8 warps on a 64-row query tile and key tiles spanning two
+# blocks were slower. With 128-row blocks, sm90 takes the whole
 # query block in one 8-warp program, so each gathered K/V tile serves twice the queries.
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm80", 32, 64): KernelConfig(64, 64, 64, 4, 3),
@@ -62,8 +62,8 @@ CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
 
 
 # The kernel finishing a partial result (`block_sparse_triton(partial=...)`: the tail loop only,
-# no exact keys): narrower summary tiles and one stage were faster on sm90 at the H3 shapes
-# (docs/performance-notes.md). Other entries use CONFIGS.
+# no exact keys): narrower summary tiles and one stage were faster on sm90 at the H3 shapes.
+# Other entries use CONFIGS.
 FINISH_CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 64): KernelConfig(64, 64, 32, 4, 1),
     ("sm90", 128, 64): KernelConfig(64, 64, 32, 4, 1),

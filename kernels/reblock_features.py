@@ -7,14 +7,13 @@ result on every supported version, and an fp32 SIMT product of the samples is se
 slower). Given a factor L, the rows are first mapped to a L / |a L| and rounded to A's
 dtype, the moment of the normalised metric-space rows that the feature basis comes from (in
 torch: a gather, a GEMM, a norm, a division and two casts of the sample, each a pass over it).
-The moments stay positive semidefinite: both operands are the same rounded rows. Timings:
-docs/performance-notes.md, "Reblock v5" and "Reblock v7".
+The moments stay positive semidefinite: both operands are the same rounded rows.
 
 Projection: every token x of a head becomes (x L W) / |x L|: its coordinates on the top principal
 directions of the metric space, divided by its length in the full metric space (cosine
 geometry). On the torch path that is one GEMM into a [N, D + r] buffer in the input dtype, a
-norm over its first D columns, a division and a NaN clean-up, bound by moving the buffer
-(docs/performance-notes.md, "Reblock v5"). Here one program per tile of rows does both
+norm over its first D columns, a division and a NaN clean-up, bound by moving the buffer.
+Here one program per tile of rows does both
 products in fp32 accumulators and writes only the r feature columns, in half precision.
 
 Importing this module imports Triton: the backend imports it only on demand.

@@ -1,6 +1,7 @@
 """The in-process real-ComfyUI harness: ComfyUI on the CPU with a tiny random-weight MiniMax-H3.
 
-`comfy` (a module-scoped fixture) imports ComfyUI from COMFYUI_PATH with the tiny checkpoint in
+`needs_comfyui` skips a test unless COMFYUI_PATH points at a ComfyUI checkout. `comfy` (a
+module-scoped fixture) imports ComfyUI from COMFYUI_PATH with the tiny checkpoint in
 its model folder; `sample` runs KSampler on it, `sparse` applies our node with the `SPARSE`
 settings, `summaries` reads the run summaries our node logs.
 """
@@ -17,10 +18,13 @@ import torch
 import comfyui_stubs
 
 COMFYUI = os.environ.get("COMFYUI_PATH", "")
+needs_comfyui = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
+                                   reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
 TINY = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2, attention_head_dim=32,
             ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
             time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
 CKPT = "tiny_h3_random.safetensors"
+FRONTEND_ONLY = {"Note", "MarkdownNote"}  # node types of ComfyUI's frontend: never in /object_info, never executed
 LATENT = dict(width=256, height=256, length=22)  # 7 latent frames of 8x8 patches: 448 video rows, S = 529
 SUMMARY = re.compile(r"adaptive sparse attention: steps (\d+) dense / (\d+) sparse; blocks (\d+) dense / (\d+) sparse")
 SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-video", tail_granularity="query",
@@ -30,7 +34,7 @@ SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-vide
 
 
 def save_tiny_h3(path: Path, **extra) -> None:
-    """A random-weight H3 of REFERENCE.md's tiny shape, as ComfyUI's loader expects it (`extra`:
+    """A random-weight H3 of the tiny shape `TINY`, as ComfyUI's loader expects it (`extra`:
     more constructor arguments, e.g. current upstream's gate_compress=True)."""
     import comfy.ops
     import safetensors.torch

@@ -2,12 +2,13 @@
 
 Without a GPU, Triton is first imported here under its interpreter (see triton_interpreter.py), so
 the kernel tests pass in any order and selection, also after a module that imports the package's
-nodes (and with them Triton) first.
+nodes (and with them Triton) first; the interpreter patches Triton's language once per kernel
+launch (`patch_language_once_per_launch`).
 """
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import interpreter_env, patch_language_once_per_launch
 
 if not torch.cuda.is_available():
     with interpreter_env():
@@ -15,6 +16,8 @@ if not torch.cuda.is_available():
             import triton  # noqa: F401
         except ImportError:  # the no-Triton paths are tested then
             pass
+        else:
+            patch_language_once_per_launch()
 
 
 @pytest.fixture

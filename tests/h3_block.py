@@ -2,7 +2,7 @@
 
 Two ComfyUI versions are mirrored: the pinned fork (upstream 0f1fa67a) and the newest stored
 upstream (Comfy-Org/ComfyUI, comfy/ldm/minimax/model.py at 2c64d4aa); `Block`/`OldBlock` and
-`h3_blocks` say what differs. It follows REFERENCE.md's description of ComfyUI's MiniMax-H3 block: fused qkv_proj (no bias),
+`h3_blocks` say what differs. It follows ComfyUI's MiniMax-H3 block as documented: fused qkv_proj (no bias),
 per-head RMSNorm of q and k, split-half RoPE on the first rot_dim dims from a [1, S, 1, r/2, 2, 2]
 rotation table, dense attention, out_proj, adaLN modulation per (start, stop, row) segment and
 gated residuals accumulated in place into the block input. Written independently of

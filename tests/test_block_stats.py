@@ -12,7 +12,7 @@ way at a half-ulp boundary does not fail it.
 import pytest
 import torch
 
-from random_blocks import random_block_lengths, random_perms
+from random_blocks import h3_views, random_tiling
 from triton_interpreter import interpreter_env
 
 with interpreter_env():
@@ -23,7 +23,6 @@ from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend import planner
 from adaptive_sparse_attention.backend.pooling import block_means
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
-from adaptive_sparse_attention.backend.tiling import Tiling
 from adaptive_sparse_attention.kernels.configs import row_align
 from adaptive_sparse_attention.kernels.table import resolve
 
@@ -32,22 +31,6 @@ STORED_TOL = {torch.float32: FP32_TOL, torch.float16: dict(rtol=1e-3, atol=1e-5)
 
 
 pytestmark = pytest.mark.usefixtures("interpreter")  # every test here runs in the interpreter
-
-
-def random_tiling(seq_len: int, batch: int, heads: int, block_size: int, seed: int) -> Tiling:
-    """Blocks of random true length (1..block_size, so most are edge blocks) holding a random
-    permutation of the rows, one per (batch, head) or one shared by all ([1, 1, L])."""
-    g = torch.Generator().manual_seed(seed)
-    block_len = random_block_lengths(seq_len, block_size, g)
-    perm = random_perms(seq_len, block_len, batch, heads, block_size, g)
-    return Tiling(block_size, perm, perm, block_len, (), ())
-
-
-def h3_views(batch: int, heads: int, seq_len: int, dim: int, dtype: torch.dtype, seed: int):
-    """k, v [B, H, S, D] as strided views of one [B, S, 2, H, D] buffer (H3's qkv layout)."""
-    g = torch.Generator().manual_seed(seed)
-    buf = torch.randn(batch, seq_len, 2, heads, dim, generator=g).to(dtype)
-    return buf[:, :, 0].transpose(1, 2), buf[:, :, 1].transpose(1, 2)
 
 
 CASES = [  # dim, dtype, per-head permutations, block size

@@ -2,7 +2,7 @@
 
 The patched block (current upstream's `attention` argument) is compared in float64 with a block
 whose attention is recomputed independently: q, k, v from the test block's own code, the sparse
-part with tail="none", and the gated coarse term O_sparse + g * C (seed 000, 6.7) rebuilt row by
+part with tail="none", and the gated coarse term O_sparse + g * C rebuilt row by
 row from the tiling's block memberships, g = x W_gate^T. Tolerance 1e-10 as in test_h3_patch.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from adaptive_sparse_attention import sparse_attention
 from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook, gate_notice
 from adaptive_sparse_attention.backend.planner import build_plan
 from h3_block import block_args, layout_of
-from test_h3_patch import PACKED, TOL, config, model_of, options, reference, run_model
-from test_reference import memberships
+from h3_harness import PACKED, TOL, config, model_of, options, reference, run_model
+from layouts import memberships
 
 
 def gated_oracle(cfg):

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
 import pytest
 import torch
 
-from test_comfyui_real import CKPT, COMFYUI, comfy, sample, save_tiny_h3, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, comfy, needs_comfyui, sample, save_tiny_h3, sparse  # noqa: F401 (comfy is a fixture)
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                                reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
+pytestmark = needs_comfyui
 GATED = "tiny_h3_gated.safetensors"
 
 

@@ -27,15 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_workflows import FRONTEND_ONLY
 
-from comfyui_harness import (CKPT, COMFYUI, LATENT, SPARSE, SUMMARY, TINY, comfy, sample, sparse,  # noqa: F401
+from comfyui_harness import (CKPT, COMFYUI, FRONTEND_ONLY, LATENT, SPARSE, SUMMARY, TINY, comfy, needs_comfyui, sample, sparse,  # noqa: F401
                              summaries)
 
 KJNODES = os.environ.get("KJNODES_PATH", "")
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                                reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
+pytestmark = needs_comfyui
 
 def test_loader_node_ksampler_runs_sparse_after_warmup(comfy, caplog):
     _, nodes = comfy

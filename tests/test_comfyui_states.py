@@ -9,16 +9,14 @@ two model calls per step, two blocks per call.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import pytest
 import torch
 
-from comfyui_harness import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, comfy, needs_comfyui, sample, sparse  # noqa: F401 (comfy is a fixture)
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                                reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
+pytestmark = needs_comfyui
 WHOLE_RUN = {"steps_dense": [0], "steps_sparse": [1, 2, 3], "blocks_dense": 4, "blocks_sparse": 12}
 
 

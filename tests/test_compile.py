@@ -25,7 +25,7 @@ from adaptive_sparse_attention.nodes.block_patches import DiffusionModelWrapper,
 from adaptive_sparse_attention.nodes.hooks import bind
 from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
 from h3_block import block_args, block_wrap
-from test_h3_patch import PACKED, Executor, config, model_of, options
+from h3_harness import PACKED, Executor, config, model_of, options
 
 STEPS = 3  # 1 warmup step (dense), then sparse
 PACKAGE = os.path.realpath(os.path.dirname(adaptive_sparse_attention.__file__)) + os.sep  # wherever it is checked out

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from comfyui_harness import CKPT, COMFYUI, comfy, sample, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, comfy, needs_comfyui, sample, sparse  # noqa: F401 (comfy is a fixture)
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                                reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests")
+pytestmark = needs_comfyui
 MESSAGE = r"Model Sparse Attention.*applied {} this node.*Keep one of the two nodes"
 NAME = "comfy_extras.nodes_sparse_attention"
 

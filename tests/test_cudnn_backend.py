@@ -22,21 +22,15 @@ with interpreter_env():
     from adaptive_sparse_attention.kernels.tiled_pack import pack_qkv
     from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
 
-from adaptive_sparse_attention import SequenceLayout, SparseConfig
+from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, block_sparse_reference, pack
 from adaptive_sparse_attention.kernels import cudnn_attention
 from adaptive_sparse_attention.kernels.cudnn_attention import exact_attention_cudnn, key_lists, sparse_span
+from layouts import awkward_layout, with_empty_rows
 from random_blocks import random_block_lengths, random_perms
 
 pytestmark = pytest.mark.usefixtures("interpreter")
-
-
-def layout_awkward() -> SequenceLayout:
-    """Edge blocks in every region; a reference video between text and audio."""
-    return SequenceLayout.from_segments([
-        (0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)), (127, 180, "audio"),
-        (180, 390, "video", (5, 6, 7))])
 
 
 def emulated_cudnn(q, k, v, index, num, block_len):
@@ -54,17 +48,6 @@ def emulated_cudnn(q, k, v, index, num, block_len):
     return (p @ v.double()).to(q.dtype), lse.float()
 
 
-def with_empty_rows(plan):
-    """Every third sparse query block has no exact key (dense prefix 0, no picks)."""
-    J = plan.num_blocks
-    lo, hi = sparse_span(plan)
-    gone = torch.zeros(J, dtype=torch.bool)
-    gone[lo:hi:3] = True
-    return dataclasses.replace(plan, dense_hi=torch.where(gone, 0, plan.dense_hi),
-                               q2k_num=plan.q2k_num.masked_fill(gone.view(1, 1, J), 0),
-                               q2k_idx=plan.q2k_idx.masked_fill(gone.view(1, 1, J, 1), -1))
-
-
 CASES = [  # heads, head dim, tiling, scope, tail, granularity, empty rows
     (2, 32, "cube", "target-video", "reweight", "query", False),
     (1, 64, "cube", "joint-video", "reweight", "block", True),
@@ -74,7 +57,7 @@ CASES = [  # heads, head dim, tiling, scope, tail, granularity, empty rows
 
 
 def planned(heads, dim, tiling, scope, tail, gran, empty, seed):
-    layout = layout_awkward()
+    layout = awkward_layout()
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, heads, layout.total, dim, generator=g) for _ in range(3))
     cfg = SparseConfig(tiling=tiling, topk_ratio=0.3, sparse_scope=scope, tail=tail, tail_granularity=gran,

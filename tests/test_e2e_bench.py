@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import comfyui_stubs
+from comfyui_harness import COMFYUI, needs_comfyui
 
 from adaptive_sparse_attention.bench import e2e
 from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS, config_from_widgets
 
-COMFYUI = os.environ.get("COMFYUI_PATH", "")
 
 
 def test_graph_puts_our_node_between_loader_and_timer():
@@ -69,8 +69,7 @@ def test_unknown_clip_is_named(tmp_path: Path):
         e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s", "30s"])
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                    reason="set COMFYUI_PATH to a ComfyUI checkout to run the benchmark in it")
+@needs_comfyui
 def test_tiny_run_in_real_comfyui(tmp_path: Path):
     out = tmp_path / "e2e.json"
     (tmp_path / "stubs").mkdir()

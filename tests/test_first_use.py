@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import pytest
 
-from comfyui_harness import CKPT, COMFYUI, comfy, sample  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, comfy, needs_comfyui, sample  # noqa: F401 (comfy is a fixture)
 
-pytestmark = [pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                                 reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests"),
+pytestmark = [needs_comfyui,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (interpreter)")]
 
 

@@ -37,7 +37,6 @@ are exact integer sums on both paths, so the Triton window equals the torch one 
 Runs on its own (`pytest tests/test_gpu_kernels.py`): the CPU test modules import the kernels in
 Triton's interpreter mode, which lasts for the process, so after them this module skips.
 """
-import dataclasses
 import os
 
 import pytest
@@ -51,17 +50,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from triton.runtime import JITFunction  # noqa: E402
 
-from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention  # noqa: E402
+from adaptive_sparse_attention import SparseConfig, sparse_attention  # noqa: E402
 from adaptive_sparse_attention.backend import indexer, pooling, routing  # noqa: E402
 from adaptive_sparse_attention.backend.pooling import block_means  # noqa: E402
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries  # noqa: E402
-from adaptive_sparse_attention.backend.tiling import Tiling  # noqa: E402
 from adaptive_sparse_attention.kernels.planner_reference import quantised_scores_torch, topk_blocks  # noqa: E402
 from adaptive_sparse_attention.kernels.table import resolve  # noqa: E402
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSummaries, QuerySummaries, block_sparse_reference,  # noqa: E402
                                              pack, unpack)
 from adaptive_sparse_attention.kernels import block_scores, triton_attention  # noqa: E402
-from random_blocks import random_block_lengths, random_perms  # noqa: E402
+from layouts import awkward_layout, with_empty_rows  # noqa: E402
+from random_blocks import h3_views, random_tiling  # noqa: E402
 
 if not isinstance(triton_attention._block_sparse_fwd, JITFunction):
     pytest.skip("the kernels were imported in Triton's interpreter mode by another test module in this process: "
@@ -79,14 +78,6 @@ SCORE_TOL = 1e-5  # fp32 accuracy of the tf32x3 routing scores of order 1
 def kernel_plan(info):
     """The kernel's plan of a `sparse_attention(..., return_info=True)` call."""
     return info.plan
-
-
-def layout_awkward() -> SequenceLayout:
-    """Edge blocks in every region (no length is a multiple of 64); a reference video between
-    text and audio, so joint-video routes over two video key regions."""
-    return SequenceLayout.from_segments([
-        (0, 77, "text"), (77, 467, "ref_video", (3, 10, 13)), (467, 617, "audio"),
-        (617, 1541, "video", (7, 12, 11))])
 
 
 def low_precision_reference(q, k, v, plan, dtype):
@@ -134,26 +125,6 @@ def low_precision_reference(q, k, v, plan, dtype):
     return (out if dtype is None else out.to(dtype)), unpack(lse, plan.q_perm, S).squeeze(-1)
 
 
-def with_empty_rows(plan):
-    """The plan with every third sparse query block allowed nothing exact; without a query or
-    block summary for them (block tail: no block summary; query tail: head 0 has no summaries at
-    all, so head 1's rows there attend to the summaries of every block) their rows are empty."""
-    J = plan.num_blocks
-    sparse = torch.nonzero(plan.dense_hi < J).flatten()
-    gone = torch.zeros(J, dtype=torch.bool, device=plan.dense_hi.device)
-    gone[sparse[::3]] = True
-    fields = dict(dense_hi=torch.where(gone, torch.zeros_like(plan.dense_hi), plan.dense_hi),
-                  q2k_num=plan.q2k_num.masked_fill(gone.view(1, 1, J), 0),
-                  q2k_idx=plan.q2k_idx.masked_fill(gone.view(1, 1, J, 1), -1))
-    if isinstance(plan.tail, QuerySummaries):
-        bias = plan.tail.bias.clone()
-        bias[:, 0] = float("-inf")
-        fields["tail"] = dataclasses.replace(plan.tail, bias=bias)
-    if isinstance(plan.tail, BlockSummaries):
-        fields["tail"] = dataclasses.replace(plan.tail, logit=plan.tail.logit.masked_fill(gone.view(1, 1, J), float("-inf")))
-    return dataclasses.replace(plan, **fields)
-
-
 ATTENTION_CASES = [  # dtype, batch, heads, head_dim, block size, tiling, scope, tail, granularity, empty rows
     (torch.bfloat16, 2, 2, 128, 64, "cube", "joint-video", "reweight", "query", False),
     (torch.float16, 1, 2, 128, 64, "cube", "joint-video", "reweight", "query", True),
@@ -192,7 +163,7 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
     reason = unavailable_reason("cudnn", DEVICE, dtype, D, bs) if backend == "cudnn" else None
     if reason is not None:
         pytest.skip(reason)
-    layout = layout_awkward()
+    layout = awkward_layout(large=True)
     g = torch.Generator(device=DEVICE).manual_seed(D + bs + H)
     q, k, v = (torch.randn(B, H, layout.total, D, generator=g, device=DEVICE).to(dtype) for _ in range(3))
     cfg = SparseConfig(topk_ratio=0.25, tiling=tiling, sparse_scope=scope, tail=tail, tail_granularity=gran,
@@ -201,7 +172,7 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
     plan = kernel_plan(info)
     assert info.backend == backend and plan.block_size == bs and plan.summary_mask().any()  # candidates left out
     if empty:
-        plan = with_empty_rows(plan)
+        plan = with_empty_rows(plan, empty_tail=True)
     attention = resolve(backend, DEVICE, dtype, strict=True, head_dim=D, block_size=bs).attention
     out_fast, lse_fast = attention.attend_blocks(q, k, v, plan)
     again, lse_again = attention.attend_blocks(q, k, v, plan)
@@ -233,22 +204,6 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
             f"{name}: {err_fast:.3e} > {multiple} * {err_low:.3e} + {floor:.1e}"
 
 
-def random_tiling(seq_len: int, batch: int, heads: int, block_size: int, seed: int) -> Tiling:
-    """Blocks of random true length (mostly edge blocks) holding a random permutation of the rows,
-    per (batch, head) or shared ([1, 1, L]), on the GPU."""
-    g = torch.Generator().manual_seed(seed)
-    block_len = random_block_lengths(seq_len, block_size, g)
-    perm = random_perms(seq_len, block_len, batch, heads, block_size, g)
-    return Tiling(block_size, perm.to(DEVICE), perm.to(DEVICE), block_len.to(DEVICE), (), ())
-
-
-def h3_views(batch: int, heads: int, seq_len: int, dim: int, dtype: torch.dtype, seed: int):
-    """k, v [B, H, S, D] as strided views of one [B, S, 2, H, D] buffer (H3's qkv layout)."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    buf = torch.randn(batch, seq_len, 2, heads, dim, generator=g, device=DEVICE).to(dtype)
-    return buf[:, :, 0].transpose(1, 2), buf[:, :, 1].transpose(1, 2)
-
-
 PLANNER_CASES = [  # dtype, head dim, block size, per-head permutations
     (torch.bfloat16, 128, 64, True),
     (torch.float16, 64, 128, False),
@@ -260,8 +215,8 @@ PLANNER_CASES = [  # dtype, head dim, block size, per-head permutations
 @pytest.mark.parametrize("dtype,dim,block_size,per_head", PLANNER_CASES)
 def test_block_means_kernel_matches_float64_torch(dtype, dim, block_size, per_head):
     B, H, S = 2, 3, 1001
-    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + block_size)
-    x, _ = h3_views(B, H, S, dim, dtype, seed=dim)
+    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + block_size, device=DEVICE)
+    x, _ = h3_views(B, H, S, dim, dtype, seed=dim, device=DEVICE)
     got = block_means(x, tiling.q_perm, tiling, resolve("triton", DEVICE, torch.float32, strict=True))
     want = block_means(x.double(), tiling.q_perm, tiling)  # float64: the torch path
     assert got.dtype == torch.float32 and got.shape == (B, H, tiling.num_blocks, dim)
@@ -272,8 +227,8 @@ def test_block_means_kernel_matches_float64_torch(dtype, dim, block_size, per_he
 @pytest.mark.parametrize("dtype,dim,block_size,per_head", PLANNER_CASES)
 def test_tail_summary_kernel_matches_float64_torch(tail, dtype, dim, block_size, per_head):
     B, H, S = 2, 3, 901
-    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + 7)
-    k, v = h3_views(B, H, S, dim, dtype, seed=dim + 8)
+    tiling = random_tiling(S, B if per_head else 1, H if per_head else 1, block_size, seed=dim + 7, device=DEVICE)
+    k, v = h3_views(B, H, S, dim, dtype, seed=dim + 8, device=DEVICE)
     k64, v64 = k.double(), v.double()
     if tail == "reweight":
         g = torch.Generator(device=DEVICE).manual_seed(dim + 9)

@@ -30,7 +30,6 @@ with interpreter_env():
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend import attention
 from adaptive_sparse_attention.backend.config import TAIL_GRANULARITIES, TAILS, TILINGS
-from adaptive_sparse_attention.backend.pooling import block_means
 from adaptive_sparse_attention.backend.tail import coarse_branch, mean_summaries, reweight_summaries
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 

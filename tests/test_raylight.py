@@ -16,22 +16,18 @@ import types
 import pytest
 import torch
 
-from adaptive_sparse_attention import SparseConfig, sparse_attention
+from adaptive_sparse_attention import sparse_attention
 from adaptive_sparse_attention.nodes.block_patches import BlockReplacement
 from adaptive_sparse_attention.nodes.hooks import CallContext, Mark
 from adaptive_sparse_attention.nodes import raylight
 from adaptive_sparse_attention.nodes.raylight import (RaylightSparseAttention, parallel_degrees, patch_worker_model,
                                                       worker_patch)
-from h3_block import MiniMaxH3Model, PackedLayout, layout_of
+from h3_block import MiniMaxH3Model, layout_of
+from comfyui_harness import COMFYUI, needs_comfyui
+from h3_harness import PACKED, config
 from raylight_mirror import INNER_ATTENTION_KEY, ring_keywords, set_inner_attention
 
-PACKED = PackedLayout(5, 4, 16, 16, 3)  # 267 rows: one padding row at 2 ranks
-HEADS, DEGREE, DIM = 4, 2, 32
-
-
-def config(**kw) -> SparseConfig:
-    return SparseConfig(**{"tiling": "cube", "warmup_mode": "speed", "min_tokens": 0, "backend": "torch",
-                           "topk_ratio": 0.25, **kw})
+HEADS, DEGREE, DIM = 4, 2, 32  # PACKED: 267 rows, one padding row at 2 ranks
 
 
 def rank_one_inputs() -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -220,11 +216,9 @@ def test_worker_patch_ships_by_value_and_loads_the_package_from_its_folder():
     assert done.stdout.decode().strip() == os.path.join(package_dir, "__init__.py")
 
 
-COMFYUI = os.environ.get("COMFYUI_PATH", "")
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                    reason="set COMFYUI_PATH to a ComfyUI checkout to run the ModelPatcher test")
+@needs_comfyui
 def test_worker_patch_on_a_real_model_patcher(monkeypatch):
     monkeypatch.syspath_prepend(COMFYUI)
     import comfyui_stubs

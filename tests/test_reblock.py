@@ -1,4 +1,4 @@
-"""Reblock tiling (seed 001, sections 04-06): per-head permutations that are bijections inside
+"""Reblock tiling: per-head permutations that are bijections inside
 every region, exact block capacities, determinism, exactness at ratio 1.0, and better grouping
 than cube tiling on clustered inputs."""
 import pytest
@@ -12,15 +12,9 @@ from adaptive_sparse_attention.backend.reblock_partition import partition
 from adaptive_sparse_attention.backend.reblock_schedule import build_schedule
 from adaptive_sparse_attention.backend.tiling import chunk_tiles, cube_tiling
 from adaptive_sparse_attention.kernels import pack, unpack
+from layouts import awkward_layout
 
 MODES = ("q_reuse_k", "independent")
-
-
-def awkward_layout() -> SequenceLayout:
-    # context pieces of odd lengths, a reference video, more context, the target; no length is a
-    # multiple of 16 or 64, so every region ends in an edge block
-    return SequenceLayout.from_segments([
-        (0, 37, "text"), (37, 142, "ref_video", (3, 5, 7)), (142, 162, "audio"), (162, 378, "video", (4, 6, 9))])
 
 
 def qk(layout: SequenceLayout, B=2, H=3, D=32, seed=0, dtype=torch.float64):

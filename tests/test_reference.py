@@ -9,18 +9,12 @@ import math
 import pytest
 import torch
 
-from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
+from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, block_sparse_reference
+from layouts import awkward_layout, memberships
 
 TOL = 1e-10
-
-
-def layout_awkward() -> SequenceLayout:
-    """Odd lengths everywhere: edge blocks in every region, a reference video, audio after it."""
-    return SequenceLayout.from_segments([
-        (0, 37, "text"), (37, 37 + 3 * 5 * 6, "ref_video", (3, 5, 6)), (127, 180, "audio"),
-        (180, 180 + 5 * 6 * 7, "video", (5, 6, 7))])
 
 
 def qkv(layout, heads=2, dim=32, seed=0):
@@ -30,14 +24,6 @@ def qkv(layout, heads=2, dim=32, seed=0):
 
 def dense(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
-
-
-def memberships(perm_row: torch.Tensor, block: int, seq_len: int) -> torch.Tensor:
-    """Block index of every model-order row under one head's permutation."""
-    slots = torch.nonzero(perm_row >= 0).squeeze(1)
-    out = torch.full((seq_len,), -1, dtype=torch.long)
-    out[perm_row[slots].long()] = slots // block
-    return out
 
 
 def independent(q, k, v, layout, cfg, plan):
@@ -89,7 +75,7 @@ def independent(q, k, v, layout, cfg, plan):
 @pytest.mark.parametrize("granularity", ["query", "block"])
 @pytest.mark.parametrize("scope", ["target-video", "joint-video"])
 def test_every_tail_mode_matches_an_independent_computation(tail, granularity, scope):
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, seed=3)
     cfg = SparseConfig(topk_ratio=0.3, tiling="cube", tail=tail, tail_granularity=granularity,
                        sparse_scope=scope, backend="torch")
@@ -100,7 +86,7 @@ def test_every_tail_mode_matches_an_independent_computation(tail, granularity, s
 
 @pytest.mark.parametrize("granularity", ["query", "block"])
 def test_coarse_adds_the_gated_pooled_branch_to_sparse_rows_only(granularity):
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, seed=4)
     base = SparseConfig(topk_ratio=0.3, tiling="cube", tail="none", backend="torch")
     cfg = base.replace(tail="coarse", tail_granularity=granularity)
@@ -130,7 +116,7 @@ def test_coarse_adds_the_gated_pooled_branch_to_sparse_rows_only(granularity):
 @pytest.mark.parametrize("tail", ["none", "mean", "reweight", "coarse"])
 @pytest.mark.parametrize("scope", ["target-video", "joint-video"])
 def test_ratio_one_equals_dense(tail, scope):
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, heads=1, seed=5)
     for granularity in ("query", "block"):
         cfg = SparseConfig(topk_ratio=1.0, tiling="cube", tail=tail, tail_granularity=granularity,
@@ -145,7 +131,7 @@ def test_selected_summaries_are_never_double_counted():
     each: the reference must leave them all out and give dense attention. The same summaries in
     place of the exact blocks move the output by more than 1e-3, so a summary added on top of its
     exact block would show."""
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, heads=1, seed=6)
     kp = build_plan(q, k, v, lay, SparseConfig(topk_ratio=1.0, tiling="cube", tail="mean", backend="torch"))
     assert kp.tail is not None and (kp.q2k_num > 0).any() and not kp.summary_mask().any()
@@ -155,7 +141,7 @@ def test_selected_summaries_are_never_double_counted():
 
 
 def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, seed=7)
     plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=0.3, tiling="cube", tail="reweight", backend="torch"))
     out, lse = block_sparse_reference(q, k, v, plan)
@@ -169,7 +155,7 @@ def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
 
 
 def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, seed=9)
     kp = build_plan(q, k, v, lay, SparseConfig(tiling="cube", tail="none", backend="torch"))
     J = kp.num_blocks
@@ -184,7 +170,7 @@ def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
 
 
 def test_sparse_attention_is_deterministic_and_keeps_dtype():
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = (x.float() for x in qkv(lay, seed=10))
     cfg = SparseConfig(topk_ratio=0.2, tiling="cube", backend="torch")
     a, b = sparse_attention(q, k, v, lay, cfg), sparse_attention(q, k, v, lay, cfg)
@@ -192,7 +178,7 @@ def test_sparse_attention_is_deterministic_and_keeps_dtype():
 
 
 def test_info_reports_density_budgets_and_plan():
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, seed=11)
     out, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=0.25, tiling="cube", backend="torch",
                                                             sparse_scope="joint-video"), return_info=True)
@@ -205,7 +191,7 @@ def test_info_reports_density_budgets_and_plan():
                                                 ("reblock", "joint-video", 1.0)])
 def test_density_counts_the_exact_pairs_of_the_masks(tiling, scope, ratio):
     """The O(J x R) count equals the pairs of the J x J allowed mask weighted by block lengths."""
-    lay = layout_awkward()
+    lay = awkward_layout()
     q, k, v = qkv(lay, seed=12)
     _, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=ratio, tiling=tiling, sparse_scope=scope,
                                                           backend="torch"), return_info=True)
@@ -224,12 +210,12 @@ def test_density_counts_the_exact_pairs_of_the_masks(tiling, scope, ratio):
     (lambda q, k, v: (q, k.float(), v), "one dtype"),
 ])
 def test_bad_inputs_raise_clearly(change, match):
-    lay = layout_awkward()
+    lay = awkward_layout()
     with pytest.raises(ValueError, match=match):
         sparse_attention(*change(*qkv(lay)), lay, SparseConfig(tiling="cube"))
 
 
 def test_strict_triton_without_a_gpu_raises():
-    lay = layout_awkward()
+    lay = awkward_layout()
     with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
         sparse_attention(*qkv(lay), lay, SparseConfig(tiling="cube", backend="triton", strict=True))

@@ -6,19 +6,18 @@ values back, so a classifier it would drop or a version range it cannot read fai
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from comfyui_harness import COMFYUI, needs_comfyui
 from adaptive_sparse_attention.nodes.widgets import CAPTURE_SEARCH_ALIASES, SPARSE_SEARCH_ALIASES
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO = Path(__file__).resolve().parent.parent
-COMFYUI = os.environ.get("COMFYUI_PATH", "")
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 VERSION_RANGE = re.compile(r"^(>=|==|~=|>)\s*\d+\.\d+\.\d+(,\s*(<|<=)\s*\d+\.\d+\.\d+)?$")
 
@@ -41,8 +40,7 @@ def test_search_aliases_name_the_methods_users_look_for():
         assert len(set(aliases)) == len(aliases) and all(a == a.strip().lower() and a for a in aliases)
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI, "main.py")),
-                    reason="set COMFYUI_PATH to a ComfyUI checkout to parse the metadata with ComfyUI's parser")
+@needs_comfyui
 def test_comfyui_parser_reads_the_metadata():
     sys.path.insert(0, COMFYUI)
     from comfy_config.config_parser import extract_node_configuration

@@ -55,7 +55,7 @@ def test_report_says_when_nothing_ran_sparse():
 
 
 def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
-    from test_h3_patch import PACKED, config, model_of, options, run_model
+    from h3_harness import PACKED, config, model_of, options, run_model
     from h3_block import block_args
 
     from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook

@@ -1,4 +1,4 @@
-"""Routing (seed 000 section 2, 4, 5.3): pooled scores, budgets, ties, index tables, scopes."""
+"""Routing: pooled scores, budgets, ties, index tables, scopes."""
 import math
 
 import pytest
@@ -11,7 +11,7 @@ from adaptive_sparse_attention.kernels.planner_reference import topk_blocks
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 
 
-def test_seed000_pooled_score_of_A_and_B_is_3_over_sqrt2():
+def test_pooled_score_of_A_and_B_is_3_over_sqrt2():
     # D = 2; A's queries per time slice and B's keys per time slice, four tokens each
     qa = torch.tensor([[2.0, 0], [0, 2], [2, 2], [0, 0]]).repeat_interleave(4, 0)
     kb = torch.tensor([[1.0, 0], [1, 0], [3, 2], [3, 2]]).repeat_interleave(4, 0)
@@ -19,14 +19,14 @@ def test_seed000_pooled_score_of_A_and_B_is_3_over_sqrt2():
     assert torch.allclose(e, torch.tensor(3 / math.sqrt(2)))
 
 
-def test_seed000_budgets():
+def test_budgets():
     assert region_budget(256, 1 - 0.75) == 64  # 256 blocks, 75% dropped
     assert region_budget(30, 0.1) == 3  # 0.1 * 30 must not round up to 4
     assert region_budget(7, 0.1) == 1  # at least one block
     assert region_budget(4, 1.0) == 4 and region_budget(1134, 0.1) == 114
 
 
-def test_seed000_A_selects_B_and_D():
+def test_A_selects_B_and_D():
     scores = torch.tensor([[0.2, 3.1, -0.5, 2.4]])
     picked = topk_blocks(scores, 2)
     mask = torch.zeros(1, 4, dtype=torch.bool).scatter_(1, picked, True)

@@ -1,4 +1,4 @@
-"""Tail summaries (seed 001 sections 07, 08, 10): exact numbers and the q = anchor property."""
+"""Tail summaries: exact numbers and the q = anchor property."""
 import math
 
 import numpy as np
@@ -19,7 +19,7 @@ def chunk_tiling(n: int, block: int) -> Tiling:
     return Tiling(block, perm, perm, torch.full((J,), block, dtype=torch.int32), tuple(lay.regions()), ((0, J),))
 
 
-def test_seed001_two_token_block():
+def test_two_token_block():
     k = torch.tensor([-2.0, 2.0], dtype=torch.float64).view(1, 1, 2, 1)
     v = torch.tensor([0.0, 1.0], dtype=torch.float64).view(1, 1, 2, 1)
     anchor = torch.ones(1, 1, 1, dtype=torch.float64)
@@ -35,8 +35,8 @@ def test_seed001_two_token_block():
     assert math.exp(mk.item() + mb.item()) == pytest.approx(2.0) and mv.item() == pytest.approx(0.5)
 
 
-def _seed_mixed(tail: str) -> float:
-    """Seed 001 section 10: 32 keys in blocks of 4, exact blocks {1, 5}, query = anchor."""
+def _mixed(tail: str) -> float:
+    """32 keys in blocks of 4, exact blocks {1, 5}, query = anchor (the tails' mixed case)."""
     rng = np.random.default_rng(20261024)
     k = torch.from_numpy(rng.normal(size=(32, 8))).view(1, 1, 32, 8)
     v = torch.from_numpy(rng.normal(size=(32, 5)))
@@ -58,9 +58,9 @@ def _seed_mixed(tail: str) -> float:
     return (out[0, 0, :, :5] - dense).abs().max().item()
 
 
-def test_seed001_mixed_exact_and_reweight_summaries_reproduce_dense_at_the_anchor():
-    assert _seed_mixed("reweight") < 1e-12
+def test_mixed_exact_and_reweight_summaries_reproduce_dense_at_the_anchor():
+    assert _mixed("reweight") < 1e-12
 
 
-def test_seed001_mean_summaries_do_not():
-    assert _seed_mixed("mean") == pytest.approx(0.240925, abs=5e-6)
+def test_mean_summaries_do_not_reproduce_dense_at_the_anchor():
+    assert _mixed("mean") == pytest.approx(0.240925, abs=5e-6)

@@ -1,4 +1,4 @@
-"""Cube tiling (seed 000 section 1, 3): members, edge tiles with true lengths, pack/unpack."""
+"""Cube tiling: members, edge tiles with true lengths, pack/unpack."""
 import torch
 
 from adaptive_sparse_attention import SequenceLayout
@@ -6,17 +6,17 @@ from adaptive_sparse_attention.backend.tiling import chunk_tiles, cube_tiles, cu
 from adaptive_sparse_attention.kernels import pack, unpack
 
 
-def test_seed000_block_A_of_grid_444_tile_422():
+def test_block_A_of_grid_444_tile_422():
     members, lengths = cube_tiles((4, 4, 4), (4, 2, 2))
     assert members.shape == (4, 16)  # J = 4 blocks A, B, C, D
     assert members[0].tolist() == [0, 1, 4, 5, 16, 17, 20, 21, 32, 33, 36, 37, 48, 49, 52, 53]
     assert members[1].tolist()[:4] == [2, 3, 6, 7]  # B: top-right
     assert lengths.tolist() == [16, 16, 16, 16]
-    # the packed order of seed 000 section 3: A, then B, C, D; every token exactly once
+    # the packed order: A, then B, C, D; every token exactly once
     assert sorted(members.reshape(-1).tolist()) == list(range(64))
 
 
-def test_seed000_edge_tiles_of_grid_534_carry_true_lengths():
+def test_edge_tiles_of_grid_534_carry_true_lengths():
     members, lengths = cube_tiles((5, 3, 4), (4, 2, 2))
     # ceil(5/4) * ceil(3/2) * ceil(4/2) = 2 * 2 * 2 = 8 tiles
     assert lengths.tolist() == [16, 16, 8, 8, 4, 4, 2, 2]

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from layouts import awkward_layout
 from random_blocks import random_block_lengths, random_perms
 from triton_interpreter import interpreter_env
 
@@ -20,7 +21,7 @@ with interpreter_env():
     from adaptive_sparse_attention.kernels import triton_attention
     from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
 
-from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
+from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
                                              block_sparse_reference)
@@ -32,13 +33,6 @@ LSE_TOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("interpreter")  # every test here runs in the interpreter
-
-
-def layout_awkward() -> SequenceLayout:
-    """Edge blocks in every region; a reference video between text and audio."""
-    return SequenceLayout.from_segments([
-        (0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)), (127, 180, "audio"),
-        (180, 390, "video", (5, 6, 7))])
 
 
 def inputs(layout, heads, dim, dtype, seed, batch=1):
@@ -64,14 +58,14 @@ def check(q, k, v, plan, **kwargs):
     (64, torch.float32, "joint-video", "none", "query", 0.5),
 ])
 def test_planned_cube_plans(dim, dtype, scope, tail, gran, ratio):
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 2, dim, dtype, seed=dim)
     cfg = SparseConfig(tiling="cube", topk_ratio=ratio, sparse_scope=scope, tail=tail, tail_granularity=gran)
     check(q, k, v, build_plan(q, k, v, layout, cfg))
 
 
 def test_block_size_128_whole_or_split_query_blocks_and_batch_shares_plan():
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 1, 32, torch.float32, seed=3, batch=2)
     cfg = SparseConfig(tiling="cube", topk_ratio=0.25, block_size=128, tail="reweight")
     plan = build_plan(q, k, v, layout, cfg)
@@ -112,7 +106,7 @@ def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed):
 @pytest.mark.parametrize("gran,dtype,dim", [("query", torch.float32, 64), ("block", torch.float16, 32),
                                             ("none", torch.float16, 128)])
 def test_per_head_permutations_and_random_tables(gran, dtype, dim):
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 2, dim, dtype, seed=11, batch=2)
     plan = random_plan(layout.total, 2, 2, dim, 64, dtype, gran, seed=5)
     assert plan.q_perm.shape[:2] == (2, 2) and (plan.q2k_num == 0).any()
@@ -123,16 +117,16 @@ def test_selected_summaries_are_not_counted_twice():
     """The query tail skips the selected columns by walking the ascending pick list: 16-token
     blocks and 16 summary columns per step give several steps per row, with picks in each and
     across their boundaries; heavy summaries (bias +6) would show any column counted twice."""
-    plan = random_plan(layout_awkward().total, 1, 1, 32, 16, torch.float32, "query", seed=9)
+    plan = random_plan(awkward_layout().total, 1, 1, 32, 16, torch.float32, "query", seed=9)
     plan = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, bias=plan.tail.bias + 6.0))
     J = plan.num_blocks
     assert J > 2 * 16 and (plan.q2k_num > 16).any()
-    q, k, v = inputs(layout_awkward(), 1, 32, torch.float32, seed=8)
+    q, k, v = inputs(awkward_layout(), 1, 32, torch.float32, seed=8)
     check(q, k, v, plan, config=KernelConfig(16, 16, 16, 4, 1))
 
 
 def test_empty_rows_give_zeros_and_finite_lse():
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 2, 32, torch.float32, seed=4)
     plan = random_plan(layout.total, 1, 2, 32, 64, torch.float32, "none", seed=6)
     plan.dense_hi[:3] = 0
@@ -148,7 +142,7 @@ def test_strided_inputs_and_sub_block_tiles():
     """q, k, v as views of a [B, S, H, D] buffer (how H3 produces them); query and key tiles of
     half a block (two programs per query block, two key tiles per block) and summary tiles of 16
     columns exercise the list walk inside and across blocks and the tail loop over several tiles."""
-    layout = layout_awkward()
+    layout = awkward_layout()
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(1, layout.total, 3, 1, 32, generator=g)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -165,7 +159,7 @@ def test_narrow_and_wide_row_offsets(monkeypatch, wide):
     big = torch.empty_strided((1, 2, 8, 128), (0, 128, 3 * 2 ** 28, 1), device="meta")
     assert triton_attention.wide_rows(big) and not triton_attention.wide_rows(torch.zeros(1, 2, 8, 128))
     monkeypatch.setattr(triton_attention, "wide_rows", lambda *tensors: wide)
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 2, 32, torch.float32, seed=3, batch=1)
     check(q, k, v, random_plan(layout.total, 1, 2, 32, 64, torch.float32, "query", seed=4))
 
@@ -183,7 +177,7 @@ def test_families_are_forced_and_validated(monkeypatch):
 
 
 def test_bad_inputs_raise():
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 1, 32, torch.float64, seed=1)
     plan = random_plan(layout.total, 1, 1, 32, 64, torch.float64, "none", seed=1)
     with pytest.raises(ValueError, match="dtype"):
@@ -194,7 +188,7 @@ def test_bad_inputs_raise():
 
 
 def test_custom_op_dispatch_and_compile():
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 1, 32, torch.float32, seed=12)
     plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3))
     eager, eager_lse = block_sparse_triton(q, k, v, plan)
@@ -207,7 +201,7 @@ def test_custom_op_dispatch_and_compile():
 
 
 def test_public_entry_point_with_triton_backend():
-    layout = layout_awkward()
+    layout = awkward_layout()
     q, k, v = inputs(layout, 2, 64, torch.float32, seed=13)
     cfg = SparseConfig(tiling="cube", topk_ratio=0.2, backend="triton", strict=True)
     out, info = sparse_attention(q, k, v, layout, cfg, return_info=True)

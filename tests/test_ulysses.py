@@ -36,6 +36,7 @@ from adaptive_sparse_attention.nodes.block_patches import DiffusionModelWrapper,
 from adaptive_sparse_attention.nodes.hooks import bind  # noqa: E402
 from adaptive_sparse_attention.nodes.raylight import RaylightSparseAttention  # noqa: E402
 from h3_block import MiniMaxH3Model, PackedLayout, block_args, layout_of  # noqa: E402
+from h3_harness import Executor, config  # noqa: E402
 from raylight_mirror import INNER_ATTENTION_KEY, XFuserAttention, pad_rows, usp_attention, usp_forward  # noqa: E402
 
 WORLD, HEADS = 2, 4
@@ -46,13 +47,9 @@ LAYOUT = SequenceLayout.from_segments([(0, 22, "text"), (22, 62, "ref_video", (2
 TRITON_LAYOUT = SequenceLayout.from_segments([(0, 11, "text"), (11, 131, "video", (2, 6, 10))])
 
 
-def config(**kw) -> SparseConfig:
-    return SparseConfig(**{"warmup_mode": "speed", "min_tokens": 0, "backend": "torch", "topk_ratio": 0.3, **kw})
-
-
-ENGINE_CONFIGS = [config(tiling="cube"),
+ENGINE_CONFIGS = [config(tiling="cube", topk_ratio=0.3),
                   config(tiling="reblock", sparse_scope="joint-video", tail_granularity="block", topk_ratio=0.25),
-                  config(tiling="reblock", reblock_layout="independent", tail="mean", block_size=128)]
+                  config(tiling="reblock", reblock_layout="independent", tail="mean", block_size=128, topk_ratio=0.3)]
 
 
 def qkv(dtype: torch.dtype, seed: int = 0, layout: SequenceLayout = LAYOUT) -> list[torch.Tensor]:
@@ -109,16 +106,6 @@ def check_triton(rank: int) -> None:
     torch.testing.assert_close(out[:, :TRITON_LAYOUT.total], alone.transpose(1, 2), rtol=0, atol=1e-6)
     assert out[:, TRITON_LAYOUT.total:].abs().max() == 0  # the padding row
     assert_same_plan(info.plan, local.plan, slice(None), 1e-6)
-
-
-class Executor:
-    """Stands in for ComfyUI's WrapperExecutor around H3's (here: Raylight's) _forward."""
-
-    def __init__(self, model, fn):
-        self.class_obj, self.fn = model, fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
 
 
 def single_process(model, args: dict, layout: SequenceLayout, cfg: SparseConfig) -> torch.Tensor:

@@ -11,10 +11,10 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.nodes.widgets import (CAPTURE_NODE_ID, CAPTURE_WIDGETS, REPORT_NODE_ID, REPORT_NODE_NAME,
                                                      SPARSE_NODE_ID, SPARSE_WIDGETS, Widget, capture_selection,
                                                      config_from_widgets)
+from comfyui_harness import FRONTEND_ONLY
 
 WORKFLOWS = sorted((Path(__file__).resolve().parent.parent / "workflows").glob("*.json"))
 OURS = {SPARSE_NODE_ID: SPARSE_WIDGETS, CAPTURE_NODE_ID: CAPTURE_WIDGETS}
-FRONTEND_ONLY = {"Note", "MarkdownNote"}  # node types of ComfyUI's frontend: never in /object_info, never executed
 LOADER_FOLDERS = {"UNETLoader": "models/diffusion_models/", "CLIPLoader": "models/text_encoders/",
                   "VAELoader": "models/vae/"}
 SAMPLERS = {"SamplerCustomAdvanced", "KSampler", "KSamplerAdvanced"}
