@@ -98,7 +98,8 @@ def demo_timing_note(backend: str) -> str:
         f"Without a CUDA GPU the sparse rows run {kernel}, each timed once without warm-up, against dense "
         "attention on torch's own optimised kernel. Their `ms`, `plan ms` and `vs dense` columns are therefore no "
         "speed claim (`plan ms` is timed in separate cold runs and can exceed `ms`); density, recall and the "
-        "errors hold. Speed-ups are measured on a CUDA GPU with the Triton kernel: see BENCHMARKS.md.", 100)
+        "errors hold. Speed-ups are measured on a CUDA GPU with the Triton kernel: see the README, \"Expected speed-up "
+        "by clip length\".", 100)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -126,8 +126,8 @@ def _check(name: str, x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tens
 
 def _launch_args(head_dim: int, block_size: int, *tensors: torch.Tensor) -> dict:
     block_s, block_d = triton.next_power_of_2(block_size), triton.next_power_of_2(head_dim)
-    # one fp32 [rows, D] tile per tensor, 128 values per thread: on 64 x 128 tiles 2 warps gather
-    # at close to full bandwidth where 8 warps take about twice as long (docs/performance-notes.md)
+    # one fp32 [rows, D] tile per tensor, 128 values per thread: few warps keep a 64 x 128 gather
+    # at full bandwidth, more only add scheduling cost
     return dict(BS=block_size, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=max(1, block_s * block_d // 4096),
                 ALIGN=row_align(*tensors))
 

@@ -5,7 +5,7 @@ k largest values of a vector held by one program (or, for wide tree nodes, of a 
 stores and re-reads in chunks), ties toward the lower position, with no sort.
 Floats are mapped to order-preserving unsigned keys and the k-th largest key is built one bit
 at a time from the top: 32 counting passes, each one compare and one reduction over the vector.
-(8-bit passes with a 256-bin `tl.histogram` were slower: docs/performance-notes.md, "Radix select".)
+(8-bit passes with a 256-bin `tl.histogram` were tried and are slower here.)
 The selection runs over two vectors: a row whose length is not a power of two can be held as a
 power-of-two head and a short tail (`row_split`, `top_k_mask_pair`), so the passes cover about
 n lanes instead of n padded to the next power of two; the one-vector forms pass one dead lane
