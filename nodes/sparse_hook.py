@@ -147,7 +147,7 @@ class SparseAttentionHook(BlockHook):
             self.tracker.log_once("the model runs under torch.compile: sparse blocks are not timed and their "
                                   "density is not measured (each would synchronise the host in every block); "
                                   "compiled sparse steps measured slower than uncompiled ones, so for speed leave "
-                                  "TorchCompileModel out of graphs with this node (README, 'Where it stands')")
+                                  "TorchCompileModel out of graphs with this node (README, 'Troubleshooting')")
         return tuple(tokens)
 
     def note_other_override(self, transformer_options: dict) -> None:
