@@ -67,7 +67,9 @@ class SparseConfig:
         "fidelity: the first warmup_ratio of denoising steps run dense (the layout of the video is decided "
         "there). speed: sparse from the first step. dense: never sparse, for A/B comparisons.")
     warmup_ratio: float = setting(0.2, Number(0.0, 1.0),
-        "Share of denoising steps that run dense in fidelity mode (rounded up to whole steps).")
+        "Share of the denoising schedule that runs dense in fidelity mode: calls whose sigma is above the "
+        "model's sigma at this share (as ComfyUI's start/end percent); with the simple scheduler the first "
+        "ceil(ratio x steps) steps. Split sampler runs keep the dense steps of the whole run.")
     sparse_scope: str = setting("target-video", Choice(SPARSE_SCOPES),
         "target-video: only generated-video queries route over generated-video keys; text, audio and "
         "references stay exact. joint-video: reference videos are sparse too, each with its own budget "
