@@ -31,10 +31,9 @@ import re
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -142,17 +141,13 @@ def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device) -
 
 
 def graph(ckpt: str, scale: Scale, frames: int, steps: int, cfg: float, widgets: dict | None, label: str,
-          compile_backend: str | None = None, cfg_split: bool = False) -> dict:
-    """API-format prompt: UNETLoader -> [our node] -> [MultiGPU CFG Split] -> [TorchCompileModel] -> timer ->
-    KSampler -> sink."""
+          compile_backend: str | None = None) -> dict:
+    """API-format prompt: UNETLoader -> [our node] -> [TorchCompileModel] -> timer -> KSampler -> sink."""
     model = ["1", 0]
     prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}}}
     if widgets is not None:
         prompt["2"] = {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": model, **widgets}}
         model = ["2", 0]
-    if cfg_split:
-        prompt["10"] = {"class_type": "MultiGPU_WorkUnits", "inputs": {"model": model, "max_gpus": 2}}
-        model = ["10", 0]
     if compile_backend is not None:
         prompt["9"] = {"class_type": "TorchCompileModel", "inputs": {"model": model, "backend": compile_backend}}
         model = ["9", 0]
@@ -237,7 +232,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
 
 
 RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-all-dense", "ours-new-length",
-        "ours-cfg-split", "comfyui-two-threads", "ours-two-threads", "other-clips")
+        "comfyui-two-threads", "ours-two-threads", "other-clips")
 
 
 def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
@@ -298,8 +293,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     references: dict[str, torch.Tensor] = {}
     counter = itertools.count()
 
-    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None,
-            cfg_split: bool = False) -> dict:
+    def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None) -> dict:
         lines.lines.clear()
         e2e_nodes.STATE["calls"].clear()
         if cuda:
@@ -307,8 +301,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             torch.cuda.reset_peak_memory_stats()
         label = f"{name}-{next(counter)}"
         t0 = time.perf_counter()
-        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend, cfg_split),
-                         label, {}, ["8"])
+        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend), label, {},
+                         ["8"])
         if not executor.success:
             raise RuntimeError(f"e2e: run {name} failed: {executor.status_messages[-1:]}")
         total = time.perf_counter() - t0
@@ -325,20 +319,15 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         row["clip"], row["frames"] = clip, scale.frames[clip]
         if widgets is None and n_steps == steps and backend is None:
             references[clip] = latent
-        if name == "ours" and clip == clips[0]:
-            lone[clip] = latent
-        if cfg_split and clip in lone:  # the same latent as the lone run, bit for bit
-            row["vs_lone_max_abs"] = float((latent.float() - lone[clip].float()).abs().max())
         echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
              "".join(f", {k} {row[k]:.4g}" for k in ("dense_call_ms", "first_sparse_ms", "steady_sparse_ms",
-                                                      "peak_gib", "rel_l2", "prepare_s", "vs_lone_max_abs") if k in row))
+                                                      "peak_gib", "rel_l2", "prepare_s") if k in row))
         result["runs"].append(row)
         if out is not None:
             out.write_text(json.dumps(result, indent=1))
         return row
 
     main = clips[0]
-    lone: dict[str, torch.Tensor] = {}
     if prepared:
         result["prepare_ahead_s"] = prepare_ahead(main, scale_name, work)
         echo(f"e2e prepare (child process): {result['prepare_ahead_s']:.1f} s")
@@ -360,9 +349,6 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             if name in runs:
                 result[name] = two_threads(nodes, ckpt, scale, scale.frames[main], min(steps, 6), cfg, widgets)
                 echo(f"e2e {name} [{main}]: {result[name]}")
-        if "ours-cfg-split" in runs:
-            with one_device_twice():
-                run("ours-cfg-split", main, node_widgets(scale), cfg_split=True)
         for clip in ("new-length", "new-length-2"):
             if clip in scale.frames and "ours-new-length" in runs:
                 run("ours-new-length", clip, node_widgets(scale))
@@ -432,26 +418,6 @@ def two_threads(nodes: Any, ckpt: str, scale: Scale, frames: int, steps: int, cf
         raise RuntimeError(f"e2e: two-threads run failed: {errors[0]!r}") from errors[0]
     return {f"{name}_vs_lone_max_abs": float((together[name] - lone[name]).abs().max()) for name in models} | {
         "deepclone_vs_original_max_abs": float((lone["deepclone"] - lone["original"]).abs().max())}
-
-
-@contextmanager
-def one_device_twice() -> Iterator[None]:
-    """ComfyUI sees this process's device twice (under two names), so MultiGPU CFG Split deep-clones
-    the model onto the same device and runs cond and uncond in two device threads."""
-    import comfy.model_management as mm
-
-    real = mm.get_all_torch_devices
-    device = mm.get_torch_device()
-    alias = torch.device(device.type) if device.index is not None else torch.device(device.type, 0)
-
-    def twice(exclude_current: bool = False) -> list[torch.device]:
-        return [alias] if exclude_current else [device, alias]
-
-    mm.get_all_torch_devices = twice
-    try:
-        yield
-    finally:
-        mm.get_all_torch_devices = real
 
 
 def default_work() -> Path:

@@ -211,7 +211,8 @@ def cuda_time_ms(fn: Callable[[], object]) -> float:
 class DenseChoices:
     """The dense kernel of each shape bucket: measured, or saved by an earlier process and checked.
 
-    One object per owner (a patched model); its memory holds at most MAX_CHOICES buckets. A
+    One object per owner (a node's patched model, shared by its clones: the choices are facts of
+    the machine, and the object locks its first uses); its memory holds at most MAX_CHOICES buckets. A
     choice in memory is read without a lock or host synchronisation, so compiled dense blocks do
     not break their graph there; the first use of a bucket (reading the file, checking, measuring)
     runs outside torch.compile, under the object's lock.
