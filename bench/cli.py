@@ -154,7 +154,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else work / "e2e.json"
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
                            out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile,
-                           compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared)
+                           compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared,
+                           profile_call=args.profile_call)
     print(markdown(result))
     if result["op"]:
         print()
@@ -218,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--prepared", action="store_true",
                      help="first run the pack's prepare command in a child process (empty caches otherwise); the "
                           "first run of ours is then the first use after it (ours-prepared)")
+    e2e.add_argument("--profile-call", type=int, metavar="N",
+                     help="profile the N-th model call (0-based) of every run: kernel tables in WORK/profiles/RUN.txt")
     e2e.set_defaults(func=cmd_e2e)
 
     prep = sub.add_parser("prepare", help="compile the kernels and measure the dense kernel for this GPU, ahead of "

@@ -249,7 +249,8 @@ def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
 
 def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
                   clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
-                  compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False) -> dict:
+                  compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False,
+                  profile_call: int | None = None) -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
@@ -257,7 +258,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     only those and the runs they compare with (ComfyUI, ours cold and warm). `runs` picks runs by
     name (`RUNS`; "comfyui" always runs: the others are compared with it). `prepared` runs the
     pack's `prepare` command first in a child process, and the first run of ours (then named
-    ours-prepared) is the first use after it."""
+    ours-prepared) is the first use after it. `profile_call` n: the n-th model call of every run is
+    profiled (kernel tables in WORK/profiles/<run>.txt)."""
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     unknown_runs = [r for r in runs if r not in RUNS]
@@ -296,6 +298,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None) -> dict:
         lines.lines.clear()
         e2e_nodes.STATE["calls"].clear()
+        e2e_nodes.STATE.update(run=name, profile_call=profile_call, profile_dir=str(work / "profiles"))
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

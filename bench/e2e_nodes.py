@@ -2,7 +2,9 @@
 
 Conditioning of random text states, a MODEL pass-through that times every diffusion-model call
 with CUDA events, and an output node that keeps the sampler's latent. Results go into `STATE`,
-which the benchmark reads after each run.
+which the benchmark reads after each run. With ``STATE["profile_call"]`` set to n, the n-th call of
+every run (0-based) also runs under torch.profiler and its kernel table is written to
+``STATE["profile_dir"]/<run>.txt`` (the profiler's own overhead is in that call's time).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 
 import torch
 
-STATE: dict[str, Any] = {"calls": [], "latent": None}
+STATE: dict[str, Any] = {"calls": [], "latent": None, "run": "", "profile_call": None, "profile_dir": None}
 
 
 class ASABenchConditioning:
@@ -40,6 +42,8 @@ class CallTimer:
         if cuda:
             start.record()
         try:
+            if STATE["profile_call"] == len(STATE["calls"]):
+                return profiled(executor, *args, **kwargs)
             return executor(*args, **kwargs)
         finally:
             if cuda:
@@ -48,6 +52,29 @@ class CallTimer:
             else:
                 end = time.perf_counter()
             STATE["calls"].append((start, end))
+
+
+def profiled(executor, *args, **kwargs):
+    """One model call under torch.profiler; its kernels (by device time) and host ops (by host time)
+    go to ``STATE["profile_dir"]/<run>.txt``."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        out = executor(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    device_sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    text = (f"# {STATE['run']}: model call {STATE['profile_call']}\n\n## by device time\n"
+            + table.table(sort_by=device_sort, row_limit=60, max_name_column_width=90)
+            + "\n\n## by host time\n" + table.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
+    folder = Path(STATE["profile_dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{STATE['run']}.txt").write_text(text)
+    return out
 
 
 class ASABenchTimer:
