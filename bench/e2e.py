@@ -17,8 +17,9 @@ shape (plan, kernel, dense SDPA backends) to split a steady block.
 With a compile backend, ComfyUI's TorchCompileModel node goes after our node (after the loader
 without it) and four more runs follow on the main clip: the graph without our node compiled,
 the same again (compiled code reused), then ours compiled and again. Dynamo's caches are reset
-before each first compiled run, so its first call holds the whole compilation (and ours also
-recompiles at its first sparse call). Their timer wraps apply_model, outside the compiled module.
+before each first compiled run, so its first call holds the whole compilation (ours also compiles
+its sparse steps' block variant at the first sparse call). Their timer wraps apply_model, outside
+the compiled module.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import torch
 from . import e2e_nodes
 
 REPO = Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+|n/a).*sparse attention time ([\d.]+) s")
+SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+).*sparse attention time ([\d.]+) s")
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
     for line in log_lines:
         if m := SUMMARY.search(line):
             row.update(dense_blocks=int(m[1]), sparse_blocks=int(m[2]),
-                       density=None if m[3] == "n/a" else float(m[3]), attention_s=float(m[4]))
+                       density=float(m[3]), attention_s=float(m[4]))
         if m := re.search(r"kernels ready in ([\d.]+) s", line):
             row["prepare_s"] = float(m[1])
     return row

@@ -16,6 +16,12 @@ hook's attention gets into the block depends on the upstream signature:
   calls whatever forward was there before (the class's, or another node's patch such as KJNodes'
   low-VRAM attention).
 
+Under torch.compile the replacement, the dispatcher and the hooked attention are frames torch.compile
+skips (`torch.compiler.disable`; the first two non-recursively): they decide per call on the host,
+from values a compiled frame could not guard on (TorchCompileModel drops every guard under
+``transformer_options``), and what they call of ComfyUI's (the original block, ComfyUI's attention in
+dense calls) is compiled as it is without this pack.
+
 These callables are shared by every clone of the patched model (ComfyUI copies model_options by
 reference), so they hold only the hook's key, the block index and the chained patch; the hook
 and the attention modules come from the call (`CallContext`, stored under the key by the
@@ -23,6 +29,7 @@ DIFFUSION_MODEL wrapper from the diffusion model it runs).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any, Callable
@@ -59,7 +66,7 @@ class DiffusionModelWrapper:
                  *args: Any, **kwargs: Any) -> Any:
         model = executor.class_obj
         transformer_options[self.key] = bound_hook(model, self.key).begin_call(
-            model, x, context, transformer_options, kwargs.get("minimax_payload") or {}, torch.compiler.is_compiling())
+            model, x, context, transformer_options, kwargs.get("minimax_payload") or {})
         try:
             return executor(x, timestep, context, transformer_options, *args, **kwargs)
         finally:
@@ -97,6 +104,7 @@ class HookedAttention:
     def __init__(self, hook: BlockHook, layer: int, token: Any, attn: torch.nn.Module, fallback: Callable):
         self.hook, self.layer, self.token, self.attn, self.fallback = hook, layer, token, attn, fallback
 
+    @torch.compiler.disable
     def __call__(self, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
         return self.hook.attend(self.layer, self.token, self.attn, x, rope_freqs, transformer_options, self.fallback)
 
@@ -107,28 +115,36 @@ class AttentionDispatch:
     def __init__(self, key: str, layer: int, previous: Callable | None):
         self.key, self.layer, self.previous = key, layer, previous
 
+    @torch.compiler.disable(recursive=False)
     def __call__(self, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+        forward, x = self.route(x, transformer_options)
+        return forward(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+
+    @torch.compiler.disable
+    def route(self, x: Any, transformer_options: dict) -> tuple[Callable, Any]:
+        """(the attention this call runs, its input): the hook's for a taken call, else `dense`'s."""
         mark = transformer_options.get(self.key)
         if not (isinstance(mark, Mark) and mark.layer == self.layer):
             raise RuntimeError(f"{self.key}: block {self.layer}'s attention ran without this pack's block "
                                "replacement (another node's replacement of the block dropped it)")
         if mark.token is not None:
-            return mark.ctx.hook.attend(self.layer, mark.token, mark.attn, x, rope_freqs, transformer_options,
-                                        lambda *a, **k: self.fallback(mark, *a, **k))
-        return self.fallback(mark, x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            def fallback(y: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+                forward, y = self.dense(mark, y)
+                return forward(y, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            return HookedAttention(mark.ctx.hook, self.layer, mark.token, mark.attn, fallback), x
+        return self.dense(mark, x)
 
-    def fallback(self, mark: Mark, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+    def dense(self, mark: Mark, x: Any) -> tuple[Callable, Any]:
         """The forward that was there before (another node's patch), else the class's own; the class's
         takes a tensor, so a low-VRAM block forward's list is unwrapped."""
         if self.previous is not None:
-            return self.previous(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            return self.previous, x
         if isinstance(x, list):
             mark.ctx.hook.tracker.log_once(
                 "KJNodes' low-VRAM attention was applied after this node and kept its attention patch: dense blocks "
                 "use ComfyUI's attention without head chunks (sparse blocks still use them); place the low-VRAM "
                 "node before this one to keep its attention in dense blocks")
-        return type(mark.attn).forward(mark.attn, unwrap_input(x), rope_freqs=rope_freqs,
-                                       transformer_options=transformer_options)
+        return functools.partial(type(mark.attn).forward, mark.attn), unwrap_input(x)
 
 
 def takes_attention_arg(forward: Callable) -> bool:
@@ -150,29 +166,34 @@ class BlockReplacement:
     def __init__(self, key: str, layer: int, via_args: bool | None, previous: Callable | None):
         self.key, self.layer, self.via_args, self.previous = key, layer, via_args, previous
 
+    @torch.compiler.disable(recursive=False)
     def __call__(self, args: dict, extra: dict) -> dict:
-        def inner(a: dict) -> dict:
-            return self.previous(a, extra) if self.previous is not None else extra["original_block"](a)
+        args = self.route(args)
+        return self.previous(args, extra) if self.previous is not None else extra["original_block"](args)
 
+    @torch.compiler.disable
+    def route(self, args: dict) -> dict:
+        """The block args of this call: decided by the hook (`BlockHook.decide`), with its attention
+        (or the mark for it) when it takes the call, else with the dense attention it chooses."""
         current = args.get("attention")
         if isinstance(current, HookedAttention):  # a hook nearer the sampler already took this call
-            return inner(args)
+            return args
         ctx = call_context(args.get("transformer_options", {}), self.key)
         hook, attn = ctx.hook, ctx.attn(self.layer)
-        token = hook.token(self.layer, args, ctx)
+        token = hook.decide(self.layer, attn, args, ctx)
         if token is None:
             args = hook.dense_args(args)
         elif self.via_args:
             if current is not None:
                 hook.tracker.log_once("the block attention set by another patch is replaced in the calls "
                                       f"{hook.title} takes over")
-            return inner(dict(args, attention=HookedAttention(hook, self.layer, token, attn,
-                                                              current if current is not None else attn)))
+            return dict(args, attention=HookedAttention(hook, self.layer, token, attn,
+                                                        current if current is not None else attn))
         if self.via_args:
-            return inner(args)
+            return args
         to = dict(args["transformer_options"])
         to[self.key] = Mark(self.layer, token, attn, ctx)
-        return inner(dict(args, transformer_options=to))
+        return dict(args, transformer_options=to)
 
 
 def ours(patch: Any, key: str) -> bool:

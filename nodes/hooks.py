@@ -8,11 +8,12 @@ patches, wrapper, callbacks; `nodes/block_patches.py`) holds only the hook's key
 and the patch it chains: every call finds its hook and its attention modules from the diffusion
 model it runs on, never from the model the node patched.
 
-Under torch.compile (ComfyUI's TorchCompileModel compiles the whole diffusion model, the hooks
-included, and drops every guard under ``transformer_options``) the step is read on the host once
-per model call and every block's decision is made there too (`BlockHook.begin_call`, eager); the
-compiled blocks read those decisions from the call's `CallContext`, a value returned by that eager
-call, whose guards are kept.
+Under torch.compile (ComfyUI's TorchCompileModel compiles the whole diffusion model and drops
+every guard under ``transformer_options``, so a decision read from there in compiled code would be
+frozen at its first value) the pack's own frames run eagerly: the wrapper's `begin_call`, each
+block replacement's decision and the attention it hands the block (`nodes/block_patches.py`).
+Everything they call of ComfyUI's (the block's norms, MLP and projections, ComfyUI's own attention in
+dense blocks) is compiled as it is without this pack; the sparse attention itself stays eager.
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ class CallContext:
         sigma: the call's sigma (None likewise).
         segment: (step, total) within this sampler call's own schedule, or None.
         packed: the PackedLayout found by the DIFFUSION_MODEL wrapper, if any.
-        tokens: under torch.compile, every block's token, planned for the whole call.
     """
 
     hook: BlockHook
@@ -54,7 +54,6 @@ class CallContext:
     sigma: float | None = None
     segment: tuple[int, int] | None = None
     packed: Any = None
-    tokens: tuple | None = None
 
     def attn(self, layer: int) -> torch.nn.Module:
         """The attention module of block `layer` of the model this call runs on."""
@@ -133,34 +132,18 @@ class BlockHook(ABC):
 
     # --- per-call plumbing -------------------------------------------------------------------
     @torch.compiler.disable
-    def begin_call(self, model: Any, x: Any, context: torch.Tensor, transformer_options: dict, payload: dict,
-                   compiled: bool) -> CallContext:
-        """The `CallContext` of a model call on `model`; under torch.compile also the plan of its blocks.
-
-        It always runs eagerly: the step comes from the sigmas on the host, which is one graph break
-        per model call under torch.compile (H3's forward reads its sigma on the host there too).
-        `compiled` says whether the model call is being compiled; then `plan_call` decides every
-        block here and the compiled blocks read its tokens from the returned context.
-        """
+    def begin_call(self, model: Any, x: Any, context: torch.Tensor, transformer_options: dict,
+                   payload: dict) -> CallContext:
+        """The `CallContext` of a model call on `model`: its step (from the sigmas, on the host) and
+        the packed layout. Always eager (one graph break per model call under torch.compile; H3's
+        forward reads its sigma on the host there too)."""
         step, sigma, segment = self.tracker.step_of(transformer_options)
         ctx = CallContext(self, model, step, sigma, segment)
         try:
             ctx.packed = payload_layout(model, x, context, payload)
         except Exception as err:  # layout discovery must never break sampling; blocks report it
             self.tracker.log_once(f"could not rebuild the packed layout from minimax_payload ({err})")
-        if compiled:
-            ctx.tokens = self.plan_call(ctx, context.dtype, x[0].device, transformer_options)
         return ctx
-
-    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
-                  transformer_options: dict) -> tuple | None:
-        """Under torch.compile: the token (or None) of every block of this call, counted here; or None
-        to let each block `decide` (the default)."""
-        return None
-
-    def token(self, layer: int, args: dict, ctx: CallContext) -> Any:
-        """The token of a block call: planned for the whole call under torch.compile, else `decide`."""
-        return ctx.tokens[layer] if ctx.tokens is not None else self.decide(layer, ctx.attn(layer), args, ctx)
 
     def layout(self, args: dict, ctx: CallContext) -> SequenceLayout | None:
         """The call's layout: from the block args, transformer_options or the wrapper, else None."""

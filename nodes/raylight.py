@@ -76,11 +76,6 @@ class RaylightSparseAttention(SparseAttentionHook):
         """The hook's name in log messages and errors."""
         return "adaptive sparse attention (Raylight)"
 
-    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
-                  transformer_options: dict) -> None:
-        """Not planned ahead under torch.compile: each rank's block decides on its own row shard."""
-        return None
-
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when this block call runs sparse, else None; x is this rank's row shard."""
         x = args["img"]

@@ -30,17 +30,13 @@ def format_report(report: dict | None) -> str:
         f"Block calls: {report['blocks_sparse']} sparse, {report['blocks_dense']} dense; "
         f"layers that ran sparse: {spans(report['layers_sparse'])}; layers always dense: "
         f"{spans(report['layers_dense_only'])}",
-        "Mean density of sparse blocks: " + (
-            "not measured" if report["mean_density"] is None else f"{report['mean_density']:.3f}"),
+        f"Mean density of sparse blocks: {report['mean_density']:.3f}",
         f"Sparse attention time: {report['attention_s']:.2f} s; " + (
             "estimated time saved: not measured (no block ran sparse twice with one shape)"
             if report["est_saved_s"] is None else
             f"estimated time saved: {report['est_saved_s']:.2f} s (vs torch's dense attention, timed on one call "
             "per shape)"),
     ]
-    if report["blocks_unmeasured"]:
-        lines.append(f"{report['blocks_unmeasured']} sparse block calls ran under torch.compile: they are not in "
-                     "the density and time above (measuring them would synchronise every block)")
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
     if report["dense_reasons"]:

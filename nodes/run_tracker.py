@@ -25,8 +25,7 @@ class RunStats:
     sparse_steps: set[int] = field(default_factory=set)
     dense_blocks: int = 0
     sparse_blocks: int = 0
-    density_sum: float = 0.0  # over sparse block calls whose density was measured
-    unmeasured_blocks: int = 0  # sparse block calls run under torch.compile: no density, not timed
+    density_sum: float = 0.0  # over sparse block calls
     attention_ms: float = 0.0  # our attention in sparse blocks
     layers: dict[int, list[int]] = field(default_factory=dict)  # layer -> [dense calls, sparse calls]
     dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
@@ -88,15 +87,14 @@ class RunTracker:
             self.logged.add(message)
             log.warning("%s: %s", self.name, message)
 
-    def note_block(self, step: int | None, sparse: bool, density: float | None = 1.0, layer: int | None = None,
+    def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
                    reason: str | None = None) -> None:
         """Count one block call: sparse with its density, or dense with the reason why.
 
         Args:
             step: the call's denoising step (None when unknown: counted as step -1).
             sparse: whether the block ran sparse attention.
-            density: its exact-pair density; None for a sparse call that was not measured
-                (torch.compile).
+            density: its exact-pair density.
             layer: the block index, for the per-layer counts.
             reason: why a dense call ran dense, for the report.
         """
@@ -110,10 +108,7 @@ class RunTracker:
             if sparse:
                 s.sparse_blocks += 1
                 s.sparse_steps.add(key)
-                if density is None:
-                    s.unmeasured_blocks += 1
-                else:
-                    s.density_sum += density
+                s.density_sum += density
             else:
                 s.dense_blocks += 1
                 s.dense_steps.add(key)
@@ -151,14 +146,10 @@ class RunTracker:
                 self.stats.attention_ms += sum(a.elapsed_time(b) for a, b in self._pending)
                 self._pending.clear()
 
-    def mean_density(self) -> float | None:
-        """Mean density of the sparse block calls whose density was measured (1.0 when none ran
-        sparse, None when none of them was measured)."""
+    def mean_density(self) -> float:
+        """Mean density of the sparse block calls (1.0 when none ran sparse)."""
         s = self.stats
-        measured = s.sparse_blocks - s.unmeasured_blocks
-        if not s.sparse_blocks:
-            return 1.0
-        return s.density_sum / measured if measured else None
+        return s.density_sum / s.sparse_blocks if s.sparse_blocks else 1.0
 
     def summary(self) -> str | None:
         """One log line of the run's counters, or None when no block ran."""
@@ -168,13 +159,8 @@ class RunTracker:
         # a step is sparse when any block of it ran sparse
         sparse_steps = len(s.sparse_steps)
         dense_steps = len(s.dense_steps - s.sparse_steps)
-        mean = self.mean_density()
-        if s.unmeasured_blocks == 0:
-            overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
-            density = f"{mean:.3f} in sparse blocks ({overall:.3f} over all blocks)"
-        else:
-            density = (f"{'n/a' if mean is None else f'{mean:.3f}'} in sparse blocks ({s.unmeasured_blocks} sparse "
-                       "block calls ran under torch.compile: density and time not measured)")
+        overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
+        density = f"{self.mean_density():.3f} in sparse blocks ({overall:.3f} over all blocks)"
         return (f"{self.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
                 f"{s.sparse_blocks} sparse; mean density {density}; sparse attention time "
                 f"{s.attention_ms / 1e3:.2f} s")
@@ -184,15 +170,13 @@ class RunTracker:
 
         ``est_saved_s`` scales the sparse attention time by the dense/sparse time ratio of the calls
         timed against torch's dense attention (None when no call was timed); negative when sparse
-        attention was slower. ``blocks_unmeasured`` sparse block calls (torch.compile) are counted
-        but neither timed nor in ``mean_density`` (None when no sparse call was measured).
+        attention was slower.
         """
         s = self.stats
         attention_s = s.attention_ms / 1e3
         ratio = s.timed_dense_ms / s.timed_sparse_ms if s.timed_sparse_ms > 0 else None
         return {"steps_sparse": sorted(s.sparse_steps), "steps_dense": sorted(s.dense_steps - s.sparse_steps),
                 "blocks_sparse": s.sparse_blocks, "blocks_dense": s.dense_blocks,
-                "blocks_unmeasured": s.unmeasured_blocks,
                 "layers_sparse": sorted(i for i, (_, n) in s.layers.items() if n),
                 "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
                 "mean_density": self.mean_density(), "attention_s": attention_s,

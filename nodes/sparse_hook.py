@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,13 +21,6 @@ from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
 
 DEVICES = ("cuda", "cpu")
-
-
-@dataclass(frozen=True)
-class Planned:
-    """The token of a block call planned by `SparseAttentionHook.plan_call`: it runs sparse on `layout`."""
-
-    layout: SequenceLayout
 
 
 class SparseAttentionHook(BlockHook):
@@ -126,30 +118,6 @@ class SparseAttentionHook(BlockHook):
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
-    def plan_call(self, ctx: CallContext, dtype: torch.dtype, device: torch.device,
-                  transformer_options: dict) -> tuple:
-        """Under torch.compile: `Planned` (sparse) or None (dense) for every block of this call.
-
-        The blocks are counted here; the compiled sparse blocks are neither timed nor is their
-        density measured, as both would synchronise the host in every block.
-        """
-        layout = None if ctx.packed is None else self.layouts.of(ctx.packed)
-        rows = 0 if layout is None else layout.total
-        tokens = []
-        warmup = self.warmup(ctx)
-        for layer, block in enumerate(ctx.model.blocks):
-            attn = block.attn
-            reason = self.choose(layer, attn, (rows, attn.qkv_proj.in_features), dtype, device, layout, warmup)
-            tokens.append(None if reason is not None else Planned(layout))
-            self.tracker.note_block(ctx.step, sparse=reason is None, density=None, layer=layer, reason=reason)
-        if any(tokens):
-            self.note_other_override(transformer_options)
-            self.tracker.log_once("the model runs under torch.compile: sparse blocks are not timed and their "
-                                  "density is not measured (each would synchronise the host in every block); "
-                                  "compiled sparse steps measured slower than uncompiled ones, so for speed leave "
-                                  "TorchCompileModel out of graphs with this node (README, 'Troubleshooting')")
-        return tuple(tokens)
-
     def note_other_override(self, transformer_options: dict) -> None:
         """Say once per run that another node's attention override does not reach the sparse blocks."""
         if transformer_options.get("optimized_attention_override") is not None:
@@ -174,14 +142,15 @@ class SparseAttentionHook(BlockHook):
             return args
         return dict(args, transformer_options=dict(to, optimized_attention_override=self.dense_override))
 
+    @torch.compiler.disable
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
         """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in
-        a run measures the density, the second is timed against dense attention for the report; a
-        compiled call (a `Planned` token) was counted when its model call was planned."""
-        if isinstance(token, Planned):  # a compiled call: counted in plan_call, nothing to measure
-            return self.output(attn, x, rope_freqs, transformer_options,
-                               lambda q, k, v, g: sparse_attention(q, k, v, token.layout, self.config, coarse_gate=g))
+        a run measures the density, the second is timed against dense attention for the report.
+
+        Always eager, inside a compiled model too: the planner's host-side decisions and per-layout
+        caches would split it into many small graphs guarded on them, and the kernels gain nothing
+        from inductor."""
         step, layout = token
         timer = self.tracker.start_timer(x[0] if isinstance(x, list) else x)
         key = layout.signature()

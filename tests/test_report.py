@@ -27,7 +27,7 @@ def test_report_of_a_run_and_its_text():
     tracker.finish()
     report = tracker.last_report
     assert report == {"steps_sparse": [1, 2, 3], "steps_dense": [0], "blocks_sparse": 6, "blocks_dense": 6,
-                      "blocks_unmeasured": 0, "layers_sparse": [0, 1], "layers_dense_only": [2], "mean_density": 0.25, "attention_s": 1.5,
+                      "layers_sparse": [0, 1], "layers_dense_only": [2], "mean_density": 0.25, "attention_s": 1.5,
                       "est_saved_s": pytest.approx(4.5), "dense_reasons": {"warmup (step 1 of 4)": 3,
                                                                            "layer 2 is in dense_layers": 3}}
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
