@@ -146,7 +146,6 @@ def test_compiled_run_matches_eager_step_by_step_and_recompiles_once_per_new_len
     eager += run(SparseAttentionHook(cfg), new=new, packed=(LONGER,))[0]
     with dynamo_log() as log:
         compiled, report = run(SparseAttentionHook(cfg), "eager", new=new, packed=(PACKED,))
-    first = len(log["all_recompiles"])
     with dynamo_log() as longer:
         compiled += run(SparseAttentionHook(cfg), "eager", new=new, packed=(LONGER,))[0]
     # every step runs what it runs eagerly: the sparse steps are not the dense warmup step's graph
