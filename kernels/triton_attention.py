@@ -60,6 +60,66 @@ def _list_block(slot, dh, n_slots, SelRow):
     return tl.where(slot < dh, slot, picked)  # int32 whatever the table's width: blk * BS must not wrap
 
 
+@triton.jit
+def _tiled_keys(acc, m_i, l_i, q, K, V, BlockLen, sel_row, dh, n_slots, qk_scale, offs_d,
+                BS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                PRECISION: tl.constexpr, ROW_DTYPE: tl.constexpr):
+    """Fold the exact keys of one query block's list into (acc, m, l), reading every K/V tile as
+    contiguous rows of the packed K, V of one (batch, head) (padding rows are zero and masked).
+    The list runs one tile ahead (the block of tile t+1 and its length), so a tile's address is
+    known from the previous step: Triton pipelines these loads."""
+    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
+    offs_n = tl.arange(0, BLOCK_N)
+    n_tiles = n_slots * SUB
+    blk = _list_block(0, dh, n_slots, sel_row)
+    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+    for t in range(0, n_tiles):
+        first = (t % SUB) * BLOCK_N  # the tile's first row in its block
+        kslot = tl.max_contiguous(tl.multiple_of(blk * BS + first + offs_n, BLOCK_N), BLOCK_N)
+        koff = kslot.to(ROW_DTYPE) * HEAD_DIM
+        kt = tl.load(K + koff[None, :] + offs_d[:, None])
+        vt = tl.load(V + koff[:, None] + offs_d[None, :])
+        valid = first + offs_n < blen  # keys beyond the block's true length
+        s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+        blk = _list_block((t + 1) // SUB, dh, n_slots, sel_row)
+        blen = tl.load(BlockLen + blk, mask=t + 1 < n_tiles, other=0)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _gathered_keys(acc, m_i, l_i, q, K, V, KPerm, BlockLen, sel_row, dh, n_slots, qk_scale,
+                   sk_s, sk_d, sv_s, sv_d, offs_d, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROW_DTYPE: tl.constexpr):
+    """Fold the exact keys of one query block's list into (acc, m, l), gathering K/V rows of one
+    (batch, head) through its k_perm row KPerm. Index loads run one tile ahead (block of tile t+1,
+    its rows and length, with the block of tile t+2), so that the K/V gathers of a tile depend
+    only on values already in registers."""
+    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
+    offs_n = tl.arange(0, BLOCK_N)
+    n_tiles = n_slots * SUB
+    blk = _list_block(0, dh, n_slots, sel_row)
+    krow = tl.load(KPerm + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
+    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+    blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
+    for t in range(0, n_tiles):
+        r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
+        live = t + 1 < n_tiles
+        krow_next = tl.load(KPerm + blk_next * BS + r_next, mask=live, other=-1)
+        blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
+        blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
+
+        kmask = krow >= 0
+        koff = krow.to(ROW_DTYPE)
+        kt = tl.load(K + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
+        vt = tl.load(V + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
+        valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
+        s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+        krow, blen, blk_next = krow_next, blen_next, blk_after
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=['sl_b', 'sl_h', 'sp_b', 'sp_h', 'spl_b', 'spl_h', 'H', 'H0', 'HC', 'J', 'R'])
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
@@ -77,7 +137,6 @@ def _block_sparse_fwd(
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
     SPLIT: tl.constexpr = BS // BLOCK_M  # programs per query block
-    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)  # (batch, head among this launch's HC heads [H0, H0 + HC))
     b = (bh // HC).to(tl.int64)
@@ -116,45 +175,18 @@ def _block_sparse_fwd(
                       + offs_d[None, :]).to(tl.float32)
         acc = tl.where(has[:, None], acc, 0.0)
     else:  # the exact keys: the dense prefix, then the picks
-        offs_n = tl.arange(0, BLOCK_N)
-        n_tiles = n_slots * SUB
         # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-
-        # index loads run one tile ahead (block of tile t+1, its length and, gathering, its rows),
-        # so that the K/V loads of a tile depend only on values already in registers
-        blk = _list_block(0, dh, n_slots, sel_row)
-        blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
-        blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
-        if not TILED:
-            k_base = K + b * sk_b + h * sk_h
-            v_base = V + b * sv_b + h * sv_h
-            kp_base = KPerm + b * skp_b + h * skp_h
-            krow = tl.load(kp_base + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
-        for t in range(0, n_tiles):
-            live = t + 1 < n_tiles
-            blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
-            blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
-            first = (t % SUB) * BLOCK_N  # the tile's first row in its block
-            if TILED:  # contiguous rows of the packed K/V (padding rows are zero, masked below)
-                kslot = tl.max_contiguous(tl.multiple_of(blk * BS + first + offs_n, BLOCK_N), BLOCK_N)
-                koff = kslot.to(ROW_DTYPE) * HEAD_DIM
-                kt = tl.load(K + tile_base + koff[None, :] + offs_d[:, None])
-                vt = tl.load(V + tile_base + koff[:, None] + offs_d[None, :])
-            else:
-                r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
-                krow_next = tl.load(kp_base + blk_next * BS + r_next, mask=live, other=-1)
-                kmask = krow >= 0
-                koff = krow.to(ROW_DTYPE)
-                kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
-                vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
-                krow = krow_next
-            valid = first + offs_n < blen  # keys beyond the block's true length
-            s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
-            blk, blen, blk_next = blk_next, blen_next, blk_after
+        if TILED:
+            acc, m_i, l_i = _tiled_keys(acc, m_i, l_i, q, K + tile_base, V + tile_base, BlockLen, sel_row, dh, n_slots,
+                                        qk_scale, offs_d, BS, HEAD_DIM, BLOCK_N, DOT_DTYPE, PRECISION, ROW_DTYPE)
+        else:
+            acc, m_i, l_i = _gathered_keys(acc, m_i, l_i, q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h,
+                                           KPerm + b * skp_b + h * skp_h, BlockLen, sel_row, dh, n_slots, qk_scale,
+                                           sk_s, sk_d, sv_s, sv_d, offs_d, BS, BLOCK_N, DOT_DTYPE, PRECISION,
+                                           ROW_DTYPE)
 
     if QUERY_TAIL:
         # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending and
