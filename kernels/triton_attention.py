@@ -8,9 +8,9 @@ read in one of two modes:
 - tiled (the default, `TILED_DEFAULT`): Q, K and V are first packed into tiled order
   (`tiled_pack.pack_qkv`, contiguous [B, h, J * block_size, D], zero in padding slots),
   HEADS_PER_CALL heads at a time to bound the extra memory, and the kernel runs once per head
-  chunk. Its query tile and every K/V tile are then contiguous rows at addresses known up to the
-  list's block: 16-byte vector loads that Triton's software pipeliner overlaps with the dots, as in
-  a dense kernel;
+  chunk. Its query tile and every K/V tile are then contiguous rows (block * block_size + offset)
+  with no per-row index load or mask: 16-byte vector loads that Triton's software pipeliner
+  issues `num_stages` tiles ahead (cp.async), as in a dense kernel;
 - gather (`tiled=False`): query rows are gathered through `q_perm` and K/V rows through `k_perm`
   row by row (index loads one tile ahead), with no packed copy.
 The summaries of unselected candidate blocks join the same softmax: per query (`QuerySummaries`,
