@@ -1,15 +1,24 @@
 """Fused Triton forward kernel of block-sparse attention with tail summaries.
 
-One program per (batch * head, query tile of a query block). It gathers its query rows through
-`q_perm` (no permuted copy of Q), walks the key list of its query block (the dense prefix
-[0, dense_hi) followed by the selected blocks q2k_idx[:q2k_num]) in tiles of `block_n` rows of
-one key block (index loads run one tile ahead), gathers K/V rows through `k_perm`, masks keys
-beyond each block's true length, and keeps an online softmax in base 2 with the scale folded
-in. The summaries of unselected candidate blocks join the same softmax: per query (`QuerySummaries`,
+One program per (batch * head, query tile of a query block). It walks the key list of its query
+block (the dense prefix [0, dense_hi) followed by the selected blocks q2k_idx[:q2k_num]) in tiles
+of `block_n` rows of one key block (the list runs one tile ahead), masks keys beyond each block's
+true length, and keeps an online softmax in base 2 with the scale folded in. The exact keys are
+read in one of two modes:
+- tiled (the default, `TILED_DEFAULT`): Q, K and V are first packed into tiled order
+  (`tiled_pack.pack_qkv`, contiguous [B, h, J * block_size, D], zero in padding slots),
+  HEADS_PER_CALL heads at a time to bound the extra memory, and the kernel runs once per head
+  chunk. Its query tile and every K/V tile are then contiguous rows (block * block_size + offset)
+  with no per-row index load or mask: 16-byte vector loads that Triton's software pipeliner
+  issues `num_stages` tiles ahead (cp.async), as in a dense kernel;
+- gather (`tiled=False`): query rows are gathered through `q_perm` and K/V rows through `k_perm`
+  row by row (index loads one tile ahead), with no packed copy.
+The summaries of unselected candidate blocks join the same softmax: per query (`QuerySummaries`,
 selected columns masked by walking the query block's ascending pick list alongside the columns, so
-no J x J structure is built) or once per query block
-(`BlockSummaries`). Rows are normalised once and stored straight to their model-order
-rows (scatter on store). Same semantics as `reference.block_sparse_reference`.
+no J x J structure is built) or once per query block (`BlockSummaries`). Rows are normalised once
+and stored straight to their model-order rows through `q_perm` (scatter on store, both modes). The
+`partial` mode (exact keys from another kernel, `cudnn_attention`) adds only the tail and packs
+nothing. Same semantics as `reference.block_sparse_reference`.
 
 Importing this module imports Triton: `kernels/__init__` imports it only on demand.
 """
@@ -24,7 +33,11 @@ import triton.language as tl
 from .configs import TRITON_DTYPES as DTYPES
 from .configs import KernelConfig, dot_precision, kernel_config
 from .offsets import perm_strides, wide_rows
-from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries
+from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
+from .tiled_pack import pack_qkv
+
+TILED_DEFAULT = True  # `block_sparse_triton(tiled=None)`: pack Q/K/V and read contiguous tiles
+HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size
 
 
 @triton.jit
@@ -47,7 +60,67 @@ def _list_block(slot, dh, n_slots, SelRow):
     return tl.where(slot < dh, slot, picked)  # int32 whatever the table's width: blk * BS must not wrap
 
 
-@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'sp_b', 'sp_h', 'spl_b', 'spl_h', 'H', 'J', 'R'])
+@triton.jit
+def _tiled_keys(acc, m_i, l_i, q, K, V, BlockLen, sel_row, dh, n_slots, qk_scale, offs_d,
+                BS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                PRECISION: tl.constexpr, ROW_DTYPE: tl.constexpr):
+    """Fold the exact keys of one query block's list into (acc, m, l), reading every K/V tile as
+    contiguous rows of the packed K, V of one (batch, head) (padding rows are zero and masked).
+    The list runs one tile ahead (the block of tile t+1 and its length), so a tile's address is
+    known from the previous step: Triton pipelines these loads."""
+    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
+    offs_n = tl.arange(0, BLOCK_N)
+    n_tiles = n_slots * SUB
+    blk = _list_block(0, dh, n_slots, sel_row)
+    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+    for t in range(0, n_tiles):
+        first = (t % SUB) * BLOCK_N  # the tile's first row in its block
+        kslot = tl.max_contiguous(tl.multiple_of(blk * BS + first + offs_n, BLOCK_N), BLOCK_N)
+        koff = kslot.to(ROW_DTYPE) * HEAD_DIM
+        kt = tl.load(K + koff[None, :] + offs_d[:, None])
+        vt = tl.load(V + koff[:, None] + offs_d[None, :])
+        valid = first + offs_n < blen  # keys beyond the block's true length
+        s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+        blk = _list_block((t + 1) // SUB, dh, n_slots, sel_row)
+        blen = tl.load(BlockLen + blk, mask=t + 1 < n_tiles, other=0)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _gathered_keys(acc, m_i, l_i, q, K, V, KPerm, BlockLen, sel_row, dh, n_slots, qk_scale,
+                   sk_s, sk_d, sv_s, sv_d, offs_d, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROW_DTYPE: tl.constexpr):
+    """Fold the exact keys of one query block's list into (acc, m, l), gathering K/V rows of one
+    (batch, head) through its k_perm row KPerm. Index loads run one tile ahead (block of tile t+1,
+    its rows and length, with the block of tile t+2), so that the K/V gathers of a tile depend
+    only on values already in registers."""
+    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
+    offs_n = tl.arange(0, BLOCK_N)
+    n_tiles = n_slots * SUB
+    blk = _list_block(0, dh, n_slots, sel_row)
+    krow = tl.load(KPerm + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
+    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+    blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
+    for t in range(0, n_tiles):
+        r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
+        live = t + 1 < n_tiles
+        krow_next = tl.load(KPerm + blk_next * BS + r_next, mask=live, other=-1)
+        blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
+        blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
+
+        kmask = krow >= 0
+        koff = krow.to(ROW_DTYPE)
+        kt = tl.load(K + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
+        vt = tl.load(V + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
+        valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
+        s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
+        krow, blen, blk_next = krow_next, blen_next, blk_after
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=['sl_b', 'sl_h', 'sp_b', 'sp_h', 'spl_b', 'spl_h', 'H', 'H0', 'HC', 'J', 'R'])
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
     QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
@@ -55,30 +128,35 @@ def _block_sparse_fwd(
     sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s,
     sqp_b, sqp_h, skp_b, skp_h, sp_b, sp_h, spl_b, spl_h,
-    H, J, R, qk_scale,
+    H, H0, HC, J, R, qk_scale,
     BS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, FROM_PARTIAL: tl.constexpr,
+    QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, FROM_PARTIAL: tl.constexpr, TILED: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EMPTY_LSE: tl.constexpr, ROW_DTYPE: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
     SPLIT: tl.constexpr = BS // BLOCK_M  # programs per query block
-    SUB: tl.constexpr = BS // BLOCK_N  # key tiles per key block
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh = tl.program_id(1)  # (batch, head among this launch's HC heads [H0, H0 + HC))
+    b = (bh // HC).to(tl.int64)
+    h = (H0 + bh % HC).to(tl.int64)  # the global head: Out, Lse, the permutations and the tables have all H
     i = pid_m // SPLIT
-    row = bh.to(tl.int64) * J + i  # (b, h, i) row of the per-block tables
+    bh_all = b * H + h
+    row = bh_all * J + i  # (b, h, i) row of the per-block tables
     offs_m = (pid_m % SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    # gather-on-load of this tile's query rows
     qrow = tl.load(QPerm + b * sqp_b + h * sqp_h + i * BS + offs_m)
     qmask = qrow >= 0
-    q = tl.load(Q + b * sq_b + h * sq_h + qrow.to(ROW_DTYPE)[:, None] * sq_s + offs_d[None, :] * sq_d,
-                mask=qmask[:, None], other=0.0).to(DOT_DTYPE)
+    if TILED:
+        # Q, K, V packed contiguous [B, HC, J * BS, HEAD_DIM]: this (b, h) starts at row bh * J * BS
+        tile_base = bh.to(tl.int64) * J * (BS * HEAD_DIM)
+        qslot = tl.max_contiguous(tl.multiple_of(i * BS + offs_m, BLOCK_M), BLOCK_M)
+        q = tl.load(Q + tile_base + qslot.to(ROW_DTYPE)[:, None] * HEAD_DIM + offs_d[None, :]).to(DOT_DTYPE)
+    else:  # gather-on-load of this tile's query rows
+        q = tl.load(Q + b * sq_b + h * sq_h + qrow.to(ROW_DTYPE)[:, None] * sq_s + offs_d[None, :] * sq_d,
+                    mask=qmask[:, None], other=0.0).to(DOT_DTYPE)
 
     sel_row = Q2kIdx + row * R
     dh = tl.load(DenseHi + i)
@@ -97,44 +175,25 @@ def _block_sparse_fwd(
                       + offs_d[None, :]).to(tl.float32)
         acc = tl.where(has[:, None], acc, 0.0)
     else:  # the exact keys: the dense prefix, then the picks
-        offs_n = tl.arange(0, BLOCK_N)
-        k_base = K + b * sk_b + h * sk_h
-        v_base = V + b * sv_b + h * sv_h
-        kp_base = KPerm + b * skp_b + h * skp_h
-        n_tiles = n_slots * SUB
         # a finite start keeps exp2(m_old - m_new) defined when a whole tile is masked
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-
-        # index loads run one tile ahead (block of tile t+1 and its rows), so that the K/V gathers of
-        # a tile depend only on values already in registers
-        blk = _list_block(0, dh, n_slots, sel_row)
-        krow = tl.load(kp_base + blk * BS + offs_n, mask=n_tiles > 0, other=-1)
-        blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
-        blk_next = _list_block(1 // SUB, dh, n_slots, sel_row)
-        for t in range(0, n_tiles):
-            r_next = ((t + 1) % SUB) * BLOCK_N + offs_n
-            live = t + 1 < n_tiles
-            krow_next = tl.load(kp_base + blk_next * BS + r_next, mask=live, other=-1)
-            blen_next = tl.load(BlockLen + blk_next, mask=live, other=0)
-            blk_after = _list_block((t + 2) // SUB, dh, n_slots, sel_row)
-
-            kmask = krow >= 0
-            koff = krow.to(ROW_DTYPE)
-            kt = tl.load(k_base + koff[None, :] * sk_s + offs_d[:, None] * sk_d, mask=kmask[None, :], other=0.0)
-            vt = tl.load(v_base + koff[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kmask[:, None], other=0.0)
-            valid = (t % SUB) * BLOCK_N + offs_n < blen  # keys beyond the block's true length
-            s = tl.where(valid[None, :], tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION), float("-inf"))
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, vt.to(DOT_DTYPE), DOT_DTYPE, PRECISION)
-            krow, blen, blk_next = krow_next, blen_next, blk_after
+        if TILED:
+            acc, m_i, l_i = _tiled_keys(acc, m_i, l_i, q, K + tile_base, V + tile_base, BlockLen, sel_row, dh, n_slots,
+                                        qk_scale, offs_d, BS, HEAD_DIM, BLOCK_N, DOT_DTYPE, PRECISION, ROW_DTYPE)
+        else:
+            acc, m_i, l_i = _gathered_keys(acc, m_i, l_i, q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h,
+                                           KPerm + b * skp_b + h * skp_h, BlockLen, sel_row, dh, n_slots, qk_scale,
+                                           sk_s, sk_d, sv_s, sv_d, offs_d, BS, BLOCK_N, DOT_DTYPE, PRECISION,
+                                           ROW_DTYPE)
 
     if QUERY_TAIL:
         # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending and
         # inside [dh, J), so those inside [c0, c0 + BLOCK_T) are among the next BLOCK_T entries after
         # the `done` ones below c0; a histogram of their offsets marks the selected columns
         offs_t = tl.arange(0, BLOCK_T)
-        t_row = bh.to(tl.int64) * J
+        t_row = bh_all * J
         n_pick = n_slots - dh
         done = 0
         for c0 in range(dh, J, BLOCK_T):
@@ -218,7 +277,8 @@ def _checked_partial(partial: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
 
 def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
                         config: KernelConfig | None = None,
-                        partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        partial: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                        tiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
 
     Args:
@@ -231,6 +291,9 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
             normalised, in tiled order; lse [B, H, J * block_size] fp32 natural log, -inf for
             nothing): the kernel then skips the exact keys, adds the tail to these rows in the same
             softmax and stores them in model order (k and v are not read).
+        tiled: read the exact keys from Q/K/V packed HEADS_PER_CALL heads at a time (True) or
+            gather their rows through the permutations (False); None: TILED_DEFAULT. Ignored
+            with `partial`.
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log; rows with
         nothing allowed get zeros and EMPTY_ROW_LSE).
@@ -259,19 +322,32 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     block_logit = plan.tail.logit.float().contiguous() if block_tail else lse
     block_value = plan.tail.value.float().contiguous() if block_tail else lse
     part_out, part_lse = (q, lse) if partial is None else _checked_partial(partial, q, plan)
-    grid = (J * (bs // block_m), B * H)
-    _block_sparse_fwd[grid](
-        q, k, v, out, lse,
-        q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
-        tail_k, tail_v, tail_bias, block_logit, block_value, part_out, part_lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        *perm_strides(q_perm), *perm_strides(k_perm),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        H, J, q2k_idx.shape[-1], scale * 1.4426950408889634,
-        BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
-        QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail, FROM_PARTIAL=partial is not None,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
-        ROW_DTYPE=tl.int64 if wide_rows(q, k, v, out) else tl.int32,  # narrow offsets: half the address math
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    from_partial = partial is not None
+    tiled = (TILED_DEFAULT if tiled is None else tiled) and not from_partial
+
+    def launch(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, h0: int) -> None:
+        """The kernel on heads [h0, h0 + qx.shape[1]) of q, k, v given as qx, kx, vx (packed in tiled mode)."""
+        hc = qx.shape[1]
+        _block_sparse_fwd[(J * (bs // block_m), B * hc)](
+            qx, kx, vx, out, lse,
+            q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
+            tail_k, tail_v, tail_bias, block_logit, block_value, part_out, part_lse,
+            *qx.stride(), *kx.stride(), *vx.stride(), *out.stride(), *lse.stride(),
+            *perm_strides(q_perm), *perm_strides(k_perm),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+            H, h0, hc, J, q2k_idx.shape[-1], scale * 1.4426950408889634,
+            BS=bs, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=cfg.block_t,
+            QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail, FROM_PARTIAL=from_partial, TILED=tiled,
+            DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
+            ROW_DTYPE=tl.int64 if wide_rows(qx, kx, vx, out) else tl.int32,  # narrow offsets: half the address math
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if not tiled:
+        launch(q, k, v, 0)
+        return out, lse
+    for h0 in range(0, H, HEADS_PER_CALL):
+        h1 = min(H, h0 + HEADS_PER_CALL)
+        launch(*pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(q_perm, h0, h1),
+                         perm_heads(k_perm, h0, h1)), h0)
     return out, lse

@@ -125,19 +125,25 @@ def test_a_plan_without_groups_is_refused_by_name():
         exact_attention_cudnn(q, k, v, dataclasses.replace(plan, groups=()), forward=emulated_cudnn)
 
 
-@pytest.mark.parametrize("per_head", [True, False])
-def test_fused_pack_equals_plan_pack_on_strided_views(per_head):
-    """q, k, v as views of one [B, S, 3, H, D] buffer (H3's qkv layout), edge blocks, padding."""
-    B, H, S, D, bs = 2, 3, 301, 32, 64
+@pytest.mark.parametrize("per_head,bs", [(True, 64), (False, 64), (True, 16)])
+def test_fused_pack_equals_plan_pack_on_strided_views(per_head, bs):
+    """q, k, v as views of one [B, S, 3, H, D] buffer (H3's qkv layout), edge blocks, padding; with
+    16-row blocks the slot count is no multiple of the kernel's 64 slots per program, and v's head
+    dim is strided (a transposed view) to cover any innermost stride."""
+    B, H, S, D = 2, 3, 301, 32
     g = torch.Generator().manual_seed(11)
     block_len = random_block_lengths(S, bs, g)
     q_perm = random_perms(S, block_len, B if per_head else 1, H if per_head else 1, bs, g)
     k_perm = random_perms(S, block_len, B if per_head else 1, H if per_head else 1, bs, g)
     buf = torch.randn(B, S, 3, H, D, generator=g).half()
     q, k, v = (buf[:, :, i].transpose(1, 2) for i in range(3))
+    if bs == 16:
+        assert q_perm.shape[-1] % 64
+        v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert v.stride(-1) != 1
     qt, kt, vt = pack_qkv(q, k, v, q_perm, k_perm)
     assert all(t.is_contiguous() for t in (qt, kt, vt))
     for got, x, perm in ((qt, q, q_perm), (kt, k, k_perm), (vt, v, k_perm)):
         assert torch.equal(got, pack(x, perm))
     with pytest.raises(ValueError, match="pack_qkv"):
-        pack_qkv(q, k, v, q_perm[..., :-1], k_perm[..., :-1])
+        pack_qkv(q, k, v, q_perm, k_perm[..., :-1])

@@ -6,7 +6,9 @@ with the launch configs the launchers pick there, and checks the compiled shared
 against the per-block limit of the family: 99 KB on sm86/89/120 (the sm80 family plans for
 the smallest of its members), 227 KB on sm90. The kernels that gather bf16 rows must read them
 in vectors: a two-byte global load means a row went element by element (what unspecialised
-strides without an alignment hint compile to).
+strides without an alignment hint compile to). The attention kernel's tiled variants (Q/K/V
+packed contiguous) must read their tiles in 16-byte vectors; their two-byte loads are the int16
+pick list's.
 """
 import json
 import os
@@ -38,4 +40,6 @@ def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
             problems.append(f"{name}: {r['shared']} bytes of shared memory > {SHARED_LIMIT[family]} ({family})")
         elif name.split(" ", 1)[1] in ROW_GATHERS and r["loads"].get("2"):
             problems.append(f"{name}: {r['loads']['2']} two-byte global loads (bf16 rows read one element at a time)")
+        elif name.endswith(" tiled") and not r["loads"].get("16"):
+            problems.append(f"{name}: no 16-byte global loads ({r['loads']}): packed tiles not read in vectors")
     assert not problems, "\n".join(problems)

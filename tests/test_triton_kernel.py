@@ -74,16 +74,16 @@ def test_block_size_128_whole_or_split_query_blocks_and_batch_shares_plan():
         check(q, k, v, plan, config=kernel_config(32, 128, q.device, family=family))
 
 
-def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed):
-    """A hand-built plan: blocks of random true length (1..block_size), per-(batch, head)
-    permutations, random dense prefixes and sorted selections of varying length (including
-    none), random tail summaries."""
+def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed, shared=False, block_len=None):
+    """A hand-built plan: blocks of random true length (1..block_size) unless `block_len` is given,
+    per-(batch, head) permutations (`shared`: one [1, 1, L] for all), random dense prefixes and sorted
+    selections of varying length (including none), random tail summaries."""
     g = torch.Generator().manual_seed(seed)
-    block_len = random_block_lengths(seq_len, block_size, g)
+    block_len = random_block_lengths(seq_len, block_size, g) if block_len is None else block_len
     J = block_len.numel()
 
     def perms():
-        return random_perms(seq_len, block_len, batch, heads, block_size, g)
+        return random_perms(seq_len, block_len, 1 if shared else batch, 1 if shared else heads, block_size, g)
 
     dense_hi = torch.randint(0, J + 1, (J,), generator=g, dtype=torch.int32)
     dense_hi[: J // 4] = 0
@@ -123,6 +123,52 @@ def test_selected_summaries_are_not_counted_twice():
     assert J > 2 * 16 and (plan.q2k_num > 16).any()
     q, k, v = inputs(awkward_layout(), 1, 32, torch.float32, seed=8)
     check(q, k, v, plan, config=KernelConfig(16, 16, 16, 4, 1))
+
+
+REGION_LENGTHS = (37, 45, 29, 50)  # no multiple of 16: every region ends in an edge block
+
+
+def region_block_lengths(block_size):
+    """int32 [J]: every region of REGION_LENGTHS cut into blocks of `block_size` rows, the last one short."""
+    lengths = []
+    for n in REGION_LENGTHS:
+        lengths += [block_size] * (n // block_size) + [n % block_size]
+    return torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("heads,shared,blocks,bs,dim,dtype,gran", [
+    (9, False, "regions", 32, 32, torch.float32, "query"),
+    (11, True, "regions", 32, 32, torch.float16, "block"),
+    (10, True, "random", 32, 32, torch.float16, "none"),
+    (2, False, "random", 16, 64, torch.float32, "block"),
+    (1, True, "regions", 16, 32, torch.float32, "none"),
+    (2, False, "random", 32, 32, torch.float16, "query"),
+])
+def test_tiled_and_gather_modes_agree_with_the_reference(heads, shared, blocks, bs, dim, dtype, gran):
+    """Both ways of reading the exact keys (`tiled`) on awkward plans of 161 rows: several regions
+    or random block lengths (edge blocks everywhere; slot counts mostly no multiple of 64),
+    per-head or shared permutations, 9 to 11 heads (two head chunks in tiled mode, the second of
+    one or three heads, so chunk-local and global heads differ), batch 2, and query blocks 1 and 2
+    with no exact key (with no tail their rows attend to nothing). Tolerances against the float64
+    reference are `check`'s (module docstring: fp32 arithmetic, fp16 output rounding). The two
+    modes feed the same tiles (zeros in the packed padding where the gather masks) to the same
+    arithmetic in the same order, so they must agree bit for bit."""
+    seq_len = sum(REGION_LENGTHS)
+    plan = random_plan(seq_len, 2, heads, dim, bs, dtype, gran, seed=heads + bs, shared=shared,
+                       block_len=region_block_lengths(bs) if blocks == "regions" else None)
+    plan.dense_hi[1:3] = 0
+    plan.q2k_num[:, :, 1:3] = 0
+    assert (plan.q_perm.shape[:2] == (1, 1)) == shared
+    g = torch.Generator().manual_seed(heads)
+    q, k, v = (torch.randn(2, heads, seq_len, dim, generator=g).to(dtype) for _ in range(3))
+    ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan)
+    results = [block_sparse_triton(q, k, v, plan, tiled=tiled) for tiled in (True, False)]
+    for out, lse in results:
+        assert out.dtype == q.dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=TOL[q.dtype])
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-7, atol=LSE_TOL)
+    (tiled_out, tiled_lse), (gather_out, gather_lse) = results
+    assert torch.equal(tiled_out, gather_out) and torch.equal(tiled_lse, gather_lse)
 
 
 def test_empty_rows_give_zeros_and_finite_lse():

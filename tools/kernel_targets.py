@@ -53,9 +53,10 @@ def compile_for(fn, pointers: dict, floats: set, const: dict, capability: int, w
     return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"])}
 
 
-def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = False) -> dict:
-    """The attention kernel with the launcher's config, or (finish) the variant that adds the
-    tail to a partial result, with the config its launcher picks."""
+def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = False, tiled: bool = False) -> dict:
+    """The attention kernel with the launcher's config, reading the exact keys as row gathers or
+    (tiled) from packed Q/K/V, or (finish) the variant that adds the tail to a partial result, with
+    the config its launcher picks."""
     family = family_of((capability // 10, capability % 10))
     cfg = FINISH_CONFIGS.get((family, head_dim, 64), CONFIGS[(family, head_dim, 64)]) if finish else \
         CONFIGS[(family, head_dim, 64)]
@@ -64,7 +65,7 @@ def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = F
     pointers["PartOut"] = "*bf16"
     pointers.update({n: "*i32" for n in ("QPerm", "KPerm", "BlockLen", "DenseHi", "Q2kNum")}, Q2kIdx="*i16")
     const = dict(BS=64, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-                 QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, FROM_PARTIAL=finish, DOT_DTYPE=tl.bfloat16,
+                 QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, FROM_PARTIAL=finish, TILED=tiled, DOT_DTYPE=tl.bfloat16,
                  PRECISION="tf32", EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32)
     return compile_for(triton_attention._block_sparse_fwd, pointers, {"qk_scale"}, const, capability,
                        cfg.num_warps, cfg.num_stages)
@@ -121,11 +122,14 @@ if __name__ == "__main__":
     out = {}
     for cap in TARGETS:
         out[f"sm{cap} attention D128 query"] = attention(cap, 128, True)
+        out[f"sm{cap} attention D128 query tiled"] = attention(cap, 128, True, tiled=True)
         out.update({f"sm{cap} {name}": r for name, r in planner(cap).items()})
-    out["sm86 attention D128 block"] = attention(86, 128, False)
-    out["sm90 attention D128 block"] = attention(90, 128, False)
-    out["sm86 attention D64 query"] = attention(86, 64, True)
-    out["sm86 attention D32 block"] = attention(86, 32, False)
+    for tiled in (False, True):
+        mode = " tiled" * tiled
+        out[f"sm86 attention D128 block{mode}"] = attention(86, 128, False, tiled=tiled)
+        out[f"sm90 attention D128 block{mode}"] = attention(90, 128, False, tiled=tiled)
+        out[f"sm86 attention D64 query{mode}"] = attention(86, 64, True, tiled=tiled)
+        out[f"sm86 attention D32 block{mode}"] = attention(86, 32, False, tiled=tiled)
     out["sm90 attention D128 query finish"] = attention(90, 128, True, finish=True)
     out["sm90 pack qkv"] = compile_for(tiled_pack._pack_qkv, {n: "*bf16" for n in ("Q", "K", "V", "QT", "KT", "VT")}
                                        | {"QPerm": "*i32", "KPerm": "*i32"}, set(),
