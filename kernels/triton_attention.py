@@ -5,7 +5,7 @@ block (the dense prefix [0, dense_hi) followed by the selected blocks q2k_idx[:q
 of `block_n` rows of one key block (the list runs one tile ahead), masks keys beyond each block's
 true length, and keeps an online softmax in base 2 with the scale folded in. The exact keys are
 read in one of two modes:
-- tiled (the default, `TILED_DEFAULT`): Q, K and V are first packed into tiled order
+- tiled (the default): Q, K and V are first packed into tiled order
   (`tiled_pack.pack_qkv`, contiguous [B, h, J * block_size, D], zero in padding slots),
   HEADS_PER_CALL heads at a time to bound the extra memory, and the kernel runs once per head
   chunk. Its query tile and every K/V tile are then contiguous rows (block * block_size + offset)
@@ -36,7 +36,6 @@ from .offsets import perm_strides, wide_rows
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
 from .tiled_pack import pack_qkv
 
-TILED_DEFAULT = True  # `block_sparse_triton(tiled=None)`: pack Q/K/V and read contiguous tiles
 HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size
 
 
@@ -278,7 +277,7 @@ def _checked_partial(partial: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
 def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
                         config: KernelConfig | None = None,
                         partial: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                        tiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        tiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
 
     Args:
@@ -292,8 +291,8 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
             nothing): the kernel then skips the exact keys, adds the tail to these rows in the same
             softmax and stores them in model order (k and v are not read).
         tiled: read the exact keys from Q/K/V packed HEADS_PER_CALL heads at a time (True) or
-            gather their rows through the permutations (False); None: TILED_DEFAULT. Ignored
-            with `partial`.
+            gather their rows through the permutations (False: no packed copies, the mode to compare
+            with where tiled mode is not measured faster). Ignored with `partial`.
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log; rows with
         nothing allowed get zeros and EMPTY_ROW_LSE).
@@ -323,7 +322,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     block_value = plan.tail.value.float().contiguous() if block_tail else lse
     part_out, part_lse = (q, lse) if partial is None else _checked_partial(partial, q, plan)
     from_partial = partial is not None
-    tiled = (TILED_DEFAULT if tiled is None else tiled) and not from_partial
+    tiled = tiled and not from_partial
 
     def launch(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, h0: int) -> None:
         """The kernel on heads [h0, h0 + qx.shape[1]) of q, k, v given as qx, kx, vx (packed in tiled mode)."""

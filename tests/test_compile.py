@@ -44,10 +44,11 @@ def drop_transformer_options_guards(entries) -> list[bool]:
 LONGER = PackedLayout(5, 6, 16, 16, 3)  # a new clip length: 6 latent frames instead of 4
 
 
-def run(hook: SparseAttentionHook, backend=None, new: bool = True, packed: tuple = (PACKED,)
-        ) -> tuple[list[torch.Tensor], dict]:
-    """Outputs of STEPS model calls per layout in `packed` (compiled with `backend` when given) and
-    the last run's report; `new`: current upstream's block signature, else the pinned fork's."""
+def run(hook: SparseAttentionHook, backend=None, new: bool = True, packed: tuple = (PACKED,),
+        dynamic: bool | None = None) -> tuple[list[torch.Tensor], dict]:
+    """Outputs of STEPS model calls per layout in `packed` (compiled with `backend` and `dynamic`
+    when a backend is given) and the last run's report; `new`: current upstream's block signature,
+    else the pinned fork's."""
     model = model_of(new, seed=30).float()
     replacements, attn_patches = block_hooks(model, hook, {}, {})
     for key, fn in attn_patches.items():  # the pinned fork: ModelPatcher object patches of attn.forward
@@ -74,7 +75,8 @@ def run(hook: SparseAttentionHook, backend=None, new: bool = True, packed: tuple
                        minimax_payload=minimax_payload)
 
     if backend is not None:
-        forward = torch.compile(forward, backend=backend, options={"guard_filter_fn": drop_transformer_options_guards})
+        forward = torch.compile(forward, backend=backend, dynamic=dynamic,
+                                options={"guard_filter_fn": drop_transformer_options_guards})
     outs = []
     with torch.no_grad():
         for layout in packed:
@@ -139,15 +141,16 @@ def dynamo():
     torch.compiler.reset()
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic-default", "dynamic-on"])
 @pytest.mark.parametrize("new", [True, False], ids=["current-upstream", "pinned-fork"])
-def test_compiled_run_matches_eager_step_by_step_and_recompiles_once_per_new_length(dynamo, new):
+def test_compiled_run_matches_eager_step_by_step_and_recompiles_once_per_new_length(dynamo, new, dynamic):
     cfg = config(warmup_mode="fidelity", warmup_ratio=0.2)  # step 0 dense, steps 1-2 sparse
     eager, eager_report = run(SparseAttentionHook(cfg), new=new)
     eager += run(SparseAttentionHook(cfg), new=new, packed=(LONGER,))[0]
     with dynamo_log() as log:
-        compiled, report = run(SparseAttentionHook(cfg), "eager", new=new, packed=(PACKED,))
+        compiled, report = run(SparseAttentionHook(cfg), "eager", new=new, dynamic=dynamic)
     with dynamo_log() as longer:
-        compiled += run(SparseAttentionHook(cfg), "eager", new=new, packed=(LONGER,))[0]
+        compiled += run(SparseAttentionHook(cfg), "eager", new=new, packed=(LONGER,), dynamic=dynamic)[0]
     # every step runs what it runs eagerly: the sparse steps are not the dense warmup step's graph
     assert len(compiled) == len(eager) == 2 * STEPS
     for a, b in zip(eager, compiled):
