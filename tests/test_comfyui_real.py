@@ -58,6 +58,36 @@ def test_loader_node_ksampler_runs_sparse_after_warmup(comfy, caplog):
         sparse("not a model")
 
 
+@pytest.mark.parametrize("how", ["TorchCompileModel", "dynamic", "per-block"])
+def test_compiled_model_samples_as_eager(comfy, caplog, how):
+    """ComfyUI's compile wrapper after our node, as its TorchCompileModel node sets it (the whole
+    diffusion model, guards under transformer_options dropped), with dynamic shapes, and per block
+    (the keys KJNodes' compile nodes pass): dynamo alone (backend "eager"), so the compiled run
+    computes what the eager one does, step for step, and the report counts the same sparse blocks.
+    On the CPU ComfyUI's H3 forward compiles its block loop as one frame that recompiles every step
+    (on its timestep float), so a decision frozen by a dropped guard does not show here; on a GPU
+    the loop breaks in every block, as `tests/test_compile.py`'s stand-in does, which catches it."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from comfy_extras.nodes_torch_compile import skip_torch_compile_dict
+
+    _, nodes = comfy
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        eager = sample(nodes, sparse(model))
+        compiled_model = sparse(model).clone(disable_dynamic=True)
+        keys = [f"diffusion_model.blocks.{i}" for i in range(TINY["num_layers"])] if how == "per-block" else None
+        set_torch_compile_wrapper(model=compiled_model, backend="eager", keys=keys,
+                                  options={"guard_filter_fn": skip_torch_compile_dict},
+                                  dynamic=True if how == "dynamic" else None)
+        torch.compiler.reset()
+        try:
+            compiled = sample(nodes, compiled_model)
+        finally:
+            torch.compiler.reset()
+    assert summaries(caplog) == [(1, 3, 4, 12)] * 2  # the warmup step dense, then every block sparse
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_weight_patches_compose(comfy):
     """LoRA loaders add weight patches; our producer must see the patched weights."""
     _, nodes = comfy

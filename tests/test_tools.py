@@ -14,6 +14,7 @@ TOOLS = ROOT / "tools"
 OPTIONS = {
     "kernel_check.py": ["--out", "--quick", "--shapes", "--ratios", "--block-sizes", "--skip"],
     "reblock_device_check.py": ["--preset", "--scene", "--heads", "--out"],
+    "kernel_split.py": ["--shapes", "--ratios", "--out"],
 }
 
 

@@ -54,7 +54,7 @@ def kernel_rates(q, k, v, plan, dense_tflops: float, tiled: bool, conf: KernelCo
 def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="10s,5s")
     parser.add_argument("--ratios", default="0.1,0.2")
     parser.add_argument("--out", default="kernel_split.json")
