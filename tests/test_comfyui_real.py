@@ -64,9 +64,9 @@ def test_compiled_model_samples_as_eager(comfy, caplog, how):
     diffusion model, guards under transformer_options dropped), with dynamic shapes, and per block
     (the keys KJNodes' compile nodes pass): dynamo alone (backend "eager"), so the compiled run
     computes what the eager one does, step for step, and the report counts the same sparse blocks.
-    On the CPU ComfyUI's H3 forward compiles its block loop as one frame that recompiles every step
-    (on its timestep float), so a decision frozen by a dropped guard does not show here; on a GPU
-    the loop breaks in every block, as `tests/test_compile.py`'s stand-in does, which catches it."""
+    This run does not reproduce the decision frozen by a dropped guard that the GPU showed (the
+    code before the fix passes it too); `tests/test_compile.py`'s stand-in, whose block loop breaks
+    the graph in every block, does."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
     from comfy_extras.nodes_torch_compile import skip_torch_compile_dict
 
