@@ -122,18 +122,22 @@ class RaylightSparseAttention(SparseAttentionHook):
             return str(err)
         return None
 
+    @torch.compiler.disable(recursive=False)
     def __call__(self, dense_attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  transformer_options: dict, **options: Any) -> torch.Tensor:
         """Raylight's processor call: q, k, v [B, S, H/P, D] after the all-to-all; `options` are xFuser's
         ring-attention keywords, passed on unchanged when the call runs dense.
 
         This object sits in ``transformer_options`` and is shared by every clone of the model; the
-        call runs with the state of the model it runs on (the hook in the block's `Mark`)."""
+        call runs with the state of the model it runs on (the hook in the block's `Mark`). Under
+        torch.compile it reads the mark eagerly (compiled code would freeze it, see `nodes/hooks.py`);
+        xFuser's dense attention under it still compiles."""
         mark = transformer_options.get(self.key)
         if not (isinstance(mark, Mark) and mark.token is not None):  # not a sparse layer (or not our model call)
             return dense_attention(q, k, v, **options)
         return mark.ctx.hook.run_marked(mark.layer, mark.token, dense_attention, q, k, v, options)
 
+    @torch.compiler.disable
     def run_marked(self, layer: int, token: tuple, dense_attention: Callable, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, options: dict) -> torch.Tensor:
         """The attention of a block call `decide` let run sparse (dense when xFuser's call does not fit)."""
