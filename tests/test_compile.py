@@ -107,10 +107,12 @@ def dynamo_log() -> Iterator[dict[str, set]]:
     recompiled = re.compile(r"Recompiling function (\S+) in (\S+):(\d+)")
 
     def ours(path: str) -> str | None:
+        """The path inside the package, or None for tests and anything else (a venv in the checkout too)."""
         path = os.path.realpath(path)
-        if path.startswith(PACKAGE) and not path.startswith(PACKAGE + "tests" + os.sep):
-            return path[len(PACKAGE):]
-        return None
+        rel = path[len(PACKAGE):] if path.startswith(PACKAGE) else None
+        if rel is None or rel.split(os.sep)[0] in ("tests", ".venv") or "site-packages" in rel:
+            return None
+        return rel
 
     class Sites(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
