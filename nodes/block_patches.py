@@ -99,7 +99,12 @@ class Cleanup:
 
 
 class HookedAttention:
-    """Stands in for a block's ``attn`` for one call (current upstream's ``args["attention"]``)."""
+    """Stands in for a block's ``attn`` for one call (current upstream's ``args["attention"]``).
+
+    Skipped by torch.compile, with all it calls: traced, its layer would be a guard of the compiled
+    block (one recompile per block), and the planner's host-side decisions and per-layout caches
+    would split the hook's attention into many small guarded graphs, for kernels inductor cannot
+    improve."""
 
     def __init__(self, hook: BlockHook, layer: int, token: Any, attn: torch.nn.Module, fallback: Callable):
         self.hook, self.layer, self.token, self.attn, self.fallback = hook, layer, token, attn, fallback

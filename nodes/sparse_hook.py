@@ -142,15 +142,11 @@ class SparseAttentionHook(BlockHook):
             return args
         return dict(args, transformer_options=dict(to, optimized_attention_override=self.dense_override))
 
-    @torch.compiler.disable
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
         """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in
         a run measures the density, the second is timed against dense attention for the report.
-
-        Always eager, inside a compiled model too: the planner's host-side decisions and per-layout
-        caches would split it into many small graphs guarded on them, and the kernels gain nothing
-        from inductor."""
+        Eager inside a compiled model too (its caller, `HookedAttention`, is skipped by torch.compile)."""
         step, layout = token
         timer = self.tracker.start_timer(x[0] if isinstance(x, list) else x)
         key = layout.signature()
