@@ -137,7 +137,7 @@ TRITON = (Requirement(f"CUDA sm{TRITON_MIN_CAPABILITY[0]}{TRITON_MIN_CAPABILITY[
                       "TRITON_INTERPRET=1), Triton installed", _triton_device), _dtype_in(TRITON_DTYPES))
 TRITON_ATTENTION = TRITON + (_head_dim_in(tuple(sorted({d for _, d, _ in CONFIGS}))),)
 CUDNN_ATTENTION = (
-    Requirement(f"CUDA " + ", ".join(f"sm{f}x" for f in CUDNN_FAMILIES) + f", {CUDNN_PACKAGE} and Triton installed",
+    Requirement("CUDA " + ", ".join(f"sm{f}x" for f in CUDNN_FAMILIES) + f", {CUDNN_PACKAGE} and Triton installed",
                 _cudnn_device),
     _dtype_in(CUDNN_DTYPES), _head_dim_in(CUDNN_HEAD_DIMS),
     Requirement(f"block_size {CUDNN_BLOCK_SIZE}", lambda t, h: None if t.block_size in (None, CUDNN_BLOCK_SIZE) else
