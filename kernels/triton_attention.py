@@ -119,6 +119,14 @@ def _gathered_keys(acc, m_i, l_i, q, K, V, KPerm, BlockLen, sel_row, dh, n_slots
     return acc, m_i, l_i
 
 
+@triton.jit
+def _next_picks(sel_row, done, n_pick, offs_t, past):
+    """The pick list's entries [done, done + BLOCK_T) as int32, `past` beyond its n_pick entries."""
+    p = done + offs_t
+    near = p < n_pick
+    return tl.where(near, tl.load(sel_row + p, mask=near, other=0).to(tl.int32), past)
+
+
 @triton.jit(do_not_specialize=['sl_b', 'sl_h', 'sp_b', 'sp_h', 'spl_b', 'spl_h', 'H', 'H0', 'HC', 'J', 'R'])
 def _block_sparse_fwd(
     Q, K, V, Out, Lse,
@@ -190,21 +198,23 @@ def _block_sparse_fwd(
     if QUERY_TAIL:
         # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending and
         # inside [dh, J), so those inside [c0, c0 + BLOCK_T) are among the next BLOCK_T entries after
-        # the `done` ones below c0; a histogram of their offsets marks the selected columns
+        # the `done` ones below c0; a histogram of their offsets marks the selected columns. Those
+        # entries are loaded one step ahead, so no step waits on a load that depends on the last one
         offs_t = tl.arange(0, BLOCK_T)
         t_row = bh_all * J
         n_pick = n_slots - dh
         done = 0
+        picks = _next_picks(sel_row, done, n_pick, offs_t, J + BLOCK_T)
         for c0 in range(dh, J, BLOCK_T):
             c = c0 + offs_t
             cin = c < J
-            p = done + offs_t
-            near = p < n_pick
-            rel = tl.load(sel_row + p, mask=near, other=-1).to(tl.int32) - c0
-            below = near & (rel < BLOCK_T)  # consumed at this step
+            rel = picks - c0
+            below = rel < BLOCK_T  # consumed at this step (past the list's end: never)
             here = below & (rel >= 0)
             hit = tl.histogram(tl.where(here, rel, 0), BLOCK_T, mask=here) > 0
             done += tl.sum(below.to(tl.int32), 0)
+            # the next step's picks, loaded now: the load is in flight during this step's dots
+            picks = _next_picks(sel_row, done, n_pick, offs_t, J + BLOCK_T)
             keep = cin & ~hit
             tk = tl.load(TailK + (t_row + c[None, :]) * HEAD_DIM + offs_d[:, None],
                          mask=cin[None, :], other=0.0).to(DOT_DTYPE)
