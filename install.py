@@ -1,13 +1,20 @@
-"""Install check run by ComfyUI-Manager after `requirements.txt`: reports, never installs.
+"""Install check, and the pack's commands for a pack folder that is not installed as a package.
 
-It checks torch, Triton (``triton`` on Linux, ``triton-windows`` on Windows), comfy-kitchen, the
-optional ``nvidia-cudnn-frontend`` and each GPU's architecture, and prints which attention kernel
-will run where. It never installs, upgrades or replaces torch (or anything else): ComfyUI owns
-its torch and comfy-kitchen pins, so this only tells what to install by hand when something is
-missing. With a CUDA GPU it then prepares the machine (compiles the kernels, measures the dense
-kernel: `python -m adaptive_sparse_attention prepare`), so the first sampler run does not wait
-for that; ``ASA_SKIP_PREPARE=1`` skips it. Exit code 0 always: a missing optional piece makes
-the pack slower, not broken.
+`python install.py` (ComfyUI-Manager runs it after `requirements.txt`) reports, never installs:
+the pack's version, whether this ComfyUI has MiniMax-H3, torch, Triton (``triton`` on Linux,
+``triton-windows`` on Windows), comfy-kitchen, the optional ``nvidia-cudnn-frontend`` and which
+attention kernel runs on each GPU. It never installs, upgrades or replaces torch (or anything
+else): ComfyUI owns its torch and comfy-kitchen pins, so this only tells what to install by hand.
+With a CUDA GPU it then prepares the machine (compiles the kernels, measures the dense kernel),
+so the first sampler run does not wait for that; ``ASA_SKIP_PREPARE=1`` skips it. Its exit code
+is 0 always, also without torch (it then says which Python to run it with): a missing optional
+piece makes the pack slower, not broken.
+
+`python install.py prepare [options]` and `python install.py evaluate FILE [options]` run the
+package's `prepare` and `evaluate` commands from this folder, whatever its name under
+``custom_nodes``: the folder is imported under the package's name, so ComfyUI's Python runs
+them without the pack being installed into it (`python install.py COMMAND --help` lists the
+options). Their exit code is the command's own; 2 when this Python has no torch.
 """
 from __future__ import annotations
 
@@ -20,6 +27,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = "adaptive_sparse_attention"
+COMMANDS = ("prepare", "evaluate")
+H3_FIRST_RELEASE = "0.30.0"  # the first ComfyUI release with comfy/ldm/minimax
+WHICH_PYTHON = ("Run it with the Python that runs ComfyUI: in the Windows portable build "
+                r"`python_embeded\python.exe ComfyUI\custom_nodes\<this folder>\install.py` from the "
+                "ComfyUI_windows_portable folder; in a venv or conda install, that environment's `python` "
+                "(activate it first). This pack never installs torch.")
+
+
+def pack_version() -> str:
+    """The pack's version from `version.py`, read as text (it needs no import of the package)."""
+    for line in (ROOT / "version.py").read_text(encoding="utf-8").splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    return "unknown"
+
+
+def comfyui_lines(pack_dir: Path = ROOT) -> list[str]:
+    """Whether the ComfyUI this folder sits in (``<ComfyUI>/custom_nodes/<folder>``) has MiniMax-H3,
+    read from its files (comfy/ldm/minimax, comfyui_version.py) without importing it."""
+    root = pack_dir.parent.parent
+    if pack_dir.parent.name != "custom_nodes" or not (root / "comfy").is_dir():
+        return ["  ComfyUI: this folder is not in a ComfyUI `custom_nodes` folder, so whether ComfyUI has "
+                "MiniMax-H3 is not checked"]
+    found = "unknown version"
+    version_file = root / "comfyui_version.py"
+    if version_file.is_file():
+        for line in version_file.read_text(encoding="utf-8").splitlines():
+            if line.startswith("__version__"):
+                found = line.split("=", 1)[1].strip().strip("\"'")
+    if (root / "comfy" / "ldm" / "minimax").is_dir():
+        return [f"  ComfyUI {found} at {root}: has MiniMax-H3 (comfy/ldm/minimax)"]
+    return [f"  ComfyUI {found} at {root}: NO MiniMax-H3 (comfy/ldm/minimax is missing); update ComfyUI to "
+            f"{H3_FIRST_RELEASE} or later, the first release with MiniMax-H3"]
 
 
 def version(dist: str) -> str | None:
@@ -30,15 +70,25 @@ def version(dist: str) -> str | None:
         return None
 
 
-def kernel_table():
-    """The pack's `kernels/table.py`, imported from this folder under the package's name (ComfyUI
-    runs this file from the pack's folder, whose name need not be the package's)."""
+def pack_module(name: str):
+    """The pack's module `name` (e.g. ``kernels.table``), imported from this folder under the
+    package's name: ComfyUI runs this file from the pack's folder, whose name need not be the
+    package's, with a Python the pack is not installed into."""
     if PACKAGE not in sys.modules:
         spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[PACKAGE] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{PACKAGE}.kernels.table")
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[PACKAGE]
+            raise
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+def kernel_table():
+    """The pack's `kernels/table.py` (what runs where)."""
+    return pack_module("kernels.table")
 
 
 def gpu_lines(table, gpus: list[tuple[str, tuple[int, int]]], host) -> list[str]:
@@ -56,12 +106,12 @@ def gpu_lines(table, gpus: list[tuple[str, tuple[int, int]]], host) -> list[str]
 
 def report() -> list[str]:
     """The report's lines: torch, Triton, comfy-kitchen and, per GPU, which attention kernel runs there."""
-    lines = [f"Adaptive Sparse Attention (MiniMax-H3): install check on {platform.system()} / Python "
-             f"{platform.python_version()}"]
-    try:
-        import torch
-    except ImportError:
-        return lines + ["  torch: NOT importable. Install ComfyUI's own torch first; this pack never installs torch."]
+    lines = [f"Adaptive Sparse Attention (MiniMax-H3) {pack_version()}: install check on {platform.system()} / "
+             f"Python {platform.python_version()} ({sys.executable})"] + comfyui_lines()
+    if not has_torch():
+        return lines + [f"  torch: NOT importable in this Python, so nothing more is checked. {WHICH_PYTHON}"]
+    import torch
+
     lines.append(f"  torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}): left as it is")
 
     windows = platform.system() == "Windows"
@@ -112,19 +162,51 @@ def prepare_ahead() -> None:
     is reported and leaves the install as it is (the node then prepares at its first use)."""
     import os
 
+    if os.environ.get("ASA_SKIP_PREPARE") == "1" or not has_torch():
+        return
     import torch
 
-    if os.environ.get("ASA_SKIP_PREPARE") == "1" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return
-    kernel_table()  # imports the pack under its name
-    prepare = importlib.import_module(f"{PACKAGE}.bench.prepare")
     try:
+        prepare = pack_module("bench.prepare")
         prepare.run(prepare.parser().parse_args([]))
     except Exception as err:  # never fail the install: the node prepares on first use instead
         print(f"  preparation ahead failed ({type(err).__name__}: {err}); the node prepares the kernels at "
               "its first use instead (it says so before the wait)")
 
 
+def has_torch() -> bool:
+    """Whether this Python can import torch (found without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def run_command(argv: list[str]) -> int:
+    """`prepare` or `evaluate` (argv[0]) with the rest of argv as its options, run by the package's
+    own command line from this folder. Returns its exit code; 2 when this Python has no torch."""
+    if not has_torch():
+        print(f"install.py {argv[0]}: torch is not importable in this Python ({sys.executable}). {WHICH_PYTHON}")
+        return 2
+    cli = pack_module("bench.cli")
+    return cli.main(argv)
+
+
+def main(argv: list[str]) -> int:
+    """No arguments: the install check (exit code 0 always). `prepare ...` / `evaluate FILE ...`:
+    the package's commands (their exit code)."""
+    if argv and argv[0] in COMMANDS:
+        return run_command(argv)
+    if argv:
+        print(f"install.py: {' '.join(argv)!r} is not a command; allowed: no argument (the install check), "
+              f"{' or '.join(COMMANDS)} (`python install.py prepare --help`)")
+        return 2
+    try:
+        print("\n".join(report()), flush=True)
+        prepare_ahead()
+    except Exception as err:  # the check must never fail an install: the pack still loads
+        print(f"  install check stopped early ({type(err).__name__}: {err}); the pack itself is not affected")
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(report()), file=sys.stdout)
-    prepare_ahead()
+    sys.exit(main(sys.argv[1:]))
