@@ -178,3 +178,40 @@ def test_report_node_follows_the_sampler(path):
     assert nodes[src]["type"] == SPARSE_NODE_ID, f"{path.name}: the report's model comes from {nodes[src]['type']}"
     model_users = {nodes[dst]["type"] for (dst, _), (s, _) in into.items() if s == src}
     assert model_users & {"BasicScheduler", "BasicGuider", *SAMPLERS}, f"{path.name}: the sampler ignores our MODEL"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_every_loader_carries_its_download(path):
+    """Each model loader names its file's download the way ComfyUI's own templates do
+    (`properties.models`: name, https url, directory), so the frontend's missing-models dialog
+    offers it: the url ends in the widget's file name and the directory is the loader's folder."""
+    from urllib.parse import urlparse
+
+    loaders = [n for n in load(path)["nodes"] if n["type"] in LOADER_FOLDERS]
+    assert loaders
+    for node in loaders:
+        name = node["widgets_values"][0]
+        models = node.get("properties", {}).get("models")
+        assert models and len(models) == 1, f"{path.name} node {node['id']}: no models entry"
+        (entry,) = models
+        url = urlparse(entry["url"])
+        assert url.scheme == "https" and url.netloc == "huggingface.co", entry["url"]
+        assert entry["name"] == name and url.path.rsplit("/", 1)[1] == name, (entry, name)
+        assert LOADER_FOLDERS[node["type"]] == f"models/{entry['directory']}/", entry
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_default_length_is_five_seconds_and_the_note_says_how_to_go_to_ten(path):
+    """124 frames (ComfyUI's default, about 5 s; what the home-GPU VRAM section is about), and the
+    clip-length note says to set 243 for 10 s."""
+    wf = load(path)
+    (latent,) = [n for n in wf["nodes"] if n["type"] in ("MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")]
+    assert latent["widgets_values"][1:4] == [1344, 768, 124]
+    assert any("`length` (124)" in t and "set `length` to 243" in t for t in notes_of(wf))
+
+
+def test_output_names_are_comfyuis():
+    """Get Video Components' fourth output is what ComfyUI calls it (`bit_depth`)."""
+    wf = load(next(p for p in WORKFLOWS if p.stem == "h3_reference_to_video_joint_sparse"))
+    (node,) = [n for n in wf["nodes"] if n["type"] == "GetVideoComponents"]
+    assert [o["name"] for o in node["outputs"]] == ["images", "audio", "fps", "bit_depth"]
