@@ -38,7 +38,7 @@ from . import (long_clips, planner_timing, prepare, reblock_timing, routing_qual
                ulysses_timing)
 from .e2e import RUNS
 from .methods import DEFAULT_METHOD
-from .report import acceptance, markdown_table, render_markdown, write_outputs
+from .report import acceptance, column_notes, markdown_table, render_markdown, write_outputs
 from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
 
 BENCH_METHODS = ["dense", "ours:reblock:reweight:query", "ours:reblock:mean:query", "ours:reblock:none:query",
@@ -79,6 +79,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = run_cases(scene_cases(preset, preset.scenes, args.seed, device), 1, demo_methods(), args.ratios, device,
                      backend, preset.rows_per_group, preset.warmup, preset.reps, args.seed)
     print(markdown_table(rows))
+    print("\n" + column_notes())
     if device.type != "cuda":
         print(demo_timing_note(backend))
     return 1 if any("error" in r for r in rows) else 0
@@ -133,6 +134,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     methods = args.methods.split(",") if args.methods else EVALUATE_METHODS
     rows = evaluate_file(args.file, methods, args.ratios, _device(args.device), args.backend, args.rows, args.seed)
     print(markdown_table(rows))
+    print("\n" + column_notes())
     for line in acceptance(rows, structured=("L",)):
         print(line)
     return 1 if any("error" in r for r in rows) else 0

@@ -17,6 +17,32 @@ COLUMNS = ("case", "method", "ratio", "density", "recall", "rel_l2", "cosine", "
 HEADERS = ("scene", "method", "ratio", "density", "recall", "rel L2", "cosine", "ctx rel L2", "log-mass err",
            "ms", "plan ms", "vs dense")
 
+COLUMN_NOTES = (
+    ("scene", "the input: a synthetic scene (pan: one shot with a camera pan; cuts: three shots; gaussian: "
+              "random, unstructured) or, from `evaluate`, a captured call L<layer>s<step>"),
+    ("method", "dense attention, or ours:<tiling>:<tail>:<tail granularity> (the node's widgets of those names)"),
+    ("ratio", "topk_ratio: share of candidate video key blocks each query block attends to exactly"),
+    ("density", "share of the query-key pairs computed exactly (1.000 = dense)"),
+    ("recall", "share of dense attention's softmax mass on the exactly computed keys, mean over sampled video "
+               "query rows (1.000 = no mass missed)"),
+    ("rel L2", "relative L2 error of the video rows' output against dense attention (0 = identical)"),
+    ("cosine", "mean cosine similarity of each video row's output to dense attention's (1 = same direction)"),
+    ("ctx rel L2", "the same error for the text, audio and reference rows (worst group); they are computed "
+                   "exactly, so this is rounding only"),
+    ("log-mass err", "how far the tail summaries' estimate of the softmax mass of the blocks left out is from "
+                     "their true mass: mean |log estimate - log true| over sampled rows (natural log: 0.1 is "
+                     "about 10% off); - where there is no tail (dense, tail none)"),
+    ("ms", "one attention call, planning included (median of the timed repetitions)"),
+    ("plan ms", "the planning alone (tiling, block choice, tail summaries), timed in separate runs"),
+    ("vs dense", "dense attention's ms divided by this row's ms: above 1x is faster than dense"),
+)
+
+
+def column_notes() -> str:
+    """One line per column of `markdown_table`: what it measures and how to read it (printed
+    under the demo's and evaluate's tables)."""
+    return "\n".join(["Columns:"] + [f"- {name}: {meaning}" for name, meaning in COLUMN_NOTES])
+
 
 def _cell(key: str, value) -> str:
     if value is None:
