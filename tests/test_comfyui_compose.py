@@ -5,6 +5,8 @@
   (topk_ratio 1.0 on the sparse path, or min_tokens above the sequence so every block runs dense on
   our dense kernel) the output is the dense model's with the same LoRA, so the node's own Q/K/V
   producer uses the LoRA-patched weights;
+- the attention function ComfyUI selects (`--use-sage-attention` and its other attention flags):
+  sparse blocks never call it, dense blocks call it with `dense_attention=comfyui` only;
 - ComfyUI's EasyCache (comfy_extras/nodes_easycache.py) after and before the node: the steps
   EasyCache skips never reach the model, the steps it runs run sparse as the schedule says (the
   report node shows them), and at
@@ -120,3 +122,37 @@ def test_easycache_composes_before_and_after_the_node(comfy, caplog, order):
         assert summaries(caplog) == [(2, 3, 2 * TINY["num_layers"] * CALLS, 3 * TINY["num_layers"] * CALLS)]
     else:  # EasyCache skipped the last step before it reached the node: the summary waits for the next run
         assert summaries(caplog) == []
+
+
+@pytest.mark.parametrize("dense_attention", ["comfyui", "fastest"])
+def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comfy, caplog, monkeypatch,
+                                                                          dense_attention):
+    """`--use-sage-attention` (like ComfyUI's other attention flags) binds H3's `optimized_attention`
+    to another function at import. A stand-in bound the same way (wrapped by ComfyUI's `wrap_attn`,
+    as `attention_sage` is; it runs ComfyUI's PyTorch attention and counts its calls) shows what the
+    node does with it: sparse blocks never call it; dense blocks (here the fidelity warmup step)
+    call it with `dense_attention=comfyui` and not with `fastest`, whose measured exact kernel
+    replaces it. Sage itself needs CUDA and is not run here."""
+    import comfy.ldm.minimax.model as h3
+    from comfy.ldm.modules import attention
+
+    calls = []
+
+    @attention.wrap_attn
+    def selected_attention(q, k, v, heads, **kwargs):
+        calls.append(q.shape[-2] if kwargs.get("skip_reshape") else q.shape[1])
+        kwargs.pop("_inside_attn_wrapper", None)
+        return attention.attention_pytorch(q, k, v, heads, **kwargs)
+
+    monkeypatch.setattr(h3, "optimized_attention", selected_attention)
+    _, nodes = comfy
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        sample(nodes, sparse(model, dense_attention=dense_attention))
+    (dense_steps, sparse_steps, dense_blocks, sparse_blocks), = summaries(caplog)
+    assert (dense_steps, sparse_steps) == (1, 3) and sparse_blocks > 0
+    blocks = [rows for rows in calls if rows == SEQUENCE]  # the DiT blocks (the text refiner's calls are shorter)
+    assert len(blocks) == (dense_blocks if dense_attention == "comfyui" else 0)
+    calls.clear()
+    sample(nodes, model)  # without the node every block calls it
+    assert calls.count(SEQUENCE) == 4 * TINY["num_layers"] * CALLS
