@@ -6,7 +6,8 @@
   our dense kernel) the output is the dense model's with the same LoRA, so the node's own Q/K/V
   producer uses the LoRA-patched weights;
 - the attention function ComfyUI selects (`--use-sage-attention` and its other attention flags):
-  sparse blocks never call it, dense blocks call it with `dense_attention=comfyui` only;
+  sparse blocks never call it, dense blocks call it with `dense_attention=comfyui` only; another
+  node's `optimized_attention_override` (KJNodes' Sage patch sets one) runs the dense blocks;
 - ComfyUI's EasyCache (comfy_extras/nodes_easycache.py) after and before the node: the steps
   EasyCache skips never reach the model, the steps it runs run sparse as the schedule says (the
   report node shows them), and at
@@ -148,7 +149,7 @@ def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comf
     _, nodes = comfy
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
-        sample(nodes, sparse(model, dense_attention=dense_attention))
+        sample(nodes, sparse(model, dense_attention=dense_attention, tiling="cube"))
     (dense_steps, sparse_steps, dense_blocks, sparse_blocks), = summaries(caplog)
     assert (dense_steps, sparse_steps) == (1, 3) and sparse_blocks > 0
     blocks = [rows for rows in calls if rows == SEQUENCE]  # the DiT blocks (the text refiner's calls are shorter)
@@ -156,3 +157,26 @@ def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comf
     calls.clear()
     sample(nodes, model)  # without the node every block calls it
     assert calls.count(SEQUENCE) == 4 * TINY["num_layers"] * CALLS
+
+
+def test_another_nodes_attention_override_keeps_the_dense_blocks(comfy, caplog):
+    """KJNodes' "Patch Sage Attention KJ" sets `transformer_options["optimized_attention_override"]`
+    on the model. A stand-in override set the same way (it runs ComfyUI's own attention and counts
+    its DiT-block calls) before the node: it runs every dense block even with
+    `dense_attention=fastest` (the node says so once), and no sparse block."""
+    _, nodes = comfy
+    calls = []
+
+    def override(func, q, k, v, heads, **kwargs):
+        calls.append(q.shape[-2] if kwargs.get("skip_reshape") else q.shape[1])
+        return func(q, k, v, heads, **kwargs)
+
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0].clone()
+    model.model_options["transformer_options"]["optimized_attention_override"] = override
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        sample(nodes, sparse(model, dense_attention="fastest", tiling="cube"))
+    (_, _, dense_blocks, sparse_blocks), = summaries(caplog)
+    assert sparse_blocks > 0 and calls.count(SEQUENCE) == dense_blocks > 0
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "another node's optimized_attention_override runs the dense blocks" in logged
+    assert "applies to dense blocks only; sparse blocks run adaptive sparse attention" in logged
