@@ -36,8 +36,8 @@ def first_use_message(layout: SequenceLayout, dtype: torch.dtype, head_dim: int)
     return (f"adaptive sparse attention: preparing the sparse-attention kernels for {layout.total} tokens "
             f"({str(dtype).removeprefix('torch.')}, head_dim {head_dim}) before the first sparse step. The first "
             "time on a machine Triton compiles them, which takes from half a minute to a minute; later runs load them from "
-            "Triton's cache in seconds. `python -m adaptive_sparse_attention prepare` (or ComfyUI-Manager's "
-            "install step) does this ahead.")
+            "Triton's cache in seconds. `python install.py prepare`, run in the pack's folder with ComfyUI's "
+            "Python (or ComfyUI-Manager's install step), does this ahead.")
 
 
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,

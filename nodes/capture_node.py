@@ -119,7 +119,8 @@ class CaptureH3Attention(io.ComfyNode):
             search_aliases=list(CAPTURE_SEARCH_ALIASES),
             description=("Saves the real attention inputs (q, k, v after norm and RoPE) and the packed-sequence "
                          "layout of the chosen blocks and denoising steps to safetensors files in the output "
-                         "folder, for `python -m adaptive_sparse_attention evaluate FILE`. Sampling is unchanged."),
+                         "folder, for `python install.py evaluate FILE` (in the pack's folder, with ComfyUI's Python). "
+                         "Sampling is unchanged."),
             inputs=[io.Model.Input("model", tooltip="A MiniMax-H3 model.")] + [io_input(w) for w in CAPTURE_WIDGETS],
             outputs=[io.Model.Output(tooltip="The same model, capturing while it samples.")],
         )
