@@ -142,8 +142,18 @@ def report() -> list[str]:
             lines.append(f"  comfy-kitchen {kitchen}: fused RMSNorm+RoPE used for Q/K production"
                          + ("; sol_attn present (benchmark baseline)" if has_sol else ""))
 
+    try:
+        return lines + kernel_lines(torch)
+    except Exception as err:  # the report says what it could not read instead of failing the install
+        return lines + [f"  the pack could not be imported from {ROOT} ({type(err).__name__}: {err}); ComfyUI's "
+                        "console shows the same error when it loads the pack"]
+
+
+def kernel_lines(torch) -> list[str]:
+    """Per GPU (or the CPU) which backend `auto` runs, and the table of what runs where."""
     table = kernel_table()
     host = table.Host.current()
+    lines = []
     if torch.cuda.is_available():
         gpus = [(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
                 for i in range(torch.cuda.device_count())]

@@ -154,3 +154,16 @@ def test_commands_without_torch_say_which_python(comfyui, command):
     result = run(NO_TORCH, "-I", "install.py", *command, cwd=comfyui / "custom_nodes" / FOLDER)
     assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
     assert "torch is not importable" in result.stdout and r"python_embeded\python.exe" in result.stdout
+
+
+def test_install_check_survives_a_pack_that_does_not_import(tmp_path):
+    """With torch present but the pack failing to import, the check says so and still exits 0."""
+    pack = tmp_path / "custom_nodes" / FOLDER
+    pack.mkdir(parents=True)
+    for name in ("install.py", "version.py"):
+        shutil.copy2(REPO / name, pack / name)
+    (pack / "__init__.py").write_text("raise ImportError('a broken pack')\n")
+    result = run(sys.executable, "install.py", cwd=pack)
+    assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr
+    assert "the pack could not be imported" in result.stdout and "a broken pack" in result.stdout
+    assert "torch " in result.stdout  # what it could read is still there
