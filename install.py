@@ -35,12 +35,18 @@ WHICH_PYTHON = ("Run it with the Python that runs ComfyUI: in the Windows portab
                 "(activate it first). This pack never installs torch.")
 
 
+def version_in(path: Path) -> str | None:
+    """The `__version__ = "..."` value of a Python file, read as text (nothing is imported)."""
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("__version__"):
+                return line.split("=", 1)[1].strip().strip("\"'")
+    return None
+
+
 def pack_version() -> str:
-    """The pack's version from `version.py`, read as text (it needs no import of the package)."""
-    for line in (ROOT / "version.py").read_text(encoding="utf-8").splitlines():
-        if line.startswith("__version__"):
-            return line.split("=", 1)[1].strip().strip("\"'")
-    return "unknown"
+    """The pack's version (`version.py`)."""
+    return version_in(ROOT / "version.py") or "unknown"
 
 
 def comfyui_lines(pack_dir: Path = ROOT) -> list[str]:
@@ -50,12 +56,7 @@ def comfyui_lines(pack_dir: Path = ROOT) -> list[str]:
     if pack_dir.parent.name != "custom_nodes" or not (root / "comfy").is_dir():
         return ["  ComfyUI: this folder is not in a ComfyUI `custom_nodes` folder, so whether ComfyUI has "
                 "MiniMax-H3 is not checked"]
-    found = "unknown version"
-    version_file = root / "comfyui_version.py"
-    if version_file.is_file():
-        for line in version_file.read_text(encoding="utf-8").splitlines():
-            if line.startswith("__version__"):
-                found = line.split("=", 1)[1].strip().strip("\"'")
+    found = version_in(root / "comfyui_version.py") or "(unknown version)"
     if (root / "comfy" / "ldm" / "minimax").is_dir():
         return [f"  ComfyUI {found} at {root}: has MiniMax-H3 (comfy/ldm/minimax)"]
     return [f"  ComfyUI {found} at {root}: NO MiniMax-H3 (comfy/ldm/minimax is missing); update ComfyUI to "
@@ -206,6 +207,9 @@ def main(argv: list[str]) -> int:
     the package's commands (their exit code)."""
     if argv and argv[0] in COMMANDS:
         return run_command(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     if argv:
         print(f"install.py: {' '.join(argv)!r} is not a command; allowed: no argument (the install check), "
               f"{' or '.join(COMMANDS)} (`python install.py prepare --help`)")
