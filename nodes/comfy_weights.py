@@ -74,8 +74,9 @@ def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, hea
                                              bias_dtype=x.dtype, offloadable=True, compute_dtype=x.dtype,
                                              want_requant=True) as (w, b):
             yield LayerProjection(w.to(dtype=x.dtype), b, num_heads, head_dim, pre)
-    else:
+    else:  # ComfyUI multiplies in float: a weight the cast hands back quantised is dequantised once, here
         with linear_weights(module, x) as (weight, bias):
+            weight = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
             yield LayerProjection(weight, bias, num_heads, head_dim, pre)
 
 
