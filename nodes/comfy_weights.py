@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..backend.producer import CHUNK_ROWS, head_rows
+from ..backend.producer import CHUNK_ROWS, Projection, head_rows
 
 FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")
 
@@ -37,7 +37,7 @@ def linear_weights(module: torch.nn.Module, like: torch.Tensor) -> Iterator[tupl
 
 
 @contextmanager
-def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, head_dim: int) -> Iterator[Any]:
+def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, head_dim: int) -> Iterator[Projection]:
     """The fused qkv projection `module` as ComfyUI's own forward multiplies x, for the producer.
 
     Mirrors the inference path of ComfyUI's mixed-precision Linear: a quantised weight whose format
@@ -60,7 +60,7 @@ def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, hea
 
     pre = getattr(module, "pre_quant_scale", None)
     pre = None if pre is None else mm.cast_to_device(pre, x.device, x.dtype)
-    quantised = not (module._full_precision_mm or getattr(module, "comfy_force_cast_weights", False)
+    quantised = not (getattr(module, "_full_precision_mm", False) or getattr(module, "comfy_force_cast_weights", False)
                      or len(module.weight_function) > 0 or len(module.bias_function) > 0)
     quantize_input = QUANT_ALGOS.get(getattr(module, "quant_format", None), {}).get("quantize_input", True)
     if quantised and quantize_input:
@@ -146,19 +146,20 @@ def quantised_rows(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor | 
     if getattr(p, "transposed", False) or len(p.orig_shape) != 2:
         return None
     shape = (index.numel(), p.orig_shape[1])
-    qdata = weight._qdata.index_select(0, index)
     if kind == "TensorWiseINT8Layout":
         scale = p.scale if p.scale.numel() == 1 else p.scale.index_select(0, index)
-        return QuantizedTensor(qdata, kind, dataclasses.replace(p, scale=scale, orig_shape=shape))
+        return QuantizedTensor(weight._qdata.index_select(0, index), kind,
+                               dataclasses.replace(p, scale=scale, orig_shape=shape))
     if kind in FP8_LAYOUTS and p.scale.numel() == 1:
-        return QuantizedTensor(qdata, kind, dataclasses.replace(p, orig_shape=shape))
+        return QuantizedTensor(weight._qdata.index_select(0, index), kind, dataclasses.replace(p, orig_shape=shape))
     if kind == "TensorCoreNVFP4Layout":
         from comfy_kitchen.float_utils import from_blocked, roundup, to_blocked
 
         rows, cols = weight._qdata.shape[0], weight._qdata.shape[1] * 2 // 16
         blocks = from_blocked(p.block_scale, rows, cols).index_select(0, index)
         pad = roundup(index.numel(), 16) - index.numel()  # the layout keeps rows padded to 16
-        qdata, blocks = F.pad(qdata, (0, 0, 0, pad)), F.pad(blocks.view(torch.uint8), (0, 0, 0, pad))
+        qdata = F.pad(weight._qdata.index_select(0, index), (0, 0, 0, pad))
+        blocks = F.pad(blocks.view(torch.uint8), (0, 0, 0, pad))
         blocks = to_blocked(blocks.view(p.block_scale.dtype), flatten=False)
         return QuantizedTensor(qdata, kind, dataclasses.replace(p, block_scale=blocks, orig_shape=shape))
     return None

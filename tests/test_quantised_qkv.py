@@ -202,18 +202,20 @@ def test_nvfp4_matmul_on_this_cpu(comfy, quantised, monkeypatch):
     ("TensorWiseINT8Layout", {}), ("TensorWiseINT8Layout", dict(per_channel=True)),
     ("TensorWiseINT8Layout", dict(per_channel=True, convrot=True, convrot_groupsize=64)),
     ("TensorCoreFP8E4M3Layout", dict(scale="recalculate")), ("TensorCoreNVFP4Layout", {})])
-def test_head_rows_of_a_quantised_weight_are_its_rows(comfy, layout, kwargs):
+@pytest.mark.parametrize("head_dim", [32, 8])
+def test_head_rows_of_a_quantised_weight_are_its_rows(comfy, layout, kwargs, head_dim):
     """A head group's slice of the stored data and scales dequantises to the same rows of the whole
-    weight (nvfp4: with its swizzled block scales; 3 heads of 32 rows: groups off 128-row tiles)."""
+    weight (nvfp4: with its swizzled block scales, groups off its 128-row tiles, and with rows
+    padded to 16 where a group has 24)."""
     from comfy.quant_ops import QuantizedTensor
 
     from adaptive_sparse_attention.nodes.comfy_weights import quantised_rows
 
-    w = QuantizedTensor.from_float(torch.randn(3 * 3 * 32, 64, generator=torch.Generator().manual_seed(2)), layout,
-                                   **kwargs)
+    w = QuantizedTensor.from_float(torch.randn(3 * 3 * head_dim, 64, generator=torch.Generator().manual_seed(2)),
+                                   layout, **kwargs)
     whole = w.dequantize()
     for heads in ((0, 1), (1, 3), (2, 3)):
-        index = producer.head_rows(torch.arange(w.shape[0]), 3, 32, heads)
+        index = producer.head_rows(torch.arange(w.shape[0]), 3, head_dim, heads)
         part = quantised_rows(w, index)
         assert isinstance(part, QuantizedTensor) and part._layout_cls == layout
         assert torch.equal(part.dequantize(), whole[index]), heads
@@ -256,3 +258,26 @@ def test_weight_patches_on_a_quantised_checkpoint_compose(comfy, quantised, comp
     ours.model_options.setdefault("transformer_options", {})["minimax_head_chunks"] = 2
     error = float((sample(nodes, ours) - dense).norm() / dense.norm())
     assert moved > 1e-3 and error < 1e-5  # the patch matters; ours follows it
+
+
+@needs_comfyui
+@pytest.mark.parametrize("compute", ["int8_rowwise"], indirect=True)
+def test_a_layout_that_cannot_be_sliced_is_dequantised_once_per_call(comfy, quantised, compute, dequantisations,
+                                                                     monkeypatch):
+    """Head groups of a layout without a row slice (mxfp8, convrot_w4a4, ...: here int8 with its
+    slice taken away) share one dequantised weight per call: one dequantisation for 2 groups x 4 chunks."""
+    from adaptive_sparse_attention.nodes import comfy_weights
+
+    _, nodes = comfy
+    attn = nodes.UNETLoader().load_unet(quantised[compute], "default")[0].model.diffusion_model.blocks[0].attn
+    monkeypatch.setattr(comfy_weights, "quantised_rows", lambda weight, index: None)
+    x, rope = block_inputs(53, attn.q_norm.weight.dtype)
+    expected = layer_qkv(attn, x, rope)
+    dequantisations.clear()
+    with comfy_weights.qkv_projection(attn.qkv_proj, x, H, D) as projection:
+        for h0, h1 in GROUPS[2]:
+            got = producer.produce_qkv(x, projection, None, H, D, attn.q_norm.weight, attn.k_norm.weight,
+                                       attn.q_norm.eps, rope, (h0, h1), chunk_rows=16)
+            for ours, layer in zip(got, expected):  # float weight against int8 products: close, not equal
+                torch.testing.assert_close(ours, layer[:, h0:h1], rtol=0.05, atol=0.05)
+    assert dequantisations == [tuple(attn.qkv_proj.weight.shape)]
