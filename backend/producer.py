@@ -8,12 +8,20 @@ into head-major q, k, v [1, g, S, D], the layout the sparse kernel reads, so the
 [S, 3*H*D] buffer and the model's v copy never exist. A head subset [h0, h1) can be produced on
 its own (low-VRAM head groups): its weight rows are sliced out of the fused projection.
 
+The projection is either a plain weight or a `Projection`: an object that hands out, once per
+head group, the function that multiplies a chunk of rows for that group. The node side builds one
+that goes through the layer's own (possibly quantised) matmul, so the checkpoint's format decides
+the arithmetic; here the producer only decides the rows and the heads.
+
 Norm + RoPE use comfy-kitchen's `rms_rope_split_half_` when it is importable (the kernel H3
 itself calls, so the results match the model bit for bit on the same backend) and an equivalent
 torch implementation otherwise. Rows are produced in model order: the tiling's permutation is
 applied by the kernel's indexed loads, not by gathering rows before the projection.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +66,32 @@ def head_rows(t: torch.Tensor, num_heads: int, head_dim: int, heads: tuple[int, 
     return t.reshape(3, num_heads, head_dim, *t.shape[1:])[:, h0:h1].reshape(3 * (h1 - h0) * head_dim, *t.shape[1:])
 
 
-def produce_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, head_dim: int,
-                q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float, rope: torch.Tensor | None,
+class Projection(Protocol):
+    """The fused qkv projection of a layer, handed out per head group."""
+
+    def for_heads(self, heads: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function that maps rows [n, hidden] to the projection's columns of q, k, v for
+        heads [h0, h1), [n, 3*(h1 - h0)*D]. Called once per head group per call, never per chunk."""
+        ...
+
+
+@dataclass(frozen=True)
+class WeightProjection:
+    """A plain (float) fused weight [3*H*D, hidden] and bias: the head group's rows sliced once."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    num_heads: int
+    head_dim: int
+
+    def for_heads(self, heads: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = head_rows(self.weight, self.num_heads, self.head_dim, heads)
+        b = None if self.bias is None else head_rows(self.bias, self.num_heads, self.head_dim, heads)
+        return lambda rows: F.linear(rows, w, b)
+
+
+def produce_qkv(x: torch.Tensor, weight: torch.Tensor | Projection, bias: torch.Tensor | None, num_heads: int,
+                head_dim: int, q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float, rope: torch.Tensor | None,
                 heads: tuple[int, int] | None = None, chunk_rows: int = CHUNK_ROWS
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """H3's q, k, v of block input x, produced in chunks of rows straight into the kernel's layout.
@@ -67,7 +99,7 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Args:
         x: the block's attention input [S, hidden].
         weight, bias: the fused qkv projection's ([3*H*D, hidden], [3*H*D] or None), already in
-            x's dtype and device.
+            x's dtype and device; or weight a `Projection` (then bias must be None).
         num_heads, head_dim: H and D of the layer.
         q_scale, k_scale, eps: the q/k RMSNorm weights [D] and epsilon.
         rope: H3's rotation table, or None for no RoPE.
@@ -78,7 +110,10 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     if x.dim() != 2:
         raise ValueError(f"produce_qkv: x must be [S, hidden], got shape {tuple(x.shape)}")
-    if weight.shape[0] != 3 * num_heads * head_dim:
+    if not isinstance(weight, torch.Tensor):
+        if bias is not None:
+            raise ValueError("produce_qkv: bias must be None when weight is a Projection (it owns its bias)")
+    elif weight.shape[0] != 3 * num_heads * head_dim:
         raise ValueError(f"produce_qkv: weight has {weight.shape[0]} rows, expected 3*{num_heads}*{head_dim}")
     h0, h1 = (0, num_heads) if heads is None else heads
     if not 0 <= h0 < h1 <= num_heads:
@@ -86,16 +121,17 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if chunk_rows < 1:
         raise ValueError(f"produce_qkv: chunk_rows={chunk_rows} must be >= 1")
     g, S = h1 - h0, x.shape[0]
-    w = head_rows(weight, num_heads, head_dim, (h0, h1))
-    b = None if bias is None else head_rows(bias, num_heads, head_dim, (h0, h1))
+    plain = isinstance(weight, torch.Tensor)
+    project = (WeightProjection(weight, bias, num_heads, head_dim) if plain else weight).for_heads((h0, h1))
     q, k, v = (x.new_empty(1, g, S, head_dim) for _ in range(3))
     rot_dim = 0 if rope is None else rope.shape[-3] * 2
     # the kitchen op is in place (inference only); with autograd the torch path keeps the graph
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, q_scale, k_scale))
+    tracked = (x, q_scale, k_scale, weight) if plain else (x, q_scale, k_scale)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tracked)
     ck = kitchen() if rope is not None and x.dtype in KITCHEN_DTYPES and not grad else None
     for a in range(0, S, chunk_rows):
         e = min(S, a + chunk_rows)
-        qc, kc, vc = (t.view(1, e - a, g, head_dim) for t in F.linear(x[a:e], w, b).split(g * head_dim, dim=-1))
+        qc, kc, vc = (t.view(1, e - a, g, head_dim) for t in project(x[a:e]).split(g * head_dim, dim=-1))
         table = None if rope is None else rope[:, a:e]
         if ck is not None:
             ck.rms_rope_split_half_(qc, kc, table, q_scale, k_scale, epsilon=eps, rot_dim=rot_dim)

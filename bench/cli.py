@@ -36,6 +36,7 @@ from ..kernels import table
 from ..nodes.capture import load_capture
 from . import (long_clips, planner_timing, prepare, reblock_timing, routing_quality, tiling_ceiling,
                ulysses_timing)
+from .checkpoints import WEIGHTS
 from .e2e import RUNS
 from .methods import DEFAULT_METHOD
 from .report import acceptance, column_notes, markdown_table, render_markdown, write_outputs
@@ -143,7 +144,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_e2e(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .e2e import default_work, markdown, run_benchmark, split_markdown
+    from .checkpoints import unsupported
+    from .e2e import default_work, markdown, qkv_markdown, run_benchmark, split_markdown
 
     if not args.comfyui or not os.path.isfile(os.path.join(args.comfyui, "main.py")):
         print(f"e2e: --comfyui (or COMFYUI_PATH) must point at a ComfyUI checkout, got {args.comfyui!r}",
@@ -152,13 +154,19 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     if args.compile_only and args.compile is None:
         print("e2e: --compile-only needs --compile BACKEND", file=sys.stderr)
         return 2
+    refused = unsupported(args.weights, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if refused:
+        print(f"e2e: {refused}", file=sys.stderr)
+        return 2
     work = Path(args.work) if args.work else default_work()
     out = Path(args.out) if args.out else work / "e2e.json"
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
                            out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile,
                            compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared,
-                           profile_call=args.profile_call)
+                           profile_call=args.profile_call, weights=args.weights)
     print(markdown(result))
+    print()
+    print(qkv_markdown(result))
     if result["op"]:
         print()
         print(split_markdown(result))
@@ -221,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--prepared", action="store_true",
                      help="first run the pack's prepare command in a child process (empty caches otherwise); the "
                           "first run of ours is then the first use after it (ours-prepared)")
+    e2e.add_argument("--weights", default="bf16", choices=WEIGHTS,
+                     help="checkpoint format: bf16, or the DiT block Linear weights quantised with ComfyUI's own "
+                          "functions (int8_convrot, fp8: sm89+, nvfp4: sm100+; refused where the GPU lacks them)")
     e2e.add_argument("--profile-call", type=int, metavar="N",
                      help="profile the N-th model call (0-based) of every run: kernel tables in WORK/profiles/RUN.txt")
     e2e.set_defaults(func=cmd_e2e)

@@ -14,6 +14,13 @@ our node first with an empty Triton cache and no saved dense-kernel choice (cold
 floor of two exact kernels), then two new clip lengths. On CUDA it also times the isolated op at the same
 shape (plan, kernel, dense SDPA backends) to split a steady block.
 
+`weights` picks the checkpoint format users load: bf16, or the random checkpoint's DiT block
+Linear weights quantised with ComfyUI's own functions (bench/checkpoints.py: int8_convrot, fp8,
+nvfp4); a format the device does not multiply in is refused (ComfyUI would dequantise it every
+call). Per clip it also times the QKV projection on the clip's rows: ComfyUI's own
+`attn.qkv_proj` on all rows against ours (the same layer's weights through our producer's
+projection, in its chunks of rows), and our whole producer (projection, norm, RoPE, layout).
+
 With a compile backend, ComfyUI's TorchCompileModel node goes after our node (after the loader
 without it) and four more runs follow on the main clip: the graph without our node compiled,
 the same again (compiled code reused), then ours compiled and again. Dynamo's caches are reset
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 
 from . import e2e_nodes
+from .checkpoints import quantise_state_dict, unsupported
 
 REPO = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+).*sparse attention time ([\d.]+) s")
@@ -118,8 +126,9 @@ def load_comfyui(comfyui: str, work: Path, cpu: bool):
     return nodes, execution
 
 
-def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device) -> None:
-    """A random-weight H3 of `blocks` DiT blocks in bf16 (fp32 where the model keeps fp32)."""
+def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device, weights: str = "bf16") -> None:
+    """A random-weight H3 of `blocks` DiT blocks in bf16 (fp32 where the model keeps fp32), its
+    block Linear weights quantised to `weights` (bench/checkpoints.py) unless that is bf16."""
     import comfy.ops
     import safetensors.torch
     from comfy.ldm.minimax.model import MiniMaxH3Model
@@ -134,7 +143,11 @@ def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device) -
                                                                                  dtype=p.dtype) * 0.02
         else:
             t = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * p.shape[-1] ** -0.5
-        sd[key] = t.cpu()
+        sd[key] = t
+    if weights != "bf16":  # quantised on the device (comfy-kitchen's kernels), stored from the CPU
+        group = 256 if model["hidden_size"] % 256 == 0 and model["ffn_hidden_size"] % 256 == 0 else 64
+        sd = quantise_state_dict(sd, weights, convrot_groupsize=group)
+    sd = {key: t.cpu() for key, t in sd.items()}
     n = model.get("rope_inv_freq_len", 16)
     sd["rope.inv_freq"] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
     safetensors.torch.save_file(sd, str(path))
@@ -204,18 +217,68 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
     return row
 
 
-def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
-    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
-    from .. import SequenceLayout, sparse_attention
-    from ..kernels.dense import sdpa
-    from .timing import time_call
+def clip_layout(scale: Scale, frames: int) -> Any:
+    """The SequenceLayout of a clip's tokens (text, audio, video) as H3 packs them."""
+    from .. import SequenceLayout
 
     from comfy.ldm.minimax.model import PackedLayout
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
     latent = EmptyMiniMaxH3LatentAV.execute(width=scale.width, height=scale.height, length=frames).result[0]
     video, audio = latent["samples"].unbind()
-    layout = SequenceLayout.from_packed(PackedLayout(scale.text_tokens, *video.shape[2:], audio.shape[-1]))
+    return SequenceLayout.from_packed(PackedLayout(scale.text_tokens, *video.shape[2:], audio.shape[-1]))
+
+
+def qkv_timing(nodes: Any, ckpt: str, scale: Scale, frames: int, device: torch.device, reps: int = 5) -> dict:
+    """Milliseconds of the first block's QKV projection on a clip's rows (random input in the model's
+    dtype): ComfyUI's own `attn.qkv_proj(x)`, ours (`qkv_projection` in the producer's chunks of
+    rows, all heads) and our whole producer (projection, norm, RoPE, head-major layout)."""
+    import comfy.model_management
+
+    from ..backend.producer import CHUNK_ROWS, produce_qkv
+    from ..nodes.comfy_weights import on_device, qkv_projection
+    from .timing import time_call
+
+    patcher = nodes.UNETLoader().load_unet(ckpt, "default")[0]
+    comfy.model_management.load_models_gpu([patcher])
+    attn = patcher.model.diffusion_model.blocks[0].attn
+    rows = clip_layout(scale, frames).total
+    dtype = patcher.model.get_dtype_inference()  # what the model's blocks compute in
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(rows, scale.model["hidden_size"], generator=g, device=device, dtype=dtype)
+    H, D = attn.heads, attn.head_dim
+    half = (D // 2) // 2  # a rotation table of the model's layout on half of each head
+    angle = torch.rand(1, rows, 1, half, generator=g, device=device)
+    rope = torch.stack([torch.stack([angle.cos(), -angle.sin()], -1), torch.stack([angle.sin(), angle.cos()], -1)], -2)
+    qw, kw = on_device(attn.q_norm.weight, device), on_device(attn.k_norm.weight, device)
+
+    def ours() -> None:
+        with qkv_projection(attn.qkv_proj, x, H, D) as projection:
+            project = projection.for_heads((0, H))
+            for a in range(0, rows, CHUNK_ROWS):
+                project(x[a:a + CHUNK_ROWS])
+
+    def producer() -> None:
+        with qkv_projection(attn.qkv_proj, x, H, D) as projection:
+            produce_qkv(x, projection, None, H, D, qw, kw, attn.q_norm.eps, rope)
+
+    with torch.inference_mode():
+        out = {"rows": rows, "format": getattr(attn.qkv_proj, "quant_format", None) or str(dtype).split(".")[-1],
+               "comfyui_qkv_proj_ms": time_call(lambda: attn.qkv_proj(x), device, reps=reps),
+               "ours_projection_ms": time_call(ours, device, reps=reps),
+               "ours_producer_ms": time_call(producer, device, reps=reps)}
+    out["projection_vs_comfyui"] = out["ours_projection_ms"] / out["comfyui_qkv_proj_ms"]
+    del patcher, attn, x
+    return out
+
+
+def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
+    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
+    from .. import sparse_attention
+    from ..kernels.dense import sdpa
+    from .timing import time_call
+
+    layout = clip_layout(scale, frames)
     H, D = scale.model["num_attention_heads"], scale.model["attention_head_dim"]
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, H, layout.total, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
@@ -251,7 +314,7 @@ def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
 def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
                   clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
                   compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False,
-                  profile_call: int | None = None) -> dict:
+                  profile_call: int | None = None, weights: str = "bf16") -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
@@ -260,7 +323,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     name (`RUNS`; "comfyui" always runs: the others are compared with it). `prepared` runs the
     pack's `prepare` command first in a child process, and the first run of ours (then named
     ours-prepared) is the first use after it. `profile_call` n: the n-th model call of every run is
-    profiled (kernel tables in WORK/profiles/<run>.txt)."""
+    profiled (kernel tables in WORK/profiles/<run>.txt). `weights`: the checkpoint's format
+    (bench/checkpoints.py WEIGHTS), refused where the device does not multiply in it."""
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     unknown_runs = [r for r in runs if r not in RUNS]
@@ -273,6 +337,9 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                          f"{', '.join(scale.frames)}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    refused = unsupported(weights, device)
+    if refused:
+        raise ValueError(f"e2e: {refused}")
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton_cache"))  # empty: the first sparse use is cold
     os.environ.setdefault("ADAPTIVE_SPARSE_DENSE_CACHE", str(work / "dense_kernels.json"))
     lines = LogLines()
@@ -281,11 +348,11 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     nodes, execution = load_comfyui(comfyui, work, cpu=not cuda)
     if compile_backend is not None and "TorchCompileModel" not in nodes.NODE_CLASS_MAPPINGS:
         raise RuntimeError("e2e: this ComfyUI has no TorchCompileModel node (comfy_extras/nodes_torch_compile.py)")
-    ckpt = f"h3_random_{scale_name}_{blocks}blocks.safetensors"
+    ckpt = f"h3_random_{scale_name}_{blocks}blocks_{weights}.safetensors"
     start = time.perf_counter()
-    save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device)
+    save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device, weights)
     result: dict[str, Any] = {"scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
-                              "compile": compile_backend,
+                              "weights": weights, "compile": compile_backend, "qkv": {},
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                               "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}
     executor = execution.PromptExecutor(ServerStub(), cache_type=execution.CacheType.CLASSIC,
@@ -361,6 +428,11 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             torch.compiler.reset()  # the first run compiles from scratch: its first call is the compile time
             run(name, main, widgets, backend=compile_backend)
             run(f"{name}-warm", main, widgets, backend=compile_backend)
+    for clip in clips:
+        result["qkv"][clip] = qkv_timing(nodes, ckpt, scale, scale.frames[clip], device)
+        echo(f"e2e qkv [{clip}]: {result['qkv'][clip]}")
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
     if compile_only:
         logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
         return result
@@ -445,6 +517,17 @@ def markdown(result: dict) -> str:
                     f"{f(speed, 2) + 'x' if speed else '-'} | {f(r.get('dense_call_ms'))} | {f(r.get('first_call_ms'))} | "
                     f"{f(r.get('first_sparse_ms'))} | {f(r.get('steady_sparse_ms'))} | {f(r.get('median_call_ms'))} | "
                     f"{f(r.get('peak_gib'), 2)} | {f(r.get('density'), 3)} | {f(r.get('rel_l2'), 4)} |")
+    return "\n".join(rows)
+
+
+def qkv_markdown(result: dict) -> str:
+    """The QKV projection per clip: ComfyUI's own layer against ours on the same rows."""
+    rows = ["| clip | rows | weights | ComfyUI attn.qkv_proj ms | ours (projection) ms | ours vs ComfyUI "
+            "| our producer ms (+ norm, RoPE, layout) |", "|" + "---|" * 7]
+    for clip, t in result.get("qkv", {}).items():
+        rows.append(f"| {clip} | {t['rows']:,} | {t['format']} | {t['comfyui_qkv_proj_ms']:.2f} | "
+                    f"{t['ours_projection_ms']:.2f} | {t['projection_vs_comfyui']:.3f}x | "
+                    f"{t['ours_producer_ms']:.2f} |")
     return "\n".join(rows)
 
 

@@ -17,7 +17,7 @@ from comfy_api.latest import io
 
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
-from .comfy_weights import linear_weights, on_device, unwrap_input
+from .comfy_weights import on_device, qkv_projection, unwrap_input
 from .block_patches import install
 from .h3_model import h3_diffusion_model
 from .hooks import BlockHook, CallContext
@@ -76,9 +76,10 @@ class CaptureHook(BlockHook):
         x = unwrap_input(x)
         if self.pending and (self.pending[0]["step"] != step or self.pending_layout != layout):
             self.flush()
-        with linear_weights(attn.qkv_proj, x) as (weight, bias):
-            q, k, v = produce_qkv(x, weight, bias, attn.heads, attn.head_dim, on_device(attn.q_norm.weight, x.device),
-                                  on_device(attn.k_norm.weight, x.device), attn.q_norm.eps, rope_freqs)
+        with qkv_projection(attn.qkv_proj, x, attn.heads, attn.head_dim) as projection:
+            q, k, v = produce_qkv(x, projection, None, attn.heads, attn.head_dim,
+                                  on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device),
+                                  attn.q_norm.eps, rope_freqs)
         self.pending.append({"layer": layer, "step": step, "q": q.cpu(), "k": k.cpu(), "v": v.cpu()})
         self.pending_layout = layout
         self.meta = {"model": "MiniMax-H3", "total_steps": total, "call": "cond", "heads": attn.heads,

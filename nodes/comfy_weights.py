@@ -2,12 +2,18 @@
 allocation graph, and KJNodes' low-VRAM calling conventions."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+
+from ..backend.producer import CHUNK_ROWS, Projection, head_rows
+
+FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")
 
 
 @contextmanager
@@ -28,6 +34,135 @@ def linear_weights(module: torch.nn.Module, like: torch.Tensor) -> Iterator[tupl
         return
     with comfy.ops.CastBiasWeightContext(module, like, offloadable=True) as (weight, bias):
         yield weight, bias
+
+
+@contextmanager
+def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, head_dim: int) -> Iterator[Projection]:
+    """The fused qkv projection `module` as ComfyUI's own forward multiplies x, for the producer.
+
+    Mirrors the inference path of ComfyUI's mixed-precision Linear: a quantised weight whose format
+    quantises activations (fp8, nvfp4, mxfp8) gets each chunk of rows quantised as the layer
+    quantises its whole input (same layout, same input scale; nvfp4's per-tensor scale is taken
+    over all of x), an int8 weight multiplies the rows as they are (comfy-kitchen's int8 linear
+    quantises them per row), and the weight is fetched with the same cast flags ComfyUI passes
+    (re-quantisation after an on-the-fly LoRA of a streamed layer). Everything else (plain layers,
+    formats this device does not multiply in, weight patches) gets the weight ComfyUI's cast
+    hands back, dequantised once per call. Yields a `Projection` (backend/producer.py).
+    """
+    layout = getattr(module, "layout_type", None)
+    if layout is None:  # plain layer (any ComfyUI op class, or plain torch)
+        with linear_weights(module, x) as (weight, bias):
+            yield LayerProjection(weight, bias, num_heads, head_dim)
+        return
+    import comfy.model_management as mm
+    import comfy.ops
+    from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+
+    pre = getattr(module, "pre_quant_scale", None)
+    pre = None if pre is None else mm.cast_to_device(pre, x.device, x.dtype)
+    quantised = not (getattr(module, "_full_precision_mm", False) or getattr(module, "comfy_force_cast_weights", False)
+                     or len(module.weight_function) > 0 or len(module.bias_function) > 0)
+    quantize_input = QUANT_ALGOS.get(getattr(module, "quant_format", None), {}).get("quantize_input", True)
+    if quantised and quantize_input:
+        scale = getattr(module, "input_scale", None)
+        scale = activation_scale(x, layout, pre) if scale is None else mm.cast_to_device(scale, x.device, None)
+        with comfy.ops.CastBiasWeightContext(module, None, dtype=x.dtype, device=x.device, bias_dtype=x.dtype,
+                                             offloadable=True, compute_dtype=x.dtype, want_requant=True) as (w, b):
+            yield LayerProjection(w, b, num_heads, head_dim, pre, layout, scale)
+    elif quantised and isinstance(module.weight, QuantizedTensor):  # int8 family: weight-only quantised layout
+        with comfy.ops.CastBiasWeightContext(module, None, dtype=module.weight.dtype, device=x.device,
+                                             bias_dtype=x.dtype, offloadable=True, compute_dtype=x.dtype,
+                                             want_requant=True) as (w, b):
+            yield LayerProjection(w.to(dtype=x.dtype), b, num_heads, head_dim, pre)
+    else:  # ComfyUI multiplies in float: a weight the cast hands back quantised is dequantised once, here
+        with linear_weights(module, x) as (weight, bias):
+            weight = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+            yield LayerProjection(weight, bias, num_heads, head_dim, pre)
+
+
+def activation_scale(x: torch.Tensor, layout: str, pre: torch.Tensor | None) -> torch.Tensor | None:
+    """The input scale ComfyUI's layer passes when quantising all of x at once, for a layout whose
+    scale depends on the data (nvfp4: the tensor's absolute maximum over the fp4 x fp8 range);
+    None where quantising leaves no data-dependent per-tensor scale (fp8: 1, mxfp8: per block).
+    The maximum is taken chunk by chunk (exact), so no full-size copy of x is made."""
+    if layout != "TensorCoreNVFP4Layout":
+        return None
+    from comfy_kitchen.float_utils import F4_E2M1_MAX, F8_E4M3_MAX
+
+    peak = torch.stack([(x[a:a + CHUNK_ROWS] if pre is None else x[a:a + CHUNK_ROWS] * pre).abs().amax()
+                        for a in range(0, x.shape[0], CHUNK_ROWS)]).amax()
+    return peak / (F8_E4M3_MAX * F4_E2M1_MAX)
+
+
+class LayerProjection:
+    """A ComfyUI layer's fused qkv weight (possibly a comfy-kitchen QuantizedTensor) and how the
+    layer treats its input: an elementwise pre-scale (AWQ smoothing) and the activation layout
+    and scale when the format quantises activations. A head group's rows are sliced out of the
+    stored quantised data and its scales; a layout that cannot be sliced is dequantised once per
+    call, on the first head group that needs it (and only then)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, head_dim: int,
+                 pre: torch.Tensor | None = None, layout: str | None = None, scale: torch.Tensor | None = None):
+        self.weight, self.bias, self.num_heads, self.head_dim = weight, bias, num_heads, head_dim
+        self.pre, self.layout, self.scale = pre, layout, scale
+        self.dequantised: torch.Tensor | None = None
+
+    def for_heads(self, heads: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = self.weight
+        if heads != (0, self.num_heads):
+            index = head_rows(torch.arange(w.shape[0], device=w.device), self.num_heads, self.head_dim, heads)
+            w = quantised_rows(w, index)
+            if w is None:
+                if self.dequantised is None:
+                    self.dequantised = self.weight.dequantize()
+                w = self.dequantised.index_select(0, index)
+        b = None if self.bias is None else head_rows(self.bias, self.num_heads, self.head_dim, heads)
+        if self.pre is None and self.layout is None:
+            return lambda rows: F.linear(rows, w, b)
+        return lambda rows: F.linear(self.quantise(rows), w, b)
+
+    def quantise(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows as the layer's forward hands them to its matmul."""
+        if self.pre is not None:
+            rows = rows * self.pre
+        if self.layout is None:
+            return rows
+        from comfy.quant_ops import QuantizedTensor
+
+        return QuantizedTensor.from_float(rows, self.layout, scale=self.scale)
+
+
+def quantised_rows(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
+    """Rows `index` of a weight as a weight of the same kind: a plain tensor's rows, or a
+    QuantizedTensor built from the stored data's rows and their scales (int8 tensor- or row-wise
+    incl. convrot: scales per row or one; fp8: one scale; nvfp4: its swizzled block scales
+    unswizzled, selected and swizzled again). None for a layout or state that cannot be sliced
+    (transposed views, other layouts)."""
+    if not hasattr(weight, "_layout_cls"):  # a plain tensor (comfy-kitchen's QuantizedTensor carries its layout)
+        return weight.index_select(0, index)
+    from comfy.quant_ops import QuantizedTensor
+
+    p, kind = weight._params, weight._layout_cls
+    if getattr(p, "transposed", False) or len(p.orig_shape) != 2:
+        return None
+    shape = (index.numel(), p.orig_shape[1])
+    if kind == "TensorWiseINT8Layout":
+        scale = p.scale if p.scale.numel() == 1 else p.scale.index_select(0, index)
+        return QuantizedTensor(weight._qdata.index_select(0, index), kind,
+                               dataclasses.replace(p, scale=scale, orig_shape=shape))
+    if kind in FP8_LAYOUTS and p.scale.numel() == 1:
+        return QuantizedTensor(weight._qdata.index_select(0, index), kind, dataclasses.replace(p, orig_shape=shape))
+    if kind == "TensorCoreNVFP4Layout":
+        from comfy_kitchen.float_utils import from_blocked, roundup, to_blocked
+
+        rows, cols = weight._qdata.shape[0], weight._qdata.shape[1] * 2 // 16
+        blocks = from_blocked(p.block_scale, rows, cols).index_select(0, index)
+        pad = roundup(index.numel(), 16) - index.numel()  # the layout keeps rows padded to 16
+        qdata = F.pad(weight._qdata.index_select(0, index), (0, 0, 0, pad))
+        blocks = F.pad(blocks.view(torch.uint8), (0, 0, 0, pad))
+        blocks = to_blocked(blocks.view(p.block_scale.dtype), flatten=False)
+        return QuantizedTensor(qdata, kind, dataclasses.replace(p, block_scale=blocks, orig_shape=shape))
+    return None
 
 
 def outside_allocation_graph() -> Any:

@@ -13,7 +13,8 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense import DenseChoices, default_cache_path
-from .comfy_weights import head_groups, linear_weights, on_device, outside_allocation_graph, unwrap_input
+from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
+                            unwrap_input)
 from .block_patches import install
 from .dense_override import DenseOverride
 from .hooks import BlockHook, CallContext, log
@@ -183,10 +184,11 @@ class SparseAttentionHook(BlockHook):
         with outside_allocation_graph():
             out = x.new_empty(x.shape[0], heads, dim)
             gate = coarse_gate(attn, x, self.config)
-            with linear_weights(attn.qkv_proj, x) as (weight, bias):
+            with qkv_projection(attn.qkv_proj, x, heads, dim) as projection:
                 qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
                 for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
-                    q, k, v = produce_qkv(x, weight, bias, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs, (h0, h1))
+                    q, k, v = produce_qkv(x, projection, None, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs,
+                                          (h0, h1))
                     g = None if gate is None else gate[:, h0:h1]
                     o = run(q, k, v, g)
                     out[:, h0:h1] = o[0].transpose(0, 1)

@@ -87,3 +87,46 @@ def test_tiny_run_in_real_comfyui(tmp_path: Path):
         assert row["calls"] == 4 and row["sparse_blocks"] == 2 and row["density"] == runs[("ours", "10s")]["density"]
         assert row["rel_l2"] == pytest.approx(runs[("ours", "10s")]["rel_l2"], rel=1e-3)
     assert runs[("comfyui-compiled-warm", "10s")]["calls"] == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals are those of a machine without a GPU")
+def test_checkpoint_formats_the_device_cannot_multiply_in_are_refused(tmp_path: Path, capsys):
+    from adaptive_sparse_attention.bench.cli import build_parser
+
+    for weights, need in (("fp8", "fp8 matmuls need sm89 or newer"), ("nvfp4", "nvfp4 matmuls need sm100 or newer")):
+        with pytest.raises(ValueError, match=f"e2e: --weights {weights}: {need}; the CPU has none"):
+            e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], weights=weights)
+    (tmp_path / "main.py").write_text("")  # looks like a ComfyUI checkout: the refusal comes before loading it
+    args = build_parser().parse_args(["e2e", "--comfyui", str(tmp_path), "--weights", "nvfp4"])
+    assert args.func(args) == 2
+    assert "e2e: --weights nvfp4: nvfp4 matmuls need sm100 or newer" in capsys.readouterr().err
+    assert build_parser().parse_args(["e2e"]).weights == "bf16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["e2e", "--weights", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_qkv_table_puts_ours_beside_comfyuis():
+    t = {"rows": 73_000, "format": "int8_tensorwise", "comfyui_qkv_proj_ms": 10.0, "ours_projection_ms": 10.4,
+         "projection_vs_comfyui": 1.04, "ours_producer_ms": 14.0}
+    assert "| 10s | 73,000 | int8_tensorwise | 10.00 | 10.40 | 1.040x | 14.00 |" in e2e.qkv_markdown({"qkv": {"10s": t}})
+
+
+@needs_comfyui
+def test_tiny_int8_convrot_run_in_real_comfyui(tmp_path: Path):
+    out = tmp_path / "e2e.json"
+    (tmp_path / "stubs").mkdir()
+    (tmp_path / "stubs" / "sitecustomize.py").write_text(comfyui_stubs.STUBS)
+    path = os.pathsep.join(p for p in (str(tmp_path / "stubs"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-m", "adaptive_sparse_attention", "e2e", "--comfyui", COMFYUI,
+                           "--scale", "tiny", "--blocks", "1", "--steps", "2", "--clips", "10s", "--runs", "ours",
+                           "--weights", "int8_convrot", "--work", str(tmp_path), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["weights"] == "int8_convrot" and [r["run"] for r in result["runs"]] == ["comfyui", "ours"]
+    assert 0 < result["runs"][1]["rel_l2"] < 0.1
+    qkv = result["qkv"]["10s"]
+    assert qkv["format"] == "int8_tensorwise" and qkv["rows"] > 0 and qkv["comfyui_qkv_proj_ms"] > 0
+    assert "| 10s |" in proc.stdout and "int8_tensorwise" in proc.stdout
