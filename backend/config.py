@@ -25,6 +25,7 @@ BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a backend of the one table (kernels/table.py)
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
+PRECISIONS = ("auto", "bf16", "8-bit")
 MAX_MIN_TOKENS = 1 << 22  # largest min_tokens a (possibly hostile) workflow or script may ask for
 
 
@@ -107,6 +108,12 @@ class SparseConfig:
     routing_scores: str = setting("fp32", Choice(ROUTING_SCORES),
         "fp32: exact block scores for choosing the key blocks. int8 / fp8: cheaper 8-bit scores (fp8 needs "
         "an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks.")
+    precision: str = setting("auto", Choice(PRECISIONS),
+        "Arithmetic of attention. auto: 8-bit when ComfyUI itself runs 8-bit attention (launched with "
+        "--use-sage-attention or --use-ck-attention, or an 8-bit attention another node installed), else bf16. "
+        "bf16: exact attention up to bf16 rounding. 8-bit: 8-bit kernels are allowed where they meet an 8-bit "
+        "error bound. Dense steps: the fastest kernel that meets the precision's bound, ComfyUI's own attention "
+        "among the candidates; sparse exact loop: see the README. Outside ComfyUI auto means bf16.")
 
     def __post_init__(self) -> None:
         for name, declared in settings().items():

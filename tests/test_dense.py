@@ -161,7 +161,10 @@ def test_the_key_names_the_pack_version_gpu_and_libraries(monkeypatch):
     choices = dense.DenseChoices()
     q = torch.empty(1, 4, 300, 64, dtype=torch.bfloat16, device="meta")
     choices.devices[q.device.index] = key  # as `describe_device` leaves it for a GPU
-    assert choices.key(q, q, q) == f"{key}|torch.bfloat16|D64|H4|keys<=512"
+    assert choices.key(q, q, q) == f"{key}|torch.bfloat16|D64|H4|keys<=512|bf16|host none"
+    host = dense.HostAttention("comfy.ldm.modules.attention.attention_sage", lambda *a: None, eight_bit=True)
+    assert choices.key(q, q, q, host, "8-bit") == (f"{key}|torch.bfloat16|D64|H4|keys<=512|8-bit"
+                                                  "|host comfy.ldm.modules.attention.attention_sage")
 
 
 def test_default_cache_path(tmp_path, monkeypatch):
@@ -191,8 +194,9 @@ def test_cpu_runs_sdpa_default(tmp_path):
     choices = dense.DenseChoices(tmp_path / "choices.json")
     q = torch.randn(1, 2, 5, 8)
     assert choices.choice(q, q, q) is None
-    torch.testing.assert_close(choices.attention(q, q, q).double(), exact_attention(q, q, q), rtol=0, atol=1e-6)
-    assert not (tmp_path / "choices.json").exists()
+    out, kernel = choices.attention(q, q, q)
+    torch.testing.assert_close(out.double(), exact_attention(q, q, q), rtol=0, atol=1e-6)
+    assert kernel is None and not (tmp_path / "choices.json").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -202,7 +206,7 @@ def test_gpu_choice_is_exact_saved_and_checked_again(dtype, tmp_path):
     g = torch.Generator("cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 4, 1000, 64, generator=g, device="cuda", dtype=dtype) for _ in range(3))
     choices = dense.DenseChoices(path)
-    out = choices.attention(q, k, v)
+    out, _ = choices.attention(q, k, v)
     key = choices.key(q, k, v)
     assert dense.relative_l2(out, exact_attention(q, k, v).float()) <= dense.tolerance(dtype)
     saved = json.loads(path.read_text())
