@@ -1,4 +1,4 @@
-"""The attention override of the blocks the sparse node runs dense: the fastest kernel that meets the run's precision."""
+"""The attention override of the blocks the sparse node runs dense: the fastest kernel within the precision."""
 from __future__ import annotations
 
 from typing import Any, Callable

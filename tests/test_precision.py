@@ -48,8 +48,8 @@ def test_identity_is_module_and_qualname_of_what_is_wrapped():
 @pytest.mark.parametrize("ident,eight", [
     (f"{ATTENTION}.attention_sage", True), (f"{ATTENTION}.attention_comfy_kitchen_int8", True),
     (f"{ATTENTION}.attention3_sage", True), ("sageattention.core.sageattn", True),
-    ("comfy_kitchen.int8_attention", True), ("kjnodes.nodes.PathchSageAttentionKJ.patch.<locals>.attention_override_sage",
-                                             True),
+    ("comfy_kitchen.int8_attention", True),
+    ("kjnodes.nodes.PathchSageAttentionKJ.patch.<locals>.attention_override_sage", True),
     (f"{ATTENTION}.attention_pytorch", False), (f"{ATTENTION}.attention_flash", False),
     (f"{ATTENTION}.attention_xformers", False), ("somenode.usage_counter.wrapped_attention", False),
     ("othernode.message_attention", False)])
