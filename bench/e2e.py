@@ -264,9 +264,11 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
 
 
 def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
-    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
+    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel), dense SDPA backends and the
+    other dense kernels of the op bench where installed (FlashAttention-4, comfy-kitchen INT8, Sage)."""
     from .. import SequenceLayout, sparse_attention
     from ..kernels.dense import sdpa
+    from .methods import DENSE_KERNELS, dense_kernel, dense_unavailable_reason
     from .timing import time_call
 
     from comfy.ldm.minimax.model import PackedLayout
@@ -288,6 +290,9 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     out["plan_ms"], out["kernel_ms"] = sorted(plan)[reps // 2], sorted(kernel)[reps // 2]
     for name in ("cudnn", "flash"):
         out[f"dense_{name}_ms"] = time_call(lambda: sdpa(q, k, v, name), device, reps=reps)
+    for name in DENSE_KERNELS:  # FlashAttention-4 and the launch modes' own kernels, where installed
+        if dense_unavailable_reason(name, device) is None:
+            out[f"dense_{name}_ms"] = time_call(dense_kernel(name, q, k, v), device, reps=reps)
     return out
 
 

@@ -418,6 +418,8 @@ class DenseChoices:
         reason = flash4.unavailable_reason(q)
         if reason is None:
             names += (FLASH4,)
+            self.note(f"dense kernel {flash4.NAME} is a candidate here: its first call in a process compiles its "
+                      "kernel (CuTe DSL), once")
         elif q.is_cuda and flash4.installed():
             self.note(f"dense kernel {flash4.NAME} is not a candidate: it {reason}")
         if host is not None:
