@@ -25,6 +25,7 @@ BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a backend of the one table (kernels/table.py)
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
+PRECISIONS = ("auto", "bf16", "8-bit")
 MAX_MIN_TOKENS = 1 << 22  # largest min_tokens a (possibly hostile) workflow or script may ask for
 
 
@@ -101,12 +102,19 @@ class SparseConfig:
         "The kernels every stage runs, the planner's included: auto picks the first that runs on the "
         "device and dtype; triton, cudnn or torch (the pure-torch reference, on every device) by name.")
     dense_attention: str = setting("fastest", Choice(DENSE_ATTENTIONS),
-        "fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest exact "
-        "attention kernel of this GPU, measured once per shape (the same result up to bf16 rounding). "
-        "comfyui: they use ComfyUI's own attention path.")
+        "fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest attention "
+        "kernel of this GPU that meets the precision setting, measured once per shape: SDPA's kernels, "
+        "FlashAttention-4 where installed, and ComfyUI's own attention as launched, so a dense step is never "
+        "slower than without this node. comfyui: they use ComfyUI's own attention path.")
     routing_scores: str = setting("fp32", Choice(ROUTING_SCORES),
         "fp32: exact block scores for choosing the key blocks. int8 / fp8: cheaper 8-bit scores (fp8 needs "
         "an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks.")
+    precision: str = setting("auto", Choice(PRECISIONS),
+        "Arithmetic of attention. auto: 8-bit when ComfyUI itself runs 8-bit attention (launched with "
+        "--use-sage-attention or --use-ck-attention, or an 8-bit attention another node installed), else bf16. "
+        "bf16: exact attention up to bf16 rounding. 8-bit: 8-bit kernels are allowed where they meet an 8-bit "
+        "error bound. Dense steps: the fastest kernel within the precision's bound, ComfyUI's own attention "
+        "among the candidates; sparse exact loop: see the README. Outside ComfyUI auto means bf16.")
 
     def __post_init__(self) -> None:
         for name, declared in settings().items():

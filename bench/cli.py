@@ -44,7 +44,7 @@ from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
 
 BENCH_METHODS = ["dense", "ours:reblock:reweight:query", "ours:reblock:mean:query", "ours:reblock:none:query",
                  "ours:reblock:reweight:block", "ours:cube:reweight:query", "ours:cube:none:query",
-                 "sol:topk", "sol:tau=1.0", "flex:reblock"]
+                 "sol:topk", "sol:tau=1.0", "flex:reblock", "dense:fa4", "dense:ck-int8", "dense:sage"]
 EVALUATE_METHODS = ["dense", DEFAULT_METHOD, "ours:reblock:mean:query", "ours:cube:none:query", "sol:topk"]
 
 
@@ -163,7 +163,10 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
                            out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile,
                            compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared,
-                           profile_call=args.profile_call, weights=args.weights)
+                           profile_call=args.profile_call, weights=args.weights, launch=args.launch,
+                           precision=args.precision)
+    print(f"ComfyUI launched as {result['launch']} (its attention: {result['comfyui_attention']}); our node at "
+          f"precision {result['precision']}; every ratio is against this launch without our node")
     print(markdown(result))
     print()
     print(qkv_markdown(result))
@@ -232,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--weights", default="bf16", choices=WEIGHTS,
                      help="checkpoint format: bf16, or the DiT block Linear weights quantised with ComfyUI's own "
                           "functions (int8_convrot, fp8: sm89+, nvfp4: sm100+; refused where the GPU lacks them)")
+    e2e.add_argument("--launch", default="default", choices=("default", "ck", "sage"),
+                     help="ComfyUI as launched plainly, with --use-ck-attention (comfy-kitchen INT8) or with "
+                          "--use-sage-attention (sageattention package); every ratio is against the same launch")
+    e2e.add_argument("--precision", default="auto", choices=("auto", "bf16", "8-bit"),
+                     help="our node's precision widget in every run of ours (default auto: follows the launch)")
     e2e.add_argument("--profile-call", type=int, metavar="N",
                      help="profile the N-th model call (0-based) of every run: kernel tables in WORK/profiles/RUN.txt")
     e2e.set_defaults(func=cmd_e2e)

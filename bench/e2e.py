@@ -31,6 +31,8 @@ the compiled module.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.util
 import itertools
 import json
 import logging
@@ -96,12 +98,66 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def load_comfyui(comfyui: str, work: Path, cpu: bool):
-    """ComfyUI's `nodes` and `execution` in this process, with this pack and the bench nodes loaded."""
+# ComfyUI's launch modes: the flags each sets, and the attention function ComfyUI then binds
+LAUNCHES = {"default": {}, "ck": {"use_ck_attention": True}, "sage": {"use_sage_attention": True}}
+LAUNCH_ATTENTION = {"ck": "attention_comfy_kitchen_int8", "sage": "attention_sage"}
+
+
+def launch_unavailable_reason(launch: str) -> str | None:
+    """Why ComfyUI cannot be launched as `launch` here (its flag's package is missing), or None."""
+    if launch not in LAUNCHES:
+        return f"launch={launch!r} is not allowed: expected one of {', '.join(LAUNCHES)}"
+    if launch == "sage" and importlib.util.find_spec("sageattention") is None:
+        return ("--use-sage-attention needs the sageattention package: pip install sageattention==1.0.6 "
+                "(a 20 KB py3 wheel; carry it to a machine without network)")
+    if launch == "ck":
+        if importlib.util.find_spec("comfy_kitchen") is None:
+            return "--use-ck-attention needs the comfy-kitchen package: pip install comfy-kitchen packaging"
+        import comfy_kitchen
+
+        if not getattr(comfy_kitchen, "int8_attention_is_available", lambda: False)():
+            return ("--use-ck-attention needs comfy-kitchen's INT8 attention, which is not available on this "
+                    "device or build (ComfyUI exits at start-up in that case)")
+    return None
+
+
+def set_launch(args: Any, launch: str) -> None:
+    """Set the flags of launch mode `launch` on ComfyUI's parsed arguments, as its command line would.
+
+    Must run before anything imports ``comfy.ldm.modules.attention``, which binds its attention from them.
+
+    Args:
+        args: ``comfy.cli_args.args``.
+        launch: default, ck (``--use-ck-attention``) or sage (``--use-sage-attention``).
+    Raises:
+        ValueError: an unknown launch, or one whose package is missing (with the install command).
+        RuntimeError: ComfyUI's attention module was imported already, so the flags would not apply.
+    """
+    reason = launch_unavailable_reason(launch)
+    if reason is not None:
+        raise ValueError(f"e2e --launch {launch}: {reason}")
+    if LAUNCHES[launch] and "comfy.ldm.modules.attention" in sys.modules:
+        raise RuntimeError(f"e2e --launch {launch}: ComfyUI's attention module is imported already; its attention "
+                           "was bound from the flags it saw then")
+    for flag, value in LAUNCHES[launch].items():
+        setattr(args, flag, value)
+
+
+def launched_attention() -> str:
+    """The name of the attention function ComfyUI bound at import (``optimized_attention``)."""
+    import comfy.ldm.modules.attention as attention
+
+    return getattr(attention.optimized_attention, "__name__", repr(attention.optimized_attention))
+
+
+def load_comfyui(comfyui: str, work: Path, cpu: bool, launch: str = "default"):
+    """ComfyUI's `nodes` and `execution` in this process, launched as `launch` (`set_launch`), with this
+    pack and the bench nodes loaded."""
     sys.path.insert(0, comfyui)
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = cpu
+    set_launch(comfy.cli_args.args, launch)
     comfy.cli_args.args.disable_api_nodes = True
     import folder_paths
 
@@ -123,6 +179,9 @@ def load_comfyui(comfyui: str, work: Path, cpu: bool):
     for name in ("AdaptiveSparseAttentionH3", "ASABenchTimer", "EmptyMiniMaxH3LatentAV"):
         if name not in nodes.NODE_CLASS_MAPPINGS:
             raise RuntimeError(f"e2e: ComfyUI did not load node {name!r} (see the log above)")
+    expected = LAUNCH_ATTENTION.get(launch)
+    if expected is not None and launched_attention() != expected:
+        raise RuntimeError(f"e2e --launch {launch}: ComfyUI bound {launched_attention()}, not {expected}")
     return nodes, execution
 
 
@@ -273,9 +332,11 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, frames: int, device: torch.d
 
 
 def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
-    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel) and dense SDPA backends."""
+    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel), dense SDPA backends and the
+    other dense kernels of the op bench where installed (FlashAttention-4, comfy-kitchen INT8, Sage)."""
     from .. import sparse_attention
     from ..kernels.dense import sdpa
+    from .methods import DENSE_KERNELS, dense_kernel, dense_unavailable_reason
     from .timing import time_call
 
     layout = clip_layout(scale, frames)
@@ -292,6 +353,9 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     out["plan_ms"], out["kernel_ms"] = sorted(plan)[reps // 2], sorted(kernel)[reps // 2]
     for name in ("cudnn", "flash"):
         out[f"dense_{name}_ms"] = time_call(lambda: sdpa(q, k, v, name), device, reps=reps)
+    for name in DENSE_KERNELS:  # FlashAttention-4 and the launch modes' own kernels, where installed
+        if dense_unavailable_reason(name, device) is None:
+            out[f"dense_{name}_ms"] = time_call(dense_kernel(name, q, k, v), device, reps=reps)
     return out
 
 
@@ -314,7 +378,8 @@ def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
 def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
                   clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
                   compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False,
-                  profile_call: int | None = None, weights: str = "bf16") -> dict:
+                  profile_call: int | None = None, weights: str = "bf16", launch: str = "default",
+                  precision: str = "auto") -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
@@ -324,13 +389,19 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     pack's `prepare` command first in a child process, and the first run of ours (then named
     ours-prepared) is the first use after it. `profile_call` n: the n-th model call of every run is
     profiled (kernel tables in WORK/profiles/<run>.txt). `weights`: the checkpoint's format
-    (bench/checkpoints.py WEIGHTS), refused where the device does not multiply in it."""
+    (bench/checkpoints.py WEIGHTS), refused where the device does not multiply in it.
+    `launch`: ComfyUI launched as default, ck
+    (``--use-ck-attention``) or sage (``--use-sage-attention``), for every run, so each ratio is against
+    the same launch without our node. `precision`: the node's precision widget in every run of ours."""
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     unknown_runs = [r for r in runs if r not in RUNS]
     if unknown_runs:
         raise ValueError(f"e2e: runs {unknown_runs!r} are not runs of the benchmark; allowed: {', '.join(RUNS)}")
-    scale = SCALES[scale_name]
+    reason = launch_unavailable_reason(launch)
+    if reason is not None:
+        raise ValueError(f"e2e --launch {launch}: {reason}")
+    scale = dataclasses.replace(SCALES[scale_name], widgets={**SCALES[scale_name].widgets, "precision": precision})
     unknown = [clip for clip in clips if clip not in scale.frames]
     if unknown or not clips:
         raise ValueError(f"e2e: clips {unknown or clips!r} are not clips of scale {scale_name!r}; allowed: "
@@ -345,7 +416,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     lines = LogLines()
     logging.getLogger("adaptive_sparse_attention").addHandler(lines)
     logging.getLogger("adaptive_sparse_attention").setLevel(logging.INFO)
-    nodes, execution = load_comfyui(comfyui, work, cpu=not cuda)
+    nodes, execution = load_comfyui(comfyui, work, cpu=not cuda, launch=launch)
     if compile_backend is not None and "TorchCompileModel" not in nodes.NODE_CLASS_MAPPINGS:
         raise RuntimeError("e2e: this ComfyUI has no TorchCompileModel node (comfy_extras/nodes_torch_compile.py)")
     ckpt = f"h3_random_{scale_name}_{blocks}blocks_{weights}.safetensors"
@@ -353,6 +424,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device, weights)
     result: dict[str, Any] = {"scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
                               "weights": weights, "compile": compile_backend, "qkv": {},
+                              "launch": launch, "precision": precision,
+                              "comfyui_attention": launched_attention(),
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                               "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}
     executor = execution.PromptExecutor(ServerStub(), cache_type=execution.CacheType.CLASSIC,

@@ -4,6 +4,9 @@ A method name is a spec string:
 
 - ``dense``: scaled-dot-product attention (cuDNN on CUDA, PyTorch's default on CPU); the
   reference every other method is measured against (the row's `note` names the backend).
+- ``dense:<kernel>``: another dense kernel where it is installed (`DENSE_KERNELS`): FlashAttention-4
+  (fa4), comfy-kitchen's INT8 attention as ComfyUI's ``--use-ck-attention`` runs it (ck-int8), and
+  SageAttention as ``--use-sage-attention`` calls it (sage).
 - ``ours:<tiling>:<tail>:<granularity>``: `sparse_attention` with that SparseConfig
   (tiling cube|reblock, tail none|mean|reweight|coarse, granularity query|block); ``*`` in a field
   expands to every choice.
@@ -29,10 +32,16 @@ from ..backend.attention import sparse_attention
 from ..backend.config import TAIL_GRANULARITIES, TAILS, TILINGS, SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import build_plan
+from ..kernels import flash4
 from ..kernels.plan import BlockSparsePlan, pack, unpack
 from .timing import time_call
 
 DEFAULT_METHOD = "ours:reblock:reweight:query"
+DENSE_KERNELS = {  # dense:<name> -> what runs
+    "fa4": "FlashAttention-4 (flash_attn.cute)",
+    "ck-int8": "comfy-kitchen int8_attention (ComfyUI --use-ck-attention)",
+    "sage": "SageAttention sageattn (ComfyUI --use-sage-attention)",
+}
 
 
 @dataclass
@@ -100,7 +109,8 @@ def expand_methods(specs: list[str]) -> list[str]:
                     raise ValueError(f"method {spec!r}: {value!r} is not one of {', '.join(allowed)}")
                 choices.append(allowed if value == "*" else (value,))
             out += [f"ours:{t}:{a}:{g}{suffix}" for t in choices[0] for a in choices[1] for g in choices[2]]
-        elif base == "dense" or base == "sol:topk" or (head == "flex" and rest in TILINGS):
+        elif base == "dense" or base == "sol:topk" or (head == "flex" and rest in TILINGS) or (
+                head == "dense" and rest in DENSE_KERNELS):
             out.append(spec)
         elif base.startswith("sol:tau="):
             try:
@@ -109,13 +119,50 @@ def expand_methods(specs: list[str]) -> list[str]:
                 raise ValueError(f"method {spec!r}: tau must be a number, e.g. sol:tau=1.0") from None
             out.append(spec)
         else:
-            raise ValueError(f"method {spec!r} is not known: expected dense, ours:<tiling>:<tail>:<granularity>, "
-                             "sol:topk, sol:tau=<x> or flex:<cube|reblock>, optionally with @ratio/ratio")
+            raise ValueError(f"method {spec!r} is not known: expected dense, dense:<{'|'.join(DENSE_KERNELS)}>, "
+                             "ours:<tiling>:<tail>:<granularity>, sol:topk, sol:tau=<x> or flex:<cube|reblock>, "
+                             "optionally with @ratio/ratio")
     return list(dict.fromkeys(out))
+
+
+def dense_unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why dense kernel `name` of DENSE_KERNELS cannot run on `device` (bfloat16 inputs), or None."""
+    if name == "fa4":
+        return flash4.unavailable_reason(torch.empty(0, device=device, dtype=torch.bfloat16))
+    if device.type != "cuda":
+        return f"{DENSE_KERNELS[name]} needs a CUDA GPU"
+    if name == "sage":
+        if importlib.util.find_spec("sageattention") is None:
+            return "sageattention is not installed (pip install sageattention==1.0.6)"
+        return None
+    if importlib.util.find_spec("comfy_kitchen") is None:
+        return "comfy-kitchen is not installed (pip install comfy-kitchen packaging)"
+    import comfy_kitchen
+
+    if not hasattr(comfy_kitchen, "int8_attention"):
+        return f"comfy-kitchen {getattr(comfy_kitchen, '__version__', '(unknown version)')} has no int8_attention"
+    if not comfy_kitchen.int8_attention_is_available():
+        return "comfy-kitchen's int8_attention is not available on this GPU or build"
+    return None
+
+
+def dense_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A call of dense kernel `name` of DENSE_KERNELS on [B, H, S, D] inputs, as ComfyUI's launch runs it."""
+    if name == "fa4":
+        return lambda: flash4.attention(q, k, v)
+    if name == "sage":
+        from sageattention import sageattn
+
+        return lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=False)
+    import comfy_kitchen
+
+    return lambda: comfy_kitchen.int8_attention(q, k, v)
 
 
 def unavailable_reason(spec: str, device: torch.device, head_dim: int) -> str | None:
     """Why `spec` cannot run here (missing optional code or hardware), or None."""
+    if spec.startswith("dense:"):
+        return dense_unavailable_reason(spec[len("dense:"):], device)
     if spec.startswith("sol:"):
         reason = sol_unavailable_reason()
         if reason is not None:
@@ -165,6 +212,9 @@ def prepare(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     if spec == "dense":
         call, name = dense_call(q, k, v)
         return Prepared(call, density=1.0, note=name)
+    if spec.startswith("dense:"):
+        name = spec[len("dense:"):]
+        return Prepared(dense_kernel(name, q, k, v), density=1.0, note=DENSE_KERNELS[name])
     if spec.startswith("ours:"):
         config = ours_config(spec, ratio, backend)
         out, info = sparse_attention(q, k, v, layout, config, return_info=True)

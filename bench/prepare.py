@@ -70,8 +70,8 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
         del q, k, v
         torch.cuda.synchronize(device)
         dense_s = time.perf_counter() - start
-        echo(f"prepare {clip}: dense attention runs on SDPA's {kernel or 'default'} kernel "
-             f"(measured in {dense_s:.1f} s, saved in {choices.path})")
+        echo(f"prepare {clip}: dense attention runs on {choices.label(kernel)} (measured in {dense_s:.1f} s, "
+             f"saved in {choices.path}; ComfyUI's own attention, a candidate too, is measured in its first run)")
         result[clip] = {"kernels_s": kernels_s, "dense_s": dense_s}
     return result
 

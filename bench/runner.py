@@ -80,7 +80,7 @@ def scene_cases(preset: Preset, scenes: Iterable[str], seed: int, device: torch.
 def ratio_list(spec: str, ratios: list[float]) -> list[float | None]:
     """The ratios `spec` runs at: its own ``@`` list, the run's list, or [None] if it takes none."""
     base, fixed = split_spec(spec)
-    return [None] if base == "dense" or base.startswith("sol:tau=") else list(fixed or ratios)
+    return [None] if base.partition(":")[0] == "dense" or base.startswith("sol:tau=") else list(fixed or ratios)
 
 
 def environment(device: torch.device) -> dict[str, str]:

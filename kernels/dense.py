@@ -1,13 +1,17 @@
-"""Dense attention on the fastest exact kernel of this GPU at this shape, chosen by measurement.
+"""Dense attention on the fastest kernel of this GPU at this shape that meets the run's precision.
 
-ComfyUI's SDPA wrapper fixes one backend priority for every GPU (FlashAttention first). Here the
-exact candidates (SDPA's cuDNN, FlashAttention and memory-efficient backends: the same softmax
-attention, differing in bf16/fp16 rounding only) are checked against a float32 softmax attention
-and timed once per GPU, dtype, head size, head count and key-length bucket on a slice of the real
-queries; the fastest one that matches is kept. `DenseChoices` owns the choices: in memory
-(bounded) and in a small JSON file (`ChoiceFile`), so later processes on the machine take the same
-kernel (the same output bits) after one check that it still runs here. On the CPU SDPA's own
-choice runs; where no candidate runs, SDPA's own choice runs too, said once and not saved.
+ComfyUI's SDPA wrapper fixes one backend priority for every GPU (FlashAttention first), and a user
+may have launched ComfyUI with a faster attention (comfy-kitchen INT8, Sage, flash-attn, ...). Here
+the candidates (SDPA's cuDNN, FlashAttention and memory-efficient backends, FlashAttention-4 where
+installed on sm90/sm100, and the host's own attention function, `HostAttention`: ComfyUI's as
+launched) are checked against a float32 softmax attention and timed once per GPU, dtype, head size,
+head count, key-length bucket, precision and host function on a slice of the real queries; the
+fastest one that meets the precision's bound (`tolerance`) is kept, so a dense step is never slower
+than the host's own attention. `DenseChoices` owns the choices: in memory (bounded) and in a small
+JSON file (`ChoiceFile`), so later processes on the machine take the same kernel (the same output
+bits) after one check that it still runs here. On the CPU SDPA's own choice runs unless a host
+function is given (then the two are measured); where no candidate runs, SDPA's own choice runs
+too, said once and not saved.
 
 SDPA's memory-efficient kernel indexes a head's rows in 32 bits: on ComfyUI's q/k (strided views
 of the fused qkv buffer, 3*H*D elements apart) a clip whose rows span 2^31 elements or more (H3
@@ -16,10 +20,13 @@ Such inputs are never given to it, neither while measuring nor after.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,13 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from ..version import __version__
+from . import flash4
 from .choice_file import ChoiceFile
 from .offsets import wide_rows
 
 log = logging.getLogger("adaptive_sparse_attention")
 
 CACHE_ENV = "ADAPTIVE_SPARSE_DENSE_CACHE"
-CANDIDATES = ("cudnn", "flash", "efficient")
+CANDIDATES = ("cudnn", "flash", "efficient")  # SDPA's backends on CUDA
+DEFAULT = "sdpa"  # SDPA's own choice: the CPU's candidate
+FLASH4 = "flash4"
+HOST = "host"  # the host application's own attention function (`HostAttention`)
+PRECISIONS = ("bf16", "8-bit")
+BF16_MULTIPLE = 3  # bound of a bf16 run, in units of an exact kernel's rounding error (`tolerance`)
+EIGHT_BIT_MULTIPLE = 10  # bound of an 8-bit run, likewise
+LABELS = {"cudnn": "SDPA cuDNN", "flash": "SDPA FlashAttention-2", "efficient": "SDPA memory-efficient",
+          DEFAULT: "SDPA's own choice", FLASH4: flash4.NAME}
 SAMPLE_ROWS = 4096  # queries timed per candidate: the ranking depends on the keys, not on the query count
 CHECK_ROWS = 128  # of those, compared with the float32 reference, in the first and last head
 REPS = 3
@@ -41,20 +57,62 @@ MAX_CHOICES = 64  # shape buckets kept in memory; a model uses a handful
 _UNKNOWN = object()  # no choice in memory yet
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """Relative L2 error a candidate may have against the float32 reference at this input dtype.
+@dataclass(frozen=True)
+class HostAttention:
+    """The attention function the host application would run for a call (ComfyUI's as launched, or
+    another node's patch of it): a candidate of the dense choice like the kernels here.
 
-    An exact kernel differs from it by rounding its probabilities and its output to the input
-    dtype: a relative RMS error near u/sqrt(3) each, u the unit roundoff (2^-8 for bfloat16, 2^-11
-    for float16), so about 3e-3 and 4e-4 together. The bounds are 5-10 times that; a wrong kernel
-    (scale, head or row mix-up) is off by 0.1 or more. Float32 and float64 allow TF32-like rounding.
+    Attributes:
+        identity: a stable name of the function (module and qualified name), part of the choice's key,
+            so a relaunch with another attention measures again.
+        run: q, k, v [B, H, S, D] -> [B, H, S, D], exact softmax attention up to its arithmetic.
+        eight_bit: whether it computes in 8-bit arithmetic; it is then a candidate of 8-bit runs only.
+        label: how the report names it.
+    """
+
+    identity: str
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    eight_bit: bool = False
+    label: str = ""
+
+    def name(self) -> str:
+        """The report's name of the function."""
+        return self.label or f"the host's attention {self.identity}"
+
+
+def rounding_error(dtype: torch.dtype) -> float:
+    """Relative L2 error of an exact kernel against a float32 reference from rounding alone.
+
+    Rounding its probabilities and its output to the input dtype gives a relative RMS error near
+    u/sqrt(3) each, u the unit roundoff: u * sqrt(2/3) together, 3.2e-3 for bfloat16 (u = 2^-8) and
+    4e-4 for float16 (2^-11). Float32 and float64 inputs allow TF32's 2^-11 as well.
+    """
+    return (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11) * math.sqrt(2.0 / 3.0)
+
+
+def tolerance(dtype: torch.dtype, precision: str = "bf16", sdpa_error: float | None = None) -> float:
+    """Relative L2 error a candidate may have against the float32 reference in a run of `precision`.
+
+    The unit is the error of an exact kernel at this dtype: SDPA's own, measured on the same rows
+    (`sdpa_error`), held between `rounding_error(dtype)` and twice that. A bf16 run accepts
+    BF16_MULTIPLE units (bfloat16: 9.6e-3; the exact kernels measure 2.3e-3 on the H200, the 8-bit ones
+    1.3e-2 (Sage) and 1.7e-2 (comfy-kitchen INT8), so they are refused). An 8-bit run accepts
+    EIGHT_BIT_MULTIPLE units (bfloat16: 3.2e-2, about twice comfy-kitchen INT8's error on random
+    inputs). A wrong kernel (scale, head or row mix-up) is off by 0.1 or more in either.
 
     Args:
         dtype: the dtype of q, k, v.
+        precision: "bf16" or "8-bit".
+        sdpa_error: SDPA's own relative L2 error on the checked rows, when measured.
     Returns:
         The largest relative L2 error accepted.
     """
-    return 2e-2 if dtype == torch.bfloat16 else 5e-3 if dtype == torch.float16 else 1e-3
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not allowed: expected one of {', '.join(PRECISIONS)}")
+    unit = rounding_error(dtype)
+    if sdpa_error is not None:
+        unit = min(max(sdpa_error, unit), 2 * unit)
+    return (EIGHT_BIT_MULTIPLE if precision == "8-bit" else BF16_MULTIPLE) * unit
 
 
 def _backend(name: str):
@@ -65,8 +123,8 @@ def _backend(name: str):
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None) -> torch.Tensor:
-    """SDPA of [B, H, S, D] inputs on one named backend (None: SDPA's own choice)."""
-    if kernel is None:
+    """SDPA of [B, H, S, D] inputs on one named backend (None or DEFAULT: SDPA's own choice)."""
+    if kernel is None or kernel == DEFAULT:
         return F.scaled_dot_product_attention(q, k, v)
     from torch.nn.attention import sdpa_kernel
 
@@ -75,8 +133,19 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None) 
 
 
 def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
-    """The kernels that can take these inputs: all but memory-efficient where the rows are wide."""
+    """SDPA's backends that can take these inputs: all but memory-efficient where the rows are wide."""
     return tuple(c for c in CANDIDATES if c != "efficient") if wide_rows(q, k, v) else CANDIDATES
+
+
+def wall_time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of `fn` over REPS calls after a warm-up call, by the wall clock (the CPU)."""
+    fn()
+    spans = []
+    for _ in range(REPS):
+        start = time.perf_counter()
+        fn()
+        spans.append((time.perf_counter() - start) * 1e3)
+    return sorted(spans)[len(spans) // 2]
 
 
 def device_key(device: torch.device) -> str:
@@ -142,7 +211,7 @@ def log_note(message: str, level: int = logging.INFO) -> None:
 
 
 def agrees(name: str, run: Callable[[str], torch.Tensor], reference: torch.Tensor, tol: float,
-           note: Callable[..., None] = log_note) -> bool:
+           note: Callable[..., None] = log_note, label: Callable[[str], str] = str) -> bool:
     """Whether candidate `name` runs and matches the reference; why not is passed to `note`.
 
     Args:
@@ -151,24 +220,26 @@ def agrees(name: str, run: Callable[[str], torch.Tensor], reference: torch.Tenso
         reference: the float32 reference output.
         tol: the largest relative L2 error accepted.
         note: receives the reason when the answer is no (and, for a mismatch, logging.WARNING).
+        label: the candidate's name in messages.
     Returns:
         True if it ran and matched.
     """
     try:
         err = relative_l2(run(name), reference)
     except Exception as exc:  # out of memory, or a kernel that does not take these inputs
-        note(f"dense kernel {name} cannot run here ({describe(exc)}): skipped")
+        note(f"dense kernel {label(name)} cannot run here ({describe(exc)}): skipped")
         return False
     if not err <= tol:
-        note(f"dense kernel {name} differs from the float32 reference (relative L2 {err:.2e}, more than "
-             f"{tol:.0e}): skipped", logging.WARNING)
+        note(f"dense kernel {label(name)} differs from the float32 reference (relative L2 {err:.2e}, more than "
+             f"the {tol:.1e} allowed): skipped", logging.WARNING)
         return False
     return True
 
 
 def fastest(candidates: Sequence[str], run: Callable[[str], torch.Tensor],
             time_ms: Callable[[Callable[[], object]], float], reference: torch.Tensor, tol: float,
-            note: Callable[..., None] = log_note) -> str | None:
+            note: Callable[..., None] = log_note, label: Callable[[str], str] = str,
+            times: dict[str, float] | None = None) -> str | None:
     """The fastest candidate that runs and matches the reference, or None if none does.
 
     Args:
@@ -178,20 +249,33 @@ def fastest(candidates: Sequence[str], run: Callable[[str], torch.Tensor],
         reference: the float32 reference output.
         tol: the largest relative L2 error accepted.
         note: receives why a candidate is skipped (see `agrees`).
+        label: a candidate's name in messages.
+        times: filled with the milliseconds of every candidate that matched, when given.
     Returns:
         The chosen name, or None.
     """
-    times = {}
+    times = {} if times is None else times
     for name in candidates:
-        if not agrees(name, run, reference, tol, note):
+        if not agrees(name, run, reference, tol, note, label):
             continue
         try:
             times[name] = time_ms(lambda: run(name))
         except Exception as exc:
-            note(f"dense kernel {name} failed while timed ({describe(exc)}): skipped")
+            note(f"dense kernel {label(name)} failed while timed ({describe(exc)}): skipped")
     if not times:
         return None
     return min(times, key=lambda name: (times[name], candidates.index(name)))
+
+
+def exact_error(run: Callable[[str], torch.Tensor], reference: torch.Tensor, allowed: Sequence[str]) -> float | None:
+    """The relative L2 error of an exact kernel against the reference: the first of SDPA's kernels in
+    `allowed` that runs (its own choice on the CPU); None if none runs."""
+    for name in (n for n in allowed if n in CANDIDATES or n == DEFAULT):
+        try:
+            return relative_l2(run(name), reference)
+        except Exception:  # a backend that does not take these inputs: the next one
+            continue
+    return None
 
 
 def cuda_time_ms(fn: Callable[[], object]) -> float:
@@ -219,13 +303,15 @@ class DenseChoices:
 
     Args:
         path: the JSON file of saved choices; None: `default_cache_path()`.
+        timer: milliseconds of one call of a thunk; None: CUDA events on a GPU, the wall clock on the CPU.
     """
 
-    def __init__(self, path: Path | None = None):
+    def __init__(self, path: Path | None = None, timer: Callable[[Callable[[], object]], float] | None = None):
         self.file = ChoiceFile(default_cache_path() if path is None else path)
+        self.timer = timer
         self.lock = threading.Lock()
         self.choices: dict[str, str | None] = {}
-        self.devices: dict[int | None, str] = {}  # device index -> device_key
+        self.devices: dict[int | None, str] = {}  # device index -> device_key (+ whether FlashAttention-4 runs)
         self.noted: set[str] = set()
 
     @property
@@ -247,20 +333,29 @@ class DenseChoices:
             self.noted.add(message)
         log.log(level, message)
 
-    def key(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-        """What the choice depends on: `device_key`, dtype, head size, heads, key-length bucket, and
-        whether the rows are too wide for the memory-efficient kernel."""
+    def key(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None = None,
+            precision: str = "bf16") -> str:
+        """What the choice depends on: `device_key` (and whether FlashAttention-4 runs there), dtype,
+        head size, heads, key-length bucket, whether the rows are too wide for the memory-efficient
+        kernel, the precision and the host's attention function."""
         device = self.devices.get(q.device.index)
         if device is None:
             device = self.describe_device(q.device)
         bucket = 1 << max(0, math.ceil(math.log2(max(1, k.shape[2]))))
         wide = "|wide rows" if wide_rows(q, k, v) else ""
-        return f"{device}|{q.dtype}|D{q.shape[-1]}|H{q.shape[1]}|keys<={bucket}{wide}"
+        return (f"{device}|{q.dtype}|D{q.shape[-1]}|H{q.shape[1]}|keys<={bucket}{wide}|{precision}"
+                f"|host {'none' if host is None else host.identity}")
 
     @torch.compiler.disable
     def describe_device(self, device: torch.device) -> str:
-        """`device_key` of `device`, computed once per device (outside torch.compile)."""
-        self.devices[device.index] = device_key(device)
+        """`device_key` of `device` (for the CPU: pack and torch versions), computed once per device
+        (outside torch.compile)."""
+        if device.type != "cuda":
+            self.devices[device.index] = f"pack {__version__}|{device.type}|torch {torch.__version__}"
+            return self.devices[device.index]
+        probe_q = torch.empty(0, device=device, dtype=torch.bfloat16)
+        fa4 = "|FA4" if flash4.unavailable_reason(probe_q) is None else ""
+        self.devices[device.index] = device_key(device) + fa4
         return self.devices[device.index]
 
     def lookup(self, key: str, first_use: Callable[[], str | None]) -> str | None:
@@ -269,17 +364,20 @@ class DenseChoices:
         return first_use() if choice is _UNKNOWN else choice
 
     def resolve(self, key: str, allowed: Sequence[str], check: Callable[[str], bool],
-                measure: Callable[[], str | None]) -> str | None:
+                measure: Callable[[], str | None], label: Callable[[str], str] = str,
+                persist: bool = True) -> str | None:
         """First use of `key`: the saved choice if `check` passes for it, else `measure()`.
 
-        A measured choice is saved; None (no candidate ran) is kept for this process only, so a
-        later process measures again.
+        A measured choice is saved (with `persist`); None (no candidate ran) is kept for this process
+        only, so a later process measures again.
 
         Args:
             key: the shape bucket.
             allowed: the kernels these inputs may run on.
             check: whether a kernel runs here and matches the reference (False where it cannot be told).
             measure: the fastest matching kernel, or None.
+            label: a kernel's name in messages.
+            persist: whether the file is read and written (not for CPU timings, which vary run to run).
         Returns:
             The kernel, or None for SDPA's own choice.
         """
@@ -287,7 +385,7 @@ class DenseChoices:
             choice = self.choices.get(key, _UNKNOWN)
             if choice is not _UNKNOWN:
                 return choice
-            saved = self.file.read().get(key)
+            saved = self.file.read().get(key) if persist else None
             if saved is not None and saved in allowed and check(saved):
                 return self.remember(key, saved)
             if saved is not None:
@@ -296,10 +394,12 @@ class DenseChoices:
             if choice is None:
                 self.note(f"dense attention for {key} runs on SDPA's own choice: no candidate kernel ran and "
                           "matched here; a later process measures again", logging.WARNING)
-            else:
-                log.info("dense attention for %s runs on SDPA's %s kernel (measured once, saved in %s)",
-                         key, choice, self.path)
+            elif persist:
+                log.info("dense attention for %s runs on %s (measured once, saved in %s)", key, label(choice),
+                         self.path)
                 self.file.save(key, choice)
+            else:
+                log.info("dense attention for %s runs on %s (measured in this process)", key, label(choice))
             return self.remember(key, choice)
 
     def remember(self, key: str, choice: str | None) -> str | None:
@@ -309,48 +409,110 @@ class DenseChoices:
             del self.choices[next(iter(self.choices))]
         return choice
 
+    def candidates(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None,
+                   precision: str) -> tuple[str, ...]:
+        """The kernels these inputs may run on in a run of `precision`, in order of preference for equal
+        times: SDPA's backends (SDPA's own choice on the CPU), FlashAttention-4 where it runs, then the
+        host's function (unless it is 8-bit in a bf16 run: said once)."""
+        names = candidates(q, k, v) if q.is_cuda else (DEFAULT,)
+        reason = flash4.unavailable_reason(q)
+        if reason is None:
+            names += (FLASH4,)
+            self.note(f"dense kernel {flash4.NAME} is a candidate here: its first call in a process compiles its "
+                      "kernel (CuTe DSL), once")
+        elif q.is_cuda and flash4.installed():
+            self.note(f"dense kernel {flash4.NAME} is not a candidate: it {reason}")
+        if host is not None:
+            if host.eight_bit and precision != "8-bit":
+                self.note(f"dense kernel {host.name()} is not a candidate: it computes in 8-bit and this run's "
+                          f"precision is {precision}")
+            else:
+                names += (HOST,)
+        return names
+
+    def label(self, name: str | None, host: HostAttention | None = None) -> str:
+        """How the report names kernel `name` (None: SDPA's own choice)."""
+        if name == HOST and host is not None:
+            return host.name()
+        return LABELS.get(name or DEFAULT, str(name))
+
+    @staticmethod
+    def kernel(name: str | None, host: HostAttention | None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                         torch.Tensor]:
+        """The function that runs kernel `name` on [B, H, S, D] inputs."""
+        if name == HOST:
+            return host.run
+        if name == FLASH4:
+            return flash4.attention
+        return lambda q, k, v: sdpa(q, k, v, name)
+
     @torch.compiler.disable
-    def first_use(self, key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-        """`resolve` on these inputs: candidates checked and timed on the first SAMPLE_ROWS queries."""
-        allowed = candidates(q, k, v)
+    def first_use(self, key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None,
+                  precision: str) -> str | None:
+        """`resolve` on these inputs: candidates checked and timed on the first SAMPLE_ROWS queries
+        against a float32 reference, within `tolerance` of the precision (its unit: SDPA's own error
+        on the same rows)."""
+        allowed = self.candidates(q, k, v, host, precision)
         sample = q[:, :, :SAMPLE_ROWS]
-        tol = tolerance(q.dtype)
+        timer = self.timer or (cuda_time_ms if q.is_cuda else wall_time_ms)
 
         def run(name: str) -> torch.Tensor:
-            return probe(sdpa(sample, k, v, name))
+            return probe(self.kernel(name, host)(sample, k, v))
 
-        with torch.cuda.device(q.device), torch.no_grad():
+        def label(name: str) -> str:
+            return self.label(name, host)
+
+        def measure() -> str | None:
+            times: dict[str, float] = {}
+            choice = fastest(allowed, run, timer, reference, tol, self.note, label, times)
+            self.note(f"dense kernels measured for {key} (bound {tol:.1e} relative L2, {precision}): "
+                      + ", ".join(f"{label(n)} {t:.3g} ms" for n, t in times.items()))
+            return choice
+
+        device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+        with device, torch.no_grad():
             try:
                 reference = reference_attention(sample, k, v)
             except Exception as exc:  # out of memory: no candidate can be checked
                 self.note(f"the float32 reference for {key} cannot run here ({describe(exc)})", logging.WARNING)
                 reference = None
+            tol = tolerance(q.dtype, precision, None if reference is None else exact_error(run, reference, allowed))
             return self.resolve(
                 key, allowed,
-                lambda name: reference is not None and agrees(name, run, reference, tol, self.note),
-                lambda: None if reference is None else fastest(allowed, run, cuda_time_ms, reference, tol,
-                                                               self.note))
+                lambda name: reference is not None and agrees(name, run, reference, tol, self.note, label),
+                lambda: None if reference is None else measure(), label, persist=q.is_cuda)
 
-    def choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    def choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None = None,
+               precision: str = "bf16") -> str | None:
         """The kernel for dense attention of these inputs: measured on first use of a shape bucket.
 
+        Args:
+            q, k, v: [B, H, S, D].
+            host: the host application's own attention for this call, a candidate too.
+            precision: "bf16" or "8-bit": the bound the candidates must meet (`tolerance`).
         Returns:
-            The kernel, or None where SDPA's own choice runs (CPU, or no candidate ran).
+            The kernel, or None where SDPA's own choice runs (the CPU without a host function, or no
+            candidate ran).
         """
-        if not q.is_cuda:
+        if not q.is_cuda and host is None:
             return None
-        key = self.key(q, k, v)
-        return self.lookup(key, lambda: self.first_use(key, q, k, v))
+        key = self.key(q, k, v, host, precision)
+        return self.lookup(key, lambda: self.first_use(key, q, k, v, host, precision))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Exact softmax attention of q, k, v [B, H, S, D] on the fastest kernel for them.
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None = None,
+                  precision: str = "bf16") -> tuple[torch.Tensor, str | None]:
+        """Softmax attention of q, k, v [B, H, S, D] on the fastest kernel for them that meets `precision`.
 
         Args:
             q, k, v: one dtype and device; scale head_dim ** -0.5, no mask.
+            host: the host application's own attention for this call, a candidate too.
+            precision: "bf16" or "8-bit".
         Returns:
-            [B, H, S, D] in q's dtype.
+            ([B, H, S, D] in q's dtype, the kernel that ran: None for SDPA's own choice).
         """
-        choice = self.choice(q, k, v)
-        if choice is None and q.is_cuda and wide_rows(q, k, v):  # SDPA's own pick may be memory-efficient
-            q, k, v = (t.contiguous() for t in (q, k, v))
-        return sdpa(q, k, v, choice)
+        choice = self.choice(q, k, v, host, precision)
+        if choice is None:
+            if q.is_cuda and wide_rows(q, k, v):  # SDPA's own pick may be memory-efficient
+                q, k, v = (t.contiguous() for t in (q, k, v))
+            return sdpa(q, k, v, None), None
+        return self.kernel(choice, host)(q, k, v), choice

@@ -1,4 +1,4 @@
-"""The attention override of the blocks the sparse node runs dense: the fastest exact kernel."""
+"""The attention override of the blocks the sparse node runs dense: the fastest kernel within the precision."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -6,30 +6,72 @@ from typing import Any, Callable
 import torch
 
 from ..backend.attention import DTYPES
-from ..kernels.dense import DenseChoices
+from ..kernels.dense import DenseChoices, HostAttention
+from .precision import identity, is_eight_bit
+
+MAX_FUNCTIONS = 16  # identities of ComfyUI attention functions remembered (a launch has one or two)
 
 
 class DenseOverride:
-    """``optimized_attention_override`` of the blocks our node runs dense: the fastest exact kernel.
+    """``optimized_attention_override`` of the blocks our node runs dense.
 
-    ComfyUI calls it with its own attention function and arguments; a call it does not serve (a
-    mask, another attention precision) goes on to that function unchanged. Each patched model's
-    state holds its own (`SparseAttentionHook.start_state`); the measured kernel choices it reads
-    (`choices`) are shared by the clones of one node's model, as they are facts of the machine.
+    ComfyUI calls it with its own attention function (`func`: the one its launch flags bound, or
+    another node's patch of it) and that function's arguments. `func` is itself a candidate of the
+    measured choice (`DenseChoices`), beside SDPA's kernels and FlashAttention-4, so a dense step is
+    never slower than ComfyUI's own; an 8-bit `func` is a candidate of 8-bit runs only. It is called
+    with the arguments ComfyUI passed (``transformer_options``, ``_inside_attn_wrapper`` kept: a
+    function that falls back to another wrapped ComfyUI attention would otherwise reach this override
+    again). A call it does not serve (a mask, another attention precision or scale, grouped heads, a
+    dtype the engine does not take) goes to `func` unchanged.
+
+    Runs eagerly under torch.compile: it reads the run's precision and records the kernel in the run
+    report, state a compiled frame would freeze (TorchCompileModel drops the guards under
+    ``transformer_options``, where ComfyUI finds this object); what it runs is one attention call.
+
+    Each patched model's state holds its own (`SparseAttentionHook.start_state`); the measured kernel
+    choices it reads (`choices`) are shared by the clones of one node's model, as they are facts of
+    the machine.
+
+    Args:
+        choices: the measured dense-kernel choices.
+        ran: receives, per call, the name of the kernel that ran (for the run report).
+        precision: "bf16" or "8-bit", the bound the candidates must meet (set per run by the hook).
     """
 
-    def __init__(self, choices: DenseChoices):
+    def __init__(self, choices: DenseChoices, ran: Callable[[str], None] = lambda name: None,
+                 precision: str = "bf16"):
         self.choices = choices
+        self.ran = ran
+        self.precision = precision
+        self.identities: dict[Callable, str] = {}
 
+    def host(self, func: Callable, heads: int, kwargs: dict) -> HostAttention:
+        """ComfyUI's `func` as a candidate: [B, H, S, D] in and out, with ComfyUI's other arguments."""
+        ident = self.identities.get(func)
+        if ident is None:
+            ident = identity(func)
+            if len(self.identities) < MAX_FUNCTIONS:
+                self.identities[func] = ident
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return func(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=True, skip_output_reshape=True,
+                        **kwargs)
+
+        return HostAttention(ident, run, is_eight_bit(ident), label=f"ComfyUI's attention {ident}")
+
+    @torch.compiler.disable
     def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
                  mask: Any = None, attn_precision: Any = None, skip_reshape: bool = False,
                  skip_output_reshape: bool = False, **kwargs: Any) -> torch.Tensor:
-        if mask is not None or attn_precision is not None or kwargs.get("enable_gqa") or q.dtype not in DTYPES:
+        if (mask is not None or attn_precision is not None or kwargs.get("enable_gqa")
+                or kwargs.get("scale") is not None or q.dtype not in DTYPES):
             return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                         skip_output_reshape=skip_output_reshape, **kwargs)
         if not skip_reshape:  # [B, S, H * D] -> [B, H, S, D]
             q, k, v = (t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
-        out = self.choices.attention(q, k, v)
+        host = self.host(func, heads, kwargs)
+        out, kernel = self.choices.attention(q, k, v, host, self.precision)
+        self.ran(self.choices.label(kernel, host))
         if skip_output_reshape:
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)

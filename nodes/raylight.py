@@ -85,7 +85,7 @@ class RaylightSparseAttention(SparseAttentionHook):
             problem = self.shard_problem(x, layout)
             if problem is None:
                 # strict raises here when the asked-for backend cannot run
-                layout_kernels(layout, self.config, x.device, x.dtype, attn.head_dim)
+                layout_kernels(layout, self.engine_config, x.device, x.dtype, attn.head_dim)
                 return ctx.step, layout
             self.refuse(layer, problem)
         self.tracker.note_block(ctx.step, sparse=False)
@@ -150,10 +150,10 @@ class RaylightSparseAttention(SparseAttentionHook):
         timer = self.tracker.start_timer(q)
         density = self.tracker.densities.get(layout.signature())
         if density is None:  # measured once per shape and run: it needs a host sync
-            out, info = local_heads_attention(q, k, v, layout, self.config, return_info=True)
+            out, info = local_heads_attention(q, k, v, layout, self.engine_config, return_info=True)
             density = self.tracker.densities.setdefault(layout.signature(), info.density)
         else:
-            out = local_heads_attention(q, k, v, layout, self.config)
+            out = local_heads_attention(q, k, v, layout, self.engine_config)
         self.tracker.stop_timer(timer)
         self.tracker.note_block(step, sparse=True, density=density)
         return out

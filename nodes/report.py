@@ -37,6 +37,11 @@ def format_report(report: dict | None) -> str:
             f"estimated time saved: {report['est_saved_s']:.2f} s (vs torch's dense attention, timed on one call "
             "per shape)"),
     ]
+    if "precision" in report:
+        lines.append(f"Precision: {report['precision']} ({report['precision_reason']})")
+    if report.get("dense_kernels"):
+        lines.append("Dense attention (our override) ran on: " + "; ".join(
+            f"{name} ({n} calls)" for name, n in sorted(report["dense_kernels"].items())))
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
     if report["dense_reasons"]:

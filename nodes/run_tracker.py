@@ -31,6 +31,7 @@ class RunStats:
     dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
     timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
     timed_dense_ms: float = 0.0
+    dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
 
 
 class RunTracker:
@@ -57,6 +58,7 @@ class RunTracker:
         self.densities: dict[tuple, float] = {}  # per layout signature, measured once per run
         self.last_report: dict | None = None  # `report()` of the latest run that ran any block, as of its last sampler call
         self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
+        self.precision: tuple[str, str] = ("bf16", "not resolved yet")  # (precision, why), set per sampler call
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def step_of(self, transformer_options: dict) -> tuple[int | None, float | None, tuple[int, int] | None]:
@@ -81,11 +83,18 @@ class RunTracker:
             self.flush_timers()
             return sum(v > entry for v in self.run_sigmas), s, segment
 
-    def log_once(self, message: str) -> None:
-        """Log a warning once per run (a reason that holds for every block is not repeated per block)."""
+    def log_once(self, message: str, level: int = logging.WARNING) -> None:
+        """Log a message (a warning by default) once per run (a reason that holds for every block is
+        not repeated per block)."""
         if message not in self.logged:
             self.logged.add(message)
-            log.warning("%s: %s", self.name, message)
+            log.log(level, "%s: %s", self.name, message)
+
+    def note_dense_kernel(self, name: str) -> None:
+        """Count one attention call of our dense override on kernel `name`."""
+        with self.lock:
+            kernels = self.stats.dense_kernels
+            kernels[name] = kernels.get(name, 0) + 1
 
     def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
                    reason: str | None = None) -> None:
@@ -161,9 +170,12 @@ class RunTracker:
         dense_steps = len(s.dense_steps - s.sparse_steps)
         overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
         density = f"{self.mean_density():.3f} in sparse blocks ({overall:.3f} over all blocks)"
-        return (f"{self.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
+        line = (f"{self.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
                 f"{s.sparse_blocks} sparse; mean density {density}; sparse attention time "
-                f"{s.attention_ms / 1e3:.2f} s")
+                f"{s.attention_ms / 1e3:.2f} s; precision {self.precision[0]}")
+        if s.dense_kernels:
+            line += "; dense attention on " + ", ".join(sorted(s.dense_kernels))
+        return line
 
     def report(self) -> dict:
         """What the run did, as plain data (the report node shows it).
@@ -181,7 +193,8 @@ class RunTracker:
                 "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
                 "mean_density": self.mean_density(), "attention_s": attention_s,
                 "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
-                "dense_reasons": dict(s.dense_reasons)}
+                "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
+                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels)}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

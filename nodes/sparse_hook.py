@@ -1,6 +1,7 @@
 """The sparse-attention policy: which H3 block calls run adaptive sparse attention, and running them."""
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +19,7 @@ from .comfy_weights import (head_groups, linear_weights, on_device, outside_allo
 from .block_patches import install
 from .dense_override import DenseOverride
 from .hooks import BlockHook, CallContext, log
+from .precision import launch_attention, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
 
@@ -36,18 +38,34 @@ class SparseAttentionHook(BlockHook):
         super().__init__()
 
     def start_state(self, parent: BlockHook | None) -> None:
-        """Fresh per-model state (see `BlockHook.start_state`), with its own dense override and
-        warmup sigma (set from the sampled model when sampling starts)."""
+        """Fresh per-model state (see `BlockHook.start_state`), with its own dense override, warmup
+        sigma and precision (both set from the sampled model when sampling starts)."""
         super().start_state(parent)
         self.notices = list(self.notices)
-        self.dense_override = DenseOverride(self.dense_choices)
+        self.dense_override = DenseOverride(self.dense_choices, self.tracker.note_dense_kernel)
         self.warmup_sigma: float | None = None
+        self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
+
+    def set_precision(self, precision: str, reason: str) -> None:
+        """Run at `precision` ("bf16" or "8-bit", resolved from the node's setting): the engine's
+        config (`engine_config`), the dense override's bound and the report."""
+        self.engine_config = self.config.replace(precision=precision)
+        self.dense_override.precision = precision
+        self.tracker.precision = (precision, reason)
 
     def on_pre_run(self, patcher: Any) -> None:
-        """Start of a sampler call: the warmup sigma of the sampled model's sampling (`warmup_sigma`)."""
+        """Start of a sampler call: the warmup sigma of the sampled model's sampling (`warmup_sigma`)
+        and the precision, which `auto` takes from the attention ComfyUI runs for this model (its
+        launch's, or another node's override installed on it)."""
         super().on_pre_run(patcher)
         sampling = patcher.get_model_object("model_sampling")
         self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
+        override = patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
+        if isinstance(override, DenseOverride):
+            override = None
+        self.set_precision(*resolve_precision(self.config.precision,
+                                              launch_attention(patcher.get_model_object("diffusion_model")),
+                                              override))
 
     def replaced(self, earlier: BlockHook) -> None:
         """Say in the log and in the report that this node's settings replace an earlier node's."""
@@ -111,6 +129,8 @@ class SparseAttentionHook(BlockHook):
         dense with its reason)."""
         to = args.get("transformer_options", {})
         x = args["img"]
+        precision, why = self.tracker.precision
+        self.tracker.log_once(f"precision {precision} ({why})", logging.INFO)
         layout = self.layout(args, ctx)
         reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, self.warmup(ctx))
         if reason is None:
@@ -129,7 +149,7 @@ class SparseAttentionHook(BlockHook):
         """Compile the kernels of this layout before they run (once per layout, where the backend
         compiles any), announced in the console and as progress text on the running node."""
         with outside_allocation_graph():
-            prepare_kernels(layout, self.config, dtype, device, attn.head_dim, announce=progress_text)
+            prepare_kernels(layout, self.engine_config, dtype, device, attn.head_dim, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
@@ -159,13 +179,13 @@ class SparseAttentionHook(BlockHook):
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
             nonlocal density
             if density is None:  # measured once per shape and run: it needs a host sync
-                o, info = sparse_attention(q, k, v, layout, self.config, return_info=True, coarse_gate=g)
+                o, info = sparse_attention(q, k, v, layout, self.engine_config, return_info=True, coarse_gate=g)
                 density = tracker.densities.setdefault(key, info.density)
             elif not timed:  # the next call (kernels compiled): vs dense
-                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.config, g)
+                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.engine_config, g)
                 tracker.note_timing(key, sparse_ms, dense_ms)
             else:
-                o = sparse_attention(q, k, v, layout, self.config, coarse_gate=g)
+                o = sparse_attention(q, k, v, layout, self.engine_config, coarse_gate=g)
             return o
 
         out = self.output(attn, x, rope_freqs, transformer_options, run)

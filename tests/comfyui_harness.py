@@ -29,7 +29,8 @@ LATENT = dict(width=256, height=256, length=22)  # 7 latent frames of 8x8 patche
 SUMMARY = re.compile(r"adaptive sparse attention: steps (\d+) dense / (\d+) sparse; blocks (\d+) dense / (\d+) sparse")
 SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-video", tail_granularity="query",
               warmup_ratio=0.25, tiling="reblock", reblock_layout="q_reuse_k", tail="reweight", dense_layers="",
-              min_tokens=0, block_size=64, strict=True, dense_attention="fastest", routing_scores="fp32")
+              min_tokens=0, block_size=64, strict=True, dense_attention="fastest", routing_scores="fp32",
+              precision="auto")
 
 
 

@@ -63,6 +63,24 @@ def test_method_specs_expand_and_reject():
             methods.expand_methods([bad])
 
 
+def test_dense_kernel_rows_are_specs_that_say_why_they_cannot_run_here(tiny_presets, tmp_path, capsys):
+    assert methods.expand_methods(["dense:fa4", "dense:ck-int8", "dense:sage"]) == ["dense:fa4", "dense:ck-int8",
+                                                                                      "dense:sage"]
+    with pytest.raises(ValueError, match=r"dense:<fa4\|ck-int8\|sage>"):
+        methods.expand_methods(["dense:xformers"])
+    cpu = torch.device("cpu")
+    assert methods.unavailable_reason("dense:fa4", cpu, 128) == "needs a CUDA GPU"
+    assert methods.unavailable_reason("dense:sage", cpu, 128) == ("SageAttention sageattn (ComfyUI --use-sage-attention) "
+                                                                   "needs a CUDA GPU")
+    assert "needs a CUDA GPU" in methods.unavailable_reason("dense:ck-int8", cpu, 128)
+    assert main(["bench", "--preset", "cpu-small", "--methods", "dense:fa4,dense:sage", "--scenes", "pan",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu-small.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["dense"]  # skipped, each said once with its reason
+    err = capsys.readouterr().err
+    assert "pan dense:fa4: skipped: needs a CUDA GPU" in err and "pan dense:sage: skipped:" in err
+
+
 def test_acceptance_lines():
     rows = [{"case": "pan", "method": methods.DEFAULT_METHOD, "ratio": 0.1, "rel_l2": 0.05, "recall": 0.9},
             {"case": "pan", "method": "sol:topk", "ratio": 0.2, "rel_l2": 0.1},

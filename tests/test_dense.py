@@ -7,6 +7,7 @@ override to an independent float64 softmax attention.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -161,7 +162,10 @@ def test_the_key_names_the_pack_version_gpu_and_libraries(monkeypatch):
     choices = dense.DenseChoices()
     q = torch.empty(1, 4, 300, 64, dtype=torch.bfloat16, device="meta")
     choices.devices[q.device.index] = key  # as `describe_device` leaves it for a GPU
-    assert choices.key(q, q, q) == f"{key}|torch.bfloat16|D64|H4|keys<=512"
+    assert choices.key(q, q, q) == f"{key}|torch.bfloat16|D64|H4|keys<=512|bf16|host none"
+    host = dense.HostAttention("comfy.ldm.modules.attention.attention_sage", lambda *a: None, eight_bit=True)
+    assert choices.key(q, q, q, host, "8-bit") == (f"{key}|torch.bfloat16|D64|H4|keys<=512|8-bit"
+                                                  "|host comfy.ldm.modules.attention.attention_sage")
 
 
 def test_default_cache_path(tmp_path, monkeypatch):
@@ -191,8 +195,9 @@ def test_cpu_runs_sdpa_default(tmp_path):
     choices = dense.DenseChoices(tmp_path / "choices.json")
     q = torch.randn(1, 2, 5, 8)
     assert choices.choice(q, q, q) is None
-    torch.testing.assert_close(choices.attention(q, q, q).double(), exact_attention(q, q, q), rtol=0, atol=1e-6)
-    assert not (tmp_path / "choices.json").exists()
+    out, kernel = choices.attention(q, q, q)
+    torch.testing.assert_close(out.double(), exact_attention(q, q, q), rtol=0, atol=1e-6)
+    assert kernel is None and not (tmp_path / "choices.json").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -202,11 +207,11 @@ def test_gpu_choice_is_exact_saved_and_checked_again(dtype, tmp_path):
     g = torch.Generator("cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 4, 1000, 64, generator=g, device="cuda", dtype=dtype) for _ in range(3))
     choices = dense.DenseChoices(path)
-    out = choices.attention(q, k, v)
+    out, _ = choices.attention(q, k, v)
     key = choices.key(q, k, v)
     assert dense.relative_l2(out, exact_attention(q, k, v).float()) <= dense.tolerance(dtype)
     saved = json.loads(path.read_text())
-    assert saved[key] in dense.candidates(q, k, v)
+    assert saved[key] in choices.candidates(q, k, v, None, "bf16")  # SDPA's kernels, FlashAttention-4 where installed
     if dtype == torch.float32:  # a saved choice that cannot take these inputs is measured again
         path.write_text(json.dumps({key: "flash"}))
         again = dense.DenseChoices(path)
@@ -262,3 +267,166 @@ def test_dense_blocks_get_the_override(setting, other, expected):
     replacement(args, {"original_block": lambda a: seen.append(a["transformer_options"]) or a})
     assert seen[0].get("optimized_attention_override") is (hook.dense_override if expected == "ours" else expected)
     assert to.get("optimized_attention_override") is other  # the caller's options are not changed
+
+
+# --- the host's own attention (ComfyUI's as launched) and FlashAttention-4 as candidates --------------------
+
+
+def host_of(fn, identity="comfy.ldm.modules.attention.attention_pytorch", eight_bit=False):
+    return dense.HostAttention(identity, fn, eight_bit, label=f"ComfyUI's attention {identity}")
+
+
+def test_tolerance_of_each_precision():
+    """bf16 runs allow 3 units of an exact kernel's rounding error (9.6e-3 in bfloat16: the exact kernels'
+    2.3e-3 passes, Sage's 1.3e-2 and comfy-kitchen INT8's 1.7e-2 do not); 8-bit runs 10 units (3.2e-2)."""
+    unit = dense.rounding_error(torch.bfloat16)
+    assert unit == pytest.approx(3.19e-3, rel=1e-2)
+    bf16, eight = dense.tolerance(torch.bfloat16), dense.tolerance(torch.bfloat16, "8-bit")
+    assert 2.3e-3 < bf16 < 1.3e-2 and 1.7e-2 < eight < 0.1
+    assert dense.tolerance(torch.bfloat16, "bf16", sdpa_error=2.3e-3) == bf16  # below the floor: the floor
+    assert dense.tolerance(torch.bfloat16, "bf16", sdpa_error=4e-3) == pytest.approx(3 * 4e-3)
+    assert dense.tolerance(torch.bfloat16, "bf16", sdpa_error=1.0) == pytest.approx(6 * unit)  # at most 2 units
+    assert dense.tolerance(torch.float32) == pytest.approx(3 * 2 ** -11 * (2 / 3) ** 0.5)
+    with pytest.raises(ValueError, match=r"precision='int8' is not allowed: expected one of bf16, 8-bit"):
+        dense.tolerance(torch.bfloat16, "int8")
+
+
+def test_candidate_list(monkeypatch):
+    choices = dense.DenseChoices()
+    q = torch.randn(1, 2, 8, 16)
+    plain, eight = host_of(lambda *a: None), host_of(lambda *a: None, "sageattention.core.sageattn", True)
+    assert choices.candidates(q, q, q, None, "bf16") == (dense.DEFAULT,)
+    assert choices.candidates(q, q, q, plain, "bf16") == (dense.DEFAULT, dense.HOST)
+    seen, choices.note = notes()
+    assert choices.candidates(q, q, q, eight, "bf16") == (dense.DEFAULT,)  # an 8-bit function in a bf16 run
+    assert seen == ["dense kernel ComfyUI's attention sageattention.core.sageattn is not a candidate: it computes "
+                    "in 8-bit and this run's precision is bf16"]
+    assert choices.candidates(q, q, q, eight, "8-bit") == (dense.DEFAULT, dense.HOST)
+    monkeypatch.setattr(dense.flash4, "unavailable_reason", lambda q: None)  # as on an sm90 GPU with flash-attn-4
+    assert choices.candidates(q, q, q, plain, "bf16") == (dense.DEFAULT, dense.FLASH4, dense.HOST)
+
+
+def test_flash4_says_why_it_cannot_run_here():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    assert dense.flash4.unavailable_reason(q) == "needs a CUDA GPU"
+    assert dense.LABELS[dense.FLASH4] == "FlashAttention-4"
+
+
+class StubTimer:
+    """Times a thunk as `fast` ms when the host function ran in it, else `slow` ms (CPU timings are
+    noise at these sizes)."""
+
+    def __init__(self, host_ms: float, other_ms: float):
+        self.host_ms, self.other_ms, self.host_calls = host_ms, other_ms, 0
+
+    def __call__(self, fn):
+        before = self.host_calls
+        fn()
+        return self.host_ms if self.host_calls > before else self.other_ms
+
+
+def perturbed_host(timer, factor):
+    """A host attention: SDPA's output times `factor` (recognisable), counting its calls on `timer`."""
+    def run(q, k, v):
+        timer.host_calls += 1
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v) * factor
+    return run
+
+
+@pytest.mark.parametrize("host_ms,expected", [(1.0, "host"), (3.0, "sdpa")])
+def test_the_host_attention_runs_when_it_is_fastest_and_meets_the_bound(host_ms, expected, caplog):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    timer = StubTimer(host_ms, 2.0)
+    factor = 1 + 2 ** -12  # relative error 2.4e-4, within the float32 bound of 1.2e-3
+    choices = dense.DenseChoices(timer=timer)
+    host = host_of(perturbed_host(timer, factor))
+    with caplog.at_level("INFO", logger="adaptive_sparse_attention"):
+        out, kernel = choices.attention(q, k, v, host)
+    assert kernel == expected
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, plain * factor if expected == "host" else plain)
+    assert choices.label(kernel, host) == ("ComfyUI's attention comfy.ldm.modules.attention.attention_pytorch"
+                                           if expected == "host" else "SDPA's own choice")
+    measured = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dense kernels measured")]
+    assert len(measured) == 1 and "attention_pytorch" in measured[0] and "SDPA's own choice 2 ms" in measured[0]
+    calls = timer.host_calls
+    assert choices.attention(q, k, v, host)[1] == expected and timer.host_calls == calls + (expected == "host")
+
+
+def test_a_host_attention_with_wrong_values_is_refused_with_a_clear_report(caplog):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    timer = StubTimer(0.5, 2.0)
+    host = host_of(perturbed_host(timer, 1.02))  # 2e-2 off: fast, but beyond a bf16 run's bound
+    choices = dense.DenseChoices(timer=timer)
+    with caplog.at_level("INFO", logger="adaptive_sparse_attention"):
+        out, kernel = choices.attention(q, k, v, host)
+    assert kernel == "sdpa" and torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    refused = [r for r in caplog.records if "differs from the float32 reference" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelname == "WARNING"
+    assert re.fullmatch(r"dense kernel ComfyUI's attention comfy\.ldm\.modules\.attention\.attention_pytorch differs "
+                        r"from the float32 reference \(relative L2 2\.0\de-02, more than the 1\.2e-03 allowed\): "
+                        r"skipped", refused[0].getMessage()), refused[0].getMessage()
+
+
+def test_an_8bit_host_attention_is_a_candidate_of_8bit_runs_only():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    timer = StubTimer(0.5, 2.0)
+    host = host_of(perturbed_host(timer, 1.015), "comfy.ldm.modules.attention.attention_comfy_kitchen_int8", True)
+    choices = dense.DenseChoices(timer=timer)
+    assert choices.attention(q, k, v, host, "bf16")[1] == "sdpa" and timer.host_calls == 0
+    out, kernel = choices.attention(q, k, v, host, "8-bit")  # 1.5e-2 off: within the 8-bit bound (3.2e-2)
+    assert kernel == "host" and torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v) * 1.015)
+    assert choices.key(q, k, v, host, "8-bit") != choices.key(q, k, v, host, "bf16")
+
+
+def test_another_launch_attention_is_measured_again(tmp_path):
+    """The key names the host's function: a relaunch with another flag does not reuse the choice."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    timer = StubTimer(1.0, 2.0)
+    choices = dense.DenseChoices(tmp_path / "choices.json", timer=timer)
+    sage = host_of(perturbed_host(timer, 1.0), "comfy.ldm.modules.attention.attention_sage", True)
+    pytorch = host_of(perturbed_host(timer, 1.0))
+    assert choices.attention(q, k, v, sage, "8-bit")[1] == "host"
+    timer.host_ms = 3.0
+    assert choices.attention(q, k, v, pytorch, "8-bit")[1] == "sdpa"
+    assert len(choices.choices) == 2 and not (tmp_path / "choices.json").exists()  # CPU timings are not saved
+
+
+def test_override_calls_comfyui_attention_with_its_own_arguments_and_never_recurses():
+    """ComfyUI hands the override its attention function; that function may fall back to another wrapped
+    ComfyUI attention with the same arguments (as attention_sage falls back to attention_pytorch): with
+    `_inside_attn_wrapper` kept, the wrapped function runs itself instead of the override again."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    received, depth = [], []
+
+    def pytorch_inner(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def wrapped_pytorch(*args, **kwargs):  # ComfyUI's wrap_attn: the override unless inside a wrapper already
+        to = kwargs.get("transformer_options") or {}
+        if "_inside_attn_wrapper" not in kwargs and "optimized_attention_override" in to:
+            depth.append(1)
+            if len(depth) > 3:
+                raise AssertionError("the override was reached again: it dropped _inside_attn_wrapper")
+            return to["optimized_attention_override"](pytorch_inner, *args, **kwargs, _inside_attn_wrapper=True)
+        return pytorch_inner(*args, **kwargs)
+
+    def sage_like(q, k, v, heads, **kwargs):  # falls back to another wrapped attention with the same kwargs
+        received.append(kwargs)
+        return wrapped_pytorch(q, k, v, heads, **kwargs)
+
+    timer = StubTimer(1.0, 2.0)
+    override = DenseOverride(dense.DenseChoices(timer=timer), precision="8-bit")
+    to = {"optimized_attention_override": override}
+    out = wrapped_pytorch(q, k, v, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to)
+    assert out.shape == q.shape and len(depth) == 1
+    out = override(sage_like, q, k, v, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to,
+                   _inside_attn_wrapper=True)
+    assert received and all(kw["_inside_attn_wrapper"] is True and kw["transformer_options"] is to and
+                            kw["skip_reshape"] and kw["skip_output_reshape"] for kw in received)
+    assert len(depth) == 1  # never reached the override again

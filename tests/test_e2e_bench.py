@@ -65,6 +65,56 @@ def test_unknown_clip_is_named(tmp_path: Path):
         e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s", "30s"])
 
 
+def test_launch_modes_set_comfyuis_flags_and_refuse_a_missing_package(monkeypatch):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(use_sage_attention=False, use_ck_attention=False)
+    e2e.set_launch(args, "default")
+    assert args == SimpleNamespace(use_sage_attention=False, use_ck_attention=False)
+    with pytest.raises(ValueError, match=r"e2e --launch fast: launch='fast' is not allowed: expected one of default, "
+                                         r"ck, sage"):
+        e2e.set_launch(args, "fast")
+    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: None)  # neither package installed
+    with pytest.raises(ValueError, match=r"--use-sage-attention needs the sageattention package: pip install "
+                                         r"sageattention==1\.0\.6"):
+        e2e.set_launch(args, "sage")
+    with pytest.raises(ValueError, match=r"--use-ck-attention needs the comfy-kitchen package"):
+        e2e.set_launch(args, "ck")
+    assert args == SimpleNamespace(use_sage_attention=False, use_ck_attention=False)
+    monkeypatch.setattr(e2e, "launch_unavailable_reason", lambda launch: None)  # as on a GPU machine with both
+    monkeypatch.delitem(sys.modules, "comfy.ldm.modules.attention", raising=False)
+    e2e.set_launch(args, "sage")
+    assert args.use_sage_attention and not args.use_ck_attention
+    monkeypatch.setitem(sys.modules, "comfy.ldm.modules.attention", object())  # imported already: too late
+    with pytest.raises(RuntimeError, match="imported already"):
+        e2e.set_launch(SimpleNamespace(), "ck")
+
+
+def test_a_launch_whose_package_is_missing_is_refused_before_comfyui_loads(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="e2e --launch sage: --use-sage-attention needs the sageattention package"):
+        e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], launch="sage")
+    assert not (tmp_path / "custom_nodes").exists()
+
+
+def test_cli_takes_launch_and_precision(capsys):
+    from adaptive_sparse_attention.bench.cli import build_parser
+
+    args = build_parser().parse_args(["e2e", "--launch", "ck", "--precision", "8-bit"])
+    assert (args.launch, args.precision) == ("ck", "8-bit")
+    args = build_parser().parse_args(["e2e"])
+    assert (args.launch, args.precision) == ("default", "auto")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["e2e", "--launch", "xformers"])
+    assert "invalid choice: 'xformers'" in capsys.readouterr().err
+
+
+def test_precision_reaches_every_run_of_ours():
+    scale = e2e.dataclasses.replace(e2e.SCALES["tiny"], widgets={**e2e.SCALES["tiny"].widgets, "precision": "8-bit"})
+    assert config_from_widgets(e2e.node_widgets(scale, topk_ratio=0.1)).precision == "8-bit"
+    assert e2e.node_widgets(e2e.SCALES["tiny"])["precision"] == "auto"
+
+
 @needs_comfyui
 def test_tiny_run_in_real_comfyui(tmp_path: Path):
     out = tmp_path / "e2e.json"
@@ -81,6 +131,8 @@ def test_tiny_run_in_real_comfyui(tmp_path: Path):
     assert runs[("ours", "10s")]["calls"] == 4 and runs[("ours-all-dense", "10s")]["density"] == 1.0
     assert 0 < runs[("ours", "10s")]["rel_l2"] < 0.1 and runs[("ours", "10s")]["sparse_blocks"] == 2
     assert "| comfyui | 10s (39 frames)" in proc.stdout
+    assert "ComfyUI launched as default (its attention: " in proc.stdout
+    assert json.loads(out.read_text())["launch"] == "default"
     # TorchCompileModel after our node: the same latent, every sparse block counted and measured
     for name in ("ours-compiled", "ours-compiled-warm"):
         row = runs[(name, "10s")]

@@ -298,7 +298,8 @@ def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     run_model(model, hook, args, True)
     assert hook.tracker.stats.sparse_blocks == 0  # a warmup step
     (layout, cfg, dtype, device, head_dim), = prepared  # layer 0 only: layer 1 is always dense
-    assert layout == layout_of(PACKED) and cfg is hook.config and head_dim == model.blocks[0].attn.head_dim
+    assert layout == layout_of(PACKED) and cfg is hook.engine_config and head_dim == model.blocks[0].attn.head_dim
+    assert cfg.precision == "bf16"  # resolved: the engine never sees "auto"
 
 
 def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_graph(monkeypatch):

@@ -23,13 +23,18 @@ def test_report_of_a_run_and_its_text():
                 tracker.note_block(step, sparse=True, density=0.25, layer=layer)
     tracker.stats.attention_ms = 1500.0
     tracker.note_timing(("shape",), sparse_ms=100.0, dense_ms=400.0)  # dense took 4x as long
+    tracker.precision = ("8-bit", "auto: ComfyUI runs attention_sage")
+    for _ in range(3):
+        tracker.note_dense_kernel("SDPA cuDNN")
     assert tracker.last_report is None
     tracker.finish()
     report = tracker.last_report
     assert report == {"steps_sparse": [1, 2, 3], "steps_dense": [0], "blocks_sparse": 6, "blocks_dense": 6,
                       "layers_sparse": [0, 1], "layers_dense_only": [2], "mean_density": 0.25, "attention_s": 1.5,
                       "est_saved_s": pytest.approx(4.5), "dense_reasons": {"warmup (step 1 of 4)": 3,
-                                                                           "layer 2 is in dense_layers": 3}}
+                                                                           "layer 2 is in dense_layers": 3},
+                      "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
+                      "dense_kernels": {"SDPA cuDNN": 3}}
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
     assert tracker.last_report is report and tracker.stats.sparse_blocks == 0 and not tracker.timed
     text = format_report(report)
@@ -39,6 +44,8 @@ def test_report_of_a_run_and_its_text():
         "Mean density of sparse blocks: 0.250",
         "Sparse attention time: 1.50 s; estimated time saved: 4.50 s (vs torch's dense attention, timed on one "
         "call per shape)",
+        "Precision: 8-bit (auto: ComfyUI runs attention_sage)",
+        "Dense attention (our override) ran on: SDPA cuDNN (3 calls)",
         "Why blocks ran dense:",
         "- layer 2 is in dense_layers: 3 block calls",
         "- warmup (step 1 of 4): 3 block calls"]

@@ -138,7 +138,7 @@ def test_cfg_pairs_count_once_and_a_new_schedule_is_a_new_run(caplog):
         calls(tracker, karras_like(4))  # another sampler run: it starts above the last sigma
     summaries = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()]
     assert summaries == ["t: steps 2 dense / 4 sparse; blocks 4 dense / 8 sparse; mean density 0.250 in sparse "
-                         "blocks (0.500 over all blocks); sparse attention time 0.00 s"]
+                         "blocks (0.500 over all blocks); sparse attention time 0.00 s; precision bf16"]
     assert tracker.stats.dense_blocks == 0 and tracker.logged == set()  # fresh run state
 
 

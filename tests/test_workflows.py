@@ -97,7 +97,7 @@ def test_widget_spec_mirrors_sparse_config():
         assert (",".join(map(str, default)) if w.name == "dense_layers" else default) == w.default
         assert w.tooltip and w.accepts(w.default)
     assert [w.name for w in SPARSE_WIDGETS if not w.advanced] == ["topk_ratio", "warmup_mode", "sparse_scope",
-                                                                  "tail_granularity"]
+                                                                  "tail_granularity", "precision"]
     with pytest.raises(ValueError, match="missing widget values"):
         config_from_widgets({"topk_ratio": 0.2})
     values = {w.name: w.default for w in SPARSE_WIDGETS}
@@ -215,3 +215,21 @@ def test_output_names_are_comfyuis():
     wf = load(next(p for p in WORKFLOWS if p.stem == "h3_reference_to_video_joint_sparse"))
     (node,) = [n for n in wf["nodes"] if n["type"] == "GetVideoComponents"]
     assert [o["name"] for o in node["outputs"]] == ["images", "audio", "fps", "bit_depth"]
+
+
+# The widgets as they were before `precision` was added: a workflow saved then has these values.
+BEFORE_PRECISION = ("topk_ratio", "warmup_mode", "sparse_scope", "tail_granularity", "warmup_ratio", "tiling",
+                    "reblock_layout", "tail", "dense_layers", "min_tokens", "block_size", "strict", "dense_attention",
+                    "routing_scores")
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_a_workflow_saved_before_the_precision_widget_keeps_its_values(path):
+    """ComfyUI's frontend fills widgets by position and leaves the missing last ones at their default: a
+    workflow saved before `precision` existed gets every earlier value at its place and precision auto."""
+    assert tuple(w.name for w in SPARSE_WIDGETS[:len(BEFORE_PRECISION)]) == BEFORE_PRECISION
+    node = next(n for n in load(path)["nodes"] if n["type"] == SPARSE_NODE_ID)
+    old = node["widgets_values"][:len(BEFORE_PRECISION)]
+    filled = old + [w.default for w in SPARSE_WIDGETS[len(old):]]
+    config = config_from_widgets(dict(zip((w.name for w in SPARSE_WIDGETS), filled)))
+    assert config.precision == "auto" and config.topk_ratio == old[0] and config.routing_scores == old[-1]

@@ -1,0 +1,86 @@
+"""The precision of a run: the node's `precision` setting, and what `auto` follows in ComfyUI.
+
+`auto` runs 8-bit when ComfyUI itself runs 8-bit attention: the attention ComfyUI bound for the
+model's blocks at import from its launch flags (``--use-sage-attention`` binds ``attention_sage``,
+``--use-ck-attention`` binds ``attention_comfy_kitchen_int8``), or an attention override another
+node installed on the model. Functions are told apart by a stable identity (module and qualified
+name): ComfyUI's own 8-bit functions by name, other packages' by the 8-bit packages they come from
+or the 8-bit kernel their name carries (Sage, INT8, FP8). The engine only ever sees the resolved
+value, "bf16" or "8-bit".
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+from typing import Any, Callable
+
+ATTENTION_MODULE = "comfy.ldm.modules.attention"
+# ComfyUI's own 8-bit attention functions -> what binds them
+COMFY_EIGHT_BIT = {
+    f"{ATTENTION_MODULE}.attention_sage": "the --use-sage-attention launch flag",
+    f"{ATTENTION_MODULE}.attention3_sage": "SageAttention 3",
+    f"{ATTENTION_MODULE}.attention_comfy_kitchen_int8": "the --use-ck-attention launch flag",
+    f"{ATTENTION_MODULE}._attention_comfy_kitchen_int8_containers": "the --use-ck-attention launch flag",
+}
+# any other function whose identity matches computes in 8-bit: Sage's packages, comfy-kitchen's INT8 /
+# FP8 / sol kernels, and patches named after them (e.g. another node's `attention_override_sage`)
+EIGHT_BIT_NAME = re.compile(r"sageattention|sageattn|(^|[._<>])sage|int8|fp8|comfy_kitchen\.sol_attn", re.IGNORECASE)
+
+
+def identity(fn: Any) -> str:
+    """A stable name of an attention function: module and qualified name of what it wraps.
+
+    Args:
+        fn: a function, a ``functools.partial``, a wrapped function (``__wrapped__``) or a callable object.
+    Returns:
+        "module.qualname", e.g. "comfy.ldm.modules.attention.attention_sage".
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"
+
+
+def is_eight_bit(ident: str) -> bool:
+    """Whether the attention function of this identity computes in 8-bit arithmetic."""
+    return ident in COMFY_EIGHT_BIT or EIGHT_BIT_NAME.search(ident) is not None
+
+
+def launch_attention(diffusion_model: Any) -> Callable | None:
+    """The attention ComfyUI bound for this model's blocks: ``optimized_attention`` of the module that
+    defines the model (H3's binds it at import, from the launch flags), else the attention module's."""
+    for name in (type(diffusion_model).__module__, ATTENTION_MODULE):
+        fn = getattr(sys.modules.get(name), "optimized_attention", None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def resolve_precision(setting: str, attention: Callable | None, override: Callable | None) -> tuple[str, str]:
+    """The precision a run uses, and why.
+
+    Args:
+        setting: the node's value: "auto", "bf16" or "8-bit".
+        attention: the attention ComfyUI runs for the model's blocks (`launch_attention`), if known.
+        override: another node's ``optimized_attention_override`` on the model (not ours), if any; it
+            runs the blocks ComfyUI would run on `attention`.
+    Returns:
+        ("bf16" or "8-bit", the reason in words).
+    """
+    if setting != "auto":
+        return setting, f"precision={setting} on the node"
+    if override is not None:
+        ident = identity(override)
+        bits = "8-bit" if is_eight_bit(ident) else "bf16"
+        return bits, f"auto: another node's attention override {ident} is {'' if bits == '8-bit' else 'not '}8-bit"
+    if attention is None:
+        return "bf16", "auto: ComfyUI's attention function was not found"
+    ident = identity(attention)
+    if is_eight_bit(ident):
+        how = COMFY_EIGHT_BIT.get(ident, "a patch of ComfyUI's attention")
+        return "8-bit", f"auto: ComfyUI runs {ident} ({how}), which is 8-bit"
+    return "bf16", f"auto: ComfyUI runs {ident}, which is not 8-bit"
