@@ -25,6 +25,7 @@ BLOCK_SIZES = (64, 128)
 BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a backend of the one table (kernels/table.py)
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
+PRECISIONS = ("auto", "bf16", "8-bit")
 MAX_MIN_TOKENS = 1 << 22  # largest min_tokens a (possibly hostile) workflow or script may ask for
 
 
@@ -107,10 +108,20 @@ class SparseConfig:
     routing_scores: str = setting("fp32", Choice(ROUTING_SCORES),
         "fp32: exact block scores for choosing the key blocks. int8 / fp8: cheaper 8-bit scores (fp8 needs "
         "an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks.")
+    precision: str = setting("auto", Choice(PRECISIONS),
+        "Arithmetic of the exact loop over the selected video key blocks. bf16: the inputs' own precision. "
+        "8-bit: INT8 Q.K^T after smoothing K, FP8 (INT8 before RTX 40xx) P.V, fp32 softmax statistics and "
+        "accumulation; context keys, summaries and routing keep their precision. auto: bf16 in the engine.")
 
     def __post_init__(self) -> None:
         for name, declared in settings().items():
             object.__setattr__(self, name, declared.rule.check(f"SparseConfig.{name}", getattr(self, name)))
+
+    @property
+    def exact_precision(self) -> str:
+        """The exact loop's arithmetic as the kernels take it: "bf16" (the inputs' own precision; what
+        `auto` means inside the engine) or "8-bit"."""
+        return "8-bit" if self.precision == "8-bit" else "bf16"
 
     def replace(self, **changes: Any) -> "SparseConfig":
         """A copy with some fields changed (validated again)."""
