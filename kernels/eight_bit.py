@@ -31,6 +31,7 @@ FP8_TOP = 448.0  # largest e4m3 magnitude
 P_SCALE = {"fp8": 256.0, "int8": 127.0}  # p' in (0, 1] -> codes
 V_TOP = {"fp8": FP8_TOP, "int8": CODE_TOP}
 PV_FORMATS = tuple(P_SCALE)
+PRECISIONS = ("bf16", "8-bit")  # what the kernels take: bf16 is the inputs' own precision
 
 
 @dataclass(frozen=True)
