@@ -31,7 +31,8 @@ def e4m3_grid(x):
     ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 3): three mantissa bits
     inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2 ** (3 - e)
     r = (a * inv + 8388608.0) - 8388608.0  # ties to even (a * inv < 16, exact)
-    return tl.where(x < 0, -r * ulp, r * ulp)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # x's sign bit, also on a zero result (-0 as torch)
+    return ((r * ulp).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

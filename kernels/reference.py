@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from .configs import EightBitConfig
-from .eight_bit import P_SCALE, quantise_blocks_torch, quantise_p
+from .configs import EightBitConfig, eight_bit_config
+from .eight_bit import P_SCALE, PRECISIONS, quantise_blocks_torch, quantise_p
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, pack, unpack
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk
@@ -138,7 +138,12 @@ class _QuantisedKeys:
 class ReferenceAttention:
     """The `torch` row of the attention: `block_sparse_reference`."""
 
-    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [B, H, S, D] in q's dtype, lse [B, H, S]) of q, k, v under `plan`."""
-        return block_sparse_reference(q, k, v, plan)
+    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                      precision: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, S, D] in q's dtype, lse [B, H, S]) of q, k, v under `plan`; with "8-bit", the
+        arithmetic of the Triton kernel's 8-bit loop for this device (`configs.eight_bit_config`)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"backend='torch': precision={precision!r} is not allowed: expected one of "
+                             f"{', '.join(map(repr, PRECISIONS))}")
+        eight_bit = eight_bit_config(q.shape[-1], plan.block_size, q.device) if precision == "8-bit" else None
+        return block_sparse_reference(q, k, v, plan, eight_bit=eight_bit)
