@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .eight_bit import PV_FORMATS, QuantisedBlocks
+from .configs import row_align
 from .offsets import perm_strides
 
 
@@ -46,8 +47,9 @@ def _int8_block(x, TOP: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d):
-    return tl.load(X + b * sx_b + h * sx_h + rows.to(tl.int64)[:, None] * sx_s + offs_d[None, :] * sx_d,
+def _load_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, ALIGN: tl.constexpr):
+    base = tl.multiple_of(b * sx_b + h * sx_h, ALIGN)  # rows start on a vector boundary (`configs.row_align`)
+    return tl.load(X + base + rows.to(tl.int64)[:, None] * sx_s + offs_d[None, :] * sx_d,
                    mask=(rows >= 0)[:, None], other=0.0).to(tl.float32)
 
 
@@ -56,7 +58,8 @@ def _load_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d):
 def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, QC, QS, QShift, KC, KS, VC, VS,
                      sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                      sqp_b, sqp_h, skp_b, skp_h, H, H0, HC, J,
-                     BS: tl.constexpr, HEAD_DIM: tl.constexpr, PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+                     BS: tl.constexpr, HEAD_DIM: tl.constexpr, PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
+                     ALIGN: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # (batch, head among this call's HC heads)
     b = bh // HC
@@ -68,19 +71,19 @@ def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, QC, QS, QShift, KC, KS, VC, VS
     mean = tl.load(Mean + (b * H + h) * HEAD_DIM + offs_d)
 
     q_rows = tl.load(QPerm + b * sqp_b + h * sqp_h + slots)
-    q = _load_rows(Q, q_rows, b, h, sq_b, sq_h, sq_s, sq_d, offs_d)
+    q = _load_rows(Q, q_rows, b, h, sq_b, sq_h, sq_s, sq_d, offs_d, ALIGN)
     codes, scale = _int8_block(q, 127.0)  # eight_bit.CODE_TOP
     tl.store(QC + out[:, None] * HEAD_DIM + offs_d[None, :], codes)
     tl.store(QS + bh * J + i, scale)
     tl.store(QShift + out, tl.sum(q * mean[None, :], 1))
 
     k_rows = tl.load(KPerm + b * skp_b + h * skp_h + slots)
-    k = _load_rows(K, k_rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d)
+    k = _load_rows(K, k_rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, ALIGN)
     codes, scale = _int8_block(tl.where((k_rows >= 0)[:, None], k - mean[None, :], 0.0), 127.0)
     tl.store(KC + out[:, None] * HEAD_DIM + offs_d[None, :], codes)
     tl.store(KS + bh * J + i, scale)
 
-    v = _load_rows(V, k_rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d)
+    v = _load_rows(V, k_rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, ALIGN)
     amax = tl.max(tl.abs(v), 0)
     safe = tl.where(amax > 0, amax, 1.0)
     vt = (bh * HEAD_DIM + offs_d)[None, :] * L + slots[:, None]  # transposed: [D, L]
@@ -128,5 +131,6 @@ def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         q, k, v, q_perm, k_perm, mean.contiguous(), qc, qs, shift, kc, ks, vc, vs,
         *q.stride(), *k.stride(), *v.stride(), *perm_strides(q_perm), *perm_strides(k_perm), H, h0, hc, J,
         BS=block_size, HEAD_DIM=D, PV_FP8=pv == "fp8", EMULATE_FP8=os.environ.get("TRITON_INTERPRET") == "1",
+        ALIGN=row_align(q, k, v),
         num_warps=8 if block_size * D >= 128 * 128 else 4)
     return QuantisedBlocks(qc, qs, shift, kc, ks, vc, vs)
