@@ -3,7 +3,7 @@
 One program per (key/query block, batch * head): it reads the block's model-order rows through
 q_perm and k_perm (any strides), and writes the block's INT8 codes of Q and of K smoothed by the
 head's key mean, their per-block scales, q . mean per query slot, and V's codes (FP8 e4m3 or INT8,
-per-channel scales of the block) transposed. The same arithmetic as `eight_bit.quantise_blocks_torch`
+the head's per-channel scales) transposed. The same arithmetic as `eight_bit.quantise_blocks_torch`
 in the same order, so the codes agree bit for bit (in the CPU interpreter; on the GPU Triton may
 fuse a multiply-add, which can move a code that sits on a rounding boundary by one).
 
@@ -55,7 +55,7 @@ def _load_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, ALIGN: tl.constexp
 
 @triton.jit(do_not_specialize=['H', 'H0', 'HC', 'J', 'sq_b', 'sq_h', 'sk_b', 'sk_h', 'sv_b', 'sv_h',
                                'sqp_b', 'sqp_h', 'skp_b', 'skp_h'])
-def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, QC, QS, QShift, KC, KS, VC, VS,
+def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, VMax, QC, QS, QShift, KC, KS, VC, VS,
                      sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                      sqp_b, sqp_h, skp_b, skp_h, H, H0, HC, J,
                      BS: tl.constexpr, HEAD_DIM: tl.constexpr, PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
@@ -84,7 +84,7 @@ def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, QC, QS, QShift, KC, KS, VC, VS
     tl.store(KS + bh * J + i, scale)
 
     v = _load_rows(V, k_rows, b, h, sv_b, sv_h, sv_s, sv_d, offs_d, ALIGN)
-    amax = tl.max(tl.abs(v), 0)
+    amax = tl.load(VMax + (b * H + h) * HEAD_DIM + offs_d)  # the head's, per channel
     safe = tl.where(amax > 0, amax, 1.0)
     vt = (bh * HEAD_DIM + offs_d)[None, :] * L + slots[:, None]  # transposed: [D, L]
     if PV_FP8:
@@ -92,22 +92,23 @@ def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, QC, QS, QShift, KC, KS, VC, VS
         if EMULATE_FP8:
             unit = e4m3_grid(unit)
         tl.store(VC + vt, unit.to(tl.float8e4nv))
-        tl.store(VS + (bh * J + i) * HEAD_DIM + offs_d, safe / 448.0)
+        tl.store(VS + bh * HEAD_DIM + offs_d, safe / 448.0)  # every block stores the same
     else:
         unit = v * (127.0 / safe)[None, :]
         tl.store(VC + vt, (unit + tl.where(unit >= 0, 0.5, -0.5)).to(tl.int8))
-        tl.store(VS + (bh * J + i) * HEAD_DIM + offs_d, safe / 127.0)
+        tl.store(VS + bh * HEAD_DIM + offs_d, safe / 127.0)
 
 
 def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_perm: torch.Tensor,
-                           k_perm: torch.Tensor, mean: torch.Tensor, block_size: int, h0: int, h1: int, pv: str
-                           ) -> QuantisedBlocks:
+                           k_perm: torch.Tensor, mean: torch.Tensor, v_max: torch.Tensor, block_size: int, h0: int,
+                           h1: int, pv: str) -> QuantisedBlocks:
     """`eight_bit.quantise_blocks_torch` of heads [h0, h1) in one launch.
 
     Args:
         q, k, v: [B, H, S, D] model order, one float dtype, any strides, D a power of two.
         q_perm, k_perm: int32 [Bp, Hp, L] (all H heads, or one shared), L a multiple of block_size.
         mean: fp32 [B, H, D], the key mean (`eight_bit.key_mean`).
+        v_max: fp32 [B, H, D], V's largest magnitude per channel (`eight_bit.value_max`).
         block_size: the plan's block size (a power of two).
         h0, h1: the heads to quantise.
         pv: "fp8" or "int8".
@@ -125,10 +126,10 @@ def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     vc = torch.empty(B, hc, D, L, dtype=torch.float8_e4m3fn if pv == "fp8" else torch.int8, device=dev)
     qs, ks = (torch.empty(B, hc, J, dtype=torch.float32, device=dev) for _ in range(2))
     shift = torch.empty(B, hc, L, dtype=torch.float32, device=dev)
-    vs = torch.empty(B, hc, J, D, dtype=torch.float32, device=dev)
+    vs = torch.empty(B, hc, D, dtype=torch.float32, device=dev)
     q_perm, k_perm = q_perm.contiguous(), k_perm.contiguous()
     _quantise_blocks[(J, B * hc)](
-        q, k, v, q_perm, k_perm, mean.contiguous(), qc, qs, shift, kc, ks, vc, vs,
+        q, k, v, q_perm, k_perm, mean.contiguous(), v_max.contiguous(), qc, qs, shift, kc, ks, vc, vs,
         *q.stride(), *k.stride(), *v.stride(), *perm_strides(q_perm), *perm_strides(k_perm), H, h0, hc, J,
         BS=block_size, HEAD_DIM=D, PV_FP8=pv == "fp8", EMULATE_FP8=os.environ.get("TRITON_INTERPRET") == "1",
         ALIGN=row_align(q, k, v),

@@ -10,13 +10,15 @@ Per call, in tiled order (`plan.pack`), per (batch, head):
   the exact keys, the dense prefix and the summaries still share one softmax.
 - Q and smoothed K: INT8 codes, one scale per block (its largest magnitude / 127), rounded half
   away from zero.
-- V: per block and channel scales (largest magnitude over the block's rows); FP8 e4m3 codes
-  (magnitude up to 448) or INT8 codes (up to 127). Stored transposed [D, L] so that P.V reads V
-  along its reduction dimension, as 8-bit MMA wants.
-- P (in the kernel, per key tile of block_n rows): p' = exp2(s - the row's max over the tile) is in
-  (0, 1]; FP8 codes of 256 p' or INT8 codes round(127 p') (unsigned values: Triton's tl.dot takes one
-  dtype for both operands, so no u8 x s8). The tile's weight exp2(tile max - running max) and the
-  sums of p' (the softmax denominator) stay fp32, and so does the accumulation across tiles.
+- V: one scale per channel of the head (its largest magnitude over the head's rows), so the scales
+  leave the loop: FP8 e4m3 codes (magnitude up to 448) or INT8 codes (up to 127). Stored transposed
+  [D, L] so that P.V reads V along its reduction dimension, as 8-bit MMA wants.
+- P (in the kernel, per key tile of block_n rows, `triton_attention._quantised_keys`): FP8 codes of
+  256 exp2(s - ref), ref the running max of the picks' tile maxima (floating codes keep their
+  relative precision however small p gets); INT8 codes round(127 exp2(s - the tile's own max))
+  (unsigned values on a uniform grid, which needs the tile's own range; Triton's tl.dot takes one
+  dtype for both operands, so no u8 x s8), their product weighted by exp2(tile max - ref). The
+  sums of p and the accumulation across tiles are fp32, outside the MMA.
 """
 from __future__ import annotations
 
@@ -54,6 +56,11 @@ class QuantisedBlocks:
 def key_mean(k: torch.Tensor) -> torch.Tensor:
     """fp32 [B, H, D]: the mean key of every (batch, head) over its S rows (the smoothing of K)."""
     return k.mean(2, dtype=torch.float32)
+
+
+def value_max(v: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, H, D]: V's largest magnitude per channel of every (batch, head) (V's scales)."""
+    return torch.maximum(v.amax(2), -v.amin(2)).float()
 
 
 def round_int8(x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +114,9 @@ def quantise_blocks_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     q_codes, q_scale = _blockwise_int8(qt.view(B, H, J, bs, D))
     k_codes, k_scale = _blockwise_int8(kd.view(B, H, J, bs, D))
     q_shift = (qt * mean.unsqueeze(2)).sum(-1)
-    vb = vt.view(B, H, J, bs, D)
-    amax = vb.abs().amax(-2)
+    amax = value_max(v)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    unit = vb * _div(V_TOP[pv], safe, vb).unsqueeze(-2)
+    unit = vt * _div(V_TOP[pv], safe, vt).unsqueeze(-2)
     codes = unit.clamp(-FP8_TOP, FP8_TOP).to(torch.float8_e4m3fn) if pv == "fp8" else round_int8(unit)
     return QuantisedBlocks(q_codes.view(B, H, J * bs, D), q_scale, q_shift, k_codes.view(B, H, J * bs, D), k_scale,
-                           codes.view(B, H, J * bs, D).transpose(-1, -2).contiguous(), _div(safe, V_TOP[pv], vb))
+                           codes.transpose(-1, -2).contiguous(), _div(safe, V_TOP[pv], vt))

@@ -112,8 +112,7 @@ class _QuantisedKeys:
         self.codes = quantise_blocks_torch(q, k, v, plan, config.pv)
         bs = plan.block_size
         self.k_codes = self.codes.k_codes.to(torch.float64)  # integer products and sums stay exact
-        self.v_deq = (self.codes.v_codes.float().transpose(-1, -2).to(acc)
-                      * self.codes.v_scale.repeat_interleave(bs, 2).to(acc))
+        self.v_deq = self.codes.v_codes.float().transpose(-1, -2).to(acc) * self.codes.v_scale.unsqueeze(2).to(acc)
         self.qk_scale = torch.tensor(q.shape[-1] ** -0.5 * LOG2E, dtype=torch.float32, device=q.device)  # as the kernel gets it
         self.scale = q.shape[-1] ** -0.5
 
@@ -129,10 +128,15 @@ class _QuantisedKeys:
         picked = plan.selected_mask(slice(i0, i1)).repeat_interleave(bs, 2).repeat_interleave(bs, 3) & key_valid
         s = s.masked_fill(~picked, float("-inf")).unflatten(-1, (-1, bn))
         top = s.amax(-1)
-        p = torch.exp2(s - torch.where(top == float("-inf"), 0.0, top).unsqueeze(-1))
-        codes = (quantise_p(p, self.pv) / P_SCALE[self.pv]).to(self.acc)
+        if self.pv == "fp8":  # relative to the running max of the tile maxima (the kernel's `ref`)
+            top = torch.cummax(top.clamp(min=-1.0e30), -1).values
+            p = torch.exp2(s - (top - 8.0).unsqueeze(-1))  # 256 exp2(s - ref)
+        else:  # relative to the tile's own max
+            p = torch.exp2(s - torch.where(top == float("-inf"), 0.0, top).unsqueeze(-1))
+        scale = P_SCALE[self.pv] if self.pv == "fp8" else 1.0  # what p was multiplied by
+        codes = (quantise_p(p / scale, self.pv) / P_SCALE[self.pv]).to(self.acc)
         logit = top.to(self.acc) * LN2 + (c.q_shift[:, :, rows].to(self.acc) * self.scale).unsqueeze(-1)
-        return logit, (codes, p.sum(-1).to(self.acc), self.v_deq)
+        return logit, (codes, (p.sum(-1) / scale).to(self.acc), self.v_deq)
 
 
 class ReferenceAttention:

@@ -35,7 +35,7 @@ from .configs import EightBitConfig, KernelConfig, dot_precision, eight_bit_conf
 from .offsets import perm_strides, wide_rows
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
 from .block_quantise import e4m3_grid, quantise_blocks_triton
-from .eight_bit import PRECISIONS, QuantisedBlocks, key_mean
+from .eight_bit import PRECISIONS, QuantisedBlocks, key_mean, value_max
 from .tiled_pack import pack_qkv
 
 HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size
@@ -125,20 +125,28 @@ def _gathered_keys(acc, m_i, l_i, q, K, V, KPerm, BlockLen, sel_row, dh, n_slots
 def _quantised_keys(acc, m_i, l_i, QC, QS, QShift, KC, KS, VC, VS, BlockLen, sel_row, n_pick, bh, i, J, offs_m,
                     offs_d, qk_scale, BS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                     PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr):
-    """Fold the selected key blocks of one query block into (acc, m, l) in 8 bits (`eight_bit`):
-    INT8 Q.K^T (exact int32 sums) times the blocks' scales, plus q . key mean to undo the smoothing;
-    per key tile, p' = exp2(s - the row's tile max) quantised to FP8 or INT8 for P.V, its tile weight,
-    the sums of p' and the accumulation across tiles in fp32. Codes are in tiled order (V transposed),
-    one (batch, head) of this launch at `bh`; the pick list runs one tile ahead as in `_tiled_keys`."""
+    """Fold the selected key blocks of one query block into (acc, m, l) in 8 bits (`eight_bit`).
+
+    Logits: INT8 Q.K^T (exact int32 sums) times the blocks' scales. The loop keeps its own softmax
+    state, which depends on these logits only (so the reference reproduces P's codes): `ref`, the
+    running max of the tiles' row maxima; the sum of p; and `part`, P's codes times V's codes summed
+    in code units, rescaled by exp2(old ref - new ref) when ref grows (fp32, outside the MMA: long
+    rows cannot drift). FP8: p = 256 exp2(s - ref) in e4m3. INT8: p = exp2(s - the tile's own max)
+    as codes 0..127 (a uniform grid needs the tile's range), their product scaled by exp2(tile max -
+    ref). At the end q . key mean (undoing the smoothing) and V's per-channel scales join the part
+    to (acc, m, l) as one softmax. Codes are in tiled order (V transposed), (batch, head) `bh`; the
+    pick list runs one tile ahead as in `_tiled_keys`."""
     SUB: tl.constexpr = BS // BLOCK_N
     L = J * BS
     offs_n = tl.arange(0, BLOCK_N)
     qslot = i * BS + offs_m
     q = tl.load(QC + (bh * L + qslot)[:, None] * HEAD_DIM + offs_d[None, :])
     q_scale = tl.load(QS + bh * J + i) * qk_scale
-    shift = tl.load(QShift + bh * L + qslot) * qk_scale  # base 2, like the logits
     KC += bh * L * HEAD_DIM
     VC += bh * HEAD_DIM * L
+    ref = tl.zeros_like(m_i) - 1.0e30  # finite: exp2(ref - ref_new) stays defined
+    l8 = tl.zeros_like(l_i)
+    part = tl.zeros_like(acc)
     n_tiles = n_pick * SUB
     blk = tl.load(sel_row, mask=n_tiles > 0, other=0).to(tl.int32)
     blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
@@ -148,31 +156,42 @@ def _quantised_keys(acc, m_i, l_i, QC, QS, QShift, KC, KS, VC, VS, BlockLen, sel
         kslot = tl.max_contiguous(tl.multiple_of(blk * BS + first + offs_n, BLOCK_N), BLOCK_N)
         kt = tl.load(KC + kslot[None, :] * HEAD_DIM + offs_d[:, None])
         vt = tl.load(VC + offs_d[None, :] * L + kslot[:, None])
-        v_scale = tl.load(VS + (bh * J + blk) * HEAD_DIM + offs_d)
-        s = tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32) * (q_scale * k_scale)
-        s = tl.where((first + offs_n < blen)[None, :], s, float("-inf"))
-        top = tl.max(s, 1)  # -inf for a tile past its block's length
-        p = tl.exp2(s - tl.where(top == float("-inf"), 0.0, top)[:, None])
-        m_new = tl.maximum(m_i, top + shift)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(top + shift - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1) * w
+        scale = q_scale * k_scale
+        s = tl.where((first + offs_n < blen)[None, :], tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32), float("-inf"))
+        top = tl.max(s, 1) * scale  # -inf for a tile past its block's length
+        ref_new = tl.maximum(ref, top)
+        grow = tl.exp2(ref - ref_new)
         if PV_FP8:
-            p = p * 256.0  # eight_bit.P_SCALE
+            p = tl.exp2(s * scale - (ref_new - 8.0)[:, None])  # 256 exp2(s - ref): eight_bit.P_SCALE
+            l8 = l8 * grow + tl.sum(p, 1)
             if EMULATE_FP8:
                 p = e4m3_grid(p)
-            pv = tl.dot(p.to(tl.float8e4nv), vt)
-            w = w * (1.0 / 256.0)
+            part = part * grow[:, None] + tl.dot(p.to(tl.float8e4nv), vt)
         else:
+            own = tl.where(top == float("-inf"), ref_new, top)
+            p = tl.exp2(s * scale - own[:, None])
+            w = tl.exp2(own - ref_new)
+            l8 = l8 * grow + tl.sum(p, 1) * w
             pv = tl.dot((p * 127.0 + 0.5).to(tl.int8), vt, out_dtype=tl.int32).to(tl.float32)
-            w = w * (1.0 / 127.0)
-        acc = acc * alpha[:, None] + pv * w[:, None] * v_scale[None, :]
-        m_i = m_new
+            part = part * grow[:, None] + pv * w[:, None]
+        ref = ref_new
         live = t + 1 < n_tiles
         blk = tl.load(sel_row + (t + 1) // SUB, mask=live, other=0).to(tl.int32)
         blen = tl.load(BlockLen + blk, mask=live, other=0)
         k_scale = tl.load(KS + bh * J + blk, mask=live, other=0.0)
-    return acc, m_i, l_i
+    # one softmax with what came before: the part's max is ref + q . key mean (base 2)
+    m8 = ref + tl.load(QShift + bh * L + qslot) * qk_scale
+    m_new = tl.maximum(m_i, m8)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(m8 - m_new)
+    v_scale = tl.load(VS + bh * HEAD_DIM + offs_d)
+    if PV_FP8:  # the sum and the codes were of 256 p
+        l_i = l_i * alpha + l8 * (beta * (1.0 / 256.0))
+        acc = acc * alpha[:, None] + part * (beta * (1.0 / 256.0))[:, None] * v_scale[None, :]
+    else:  # the sum was of p, the codes of 127 p
+        l_i = l_i * alpha + l8 * beta
+        acc = acc * alpha[:, None] + part * (beta * (1.0 / 127.0))[:, None] * v_scale[None, :]
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -427,10 +446,11 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         )
 
     if eight_bit:
-        mean = key_mean(k)
+        mean, v_max = key_mean(k), value_max(v)
         for h0 in range(0, H, HEADS_PER_CALL):
             h1 = min(H, h0 + HEADS_PER_CALL)
-            launch(q, k, v, h0, h1 - h0, quantise_blocks_triton(q, k, v, q_perm, k_perm, mean, bs, h0, h1, cfg.pv))
+            launch(q, k, v, h0, h1 - h0,
+                   quantise_blocks_triton(q, k, v, q_perm, k_perm, mean, v_max, bs, h0, h1, cfg.pv))
         return out, lse
     if not tiled:
         launch(q, k, v, 0, H)

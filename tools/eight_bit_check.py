@@ -30,7 +30,7 @@ from adaptive_sparse_attention.kernels import block_sparse_reference
 from adaptive_sparse_attention.kernels import triton_attention as ta
 from adaptive_sparse_attention.kernels.block_quantise import quantise_blocks_triton
 from adaptive_sparse_attention.kernels.configs import EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES, eight_bit_config
-from adaptive_sparse_attention.kernels.eight_bit import key_mean
+from adaptive_sparse_attention.kernels.eight_bit import key_mean, value_max
 from kernel_cases import DIM, H3_SHAPES, HEADS
 
 
@@ -69,13 +69,13 @@ def mid_shape_check(results: dict) -> None:
     results["mid"] = row
 
 
-def timing(results: dict, ratios: list[float]) -> None:
+def timing(results: dict, ratios: list[float], other_families: bool = True) -> None:
     layout = H3_SHAPES["10s"].layout()
     q, k, v = h3_qkv(layout, HEADS, DIM, torch.bfloat16, seed=7)
     own = eight_bit_config(DIM, 64, q.device)
     results["own_family_pv"] = own.pv
     rows = results["10s"] = []
-    mean = key_mean(k)
+    mean, v_max = key_mean(k), value_max(v)
     for ratio in ratios:
         cfg = SparseConfig(topk_ratio=ratio, backend="triton", min_tokens=0)
         plan = build_plan(q, k, v, layout, cfg)
@@ -83,7 +83,7 @@ def timing(results: dict, ratios: list[float]) -> None:
         row["kernel_bf16_ms"] = bench_ms(lambda: ta.block_sparse_triton(q, k, v, plan))
         row["kernel_8bit_ms"] = bench_ms(lambda: ta.block_sparse_triton(q, k, v, plan, precision="8-bit"))
         row["pre_pass_8bit_ms"] = bench_ms(lambda: [quantise_blocks_triton(
-            q, k, v, plan.q_perm, plan.k_perm, mean, 64, h0, min(HEADS, h0 + ta.HEADS_PER_CALL), own.pv)
+            q, k, v, plan.q_perm, plan.k_perm, mean, v_max, 64, h0, min(HEADS, h0 + ta.HEADS_PER_CALL), own.pv)
             for h0 in range(0, HEADS, ta.HEADS_PER_CALL)])
         row["op_bf16_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg))
         row["op_8bit_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg.replace(precision="8-bit")))
@@ -92,7 +92,7 @@ def timing(results: dict, ratios: list[float]) -> None:
               f"{row['op_8bit_ms']:.1f}", flush=True)
         for fam in EIGHT_BIT_FAMILIES:
             conf = EIGHT_BIT_CONFIGS[(fam, DIM, 64)]
-            if conf == own:
+            if conf == own or not other_families:
                 continue
             try:
                 row[f"kernel_8bit_{fam}_config_ms"] = bench_ms(
@@ -107,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ratios", default="0.1,0.2")
     parser.add_argument("--skip-mid", action="store_true")
+    parser.add_argument("--own-family-only", action="store_true", help="time only this GPU's 8-bit config")
     parser.add_argument("--out", default="eight_bit.json")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -117,7 +118,7 @@ def main() -> None:
         if not args.skip_mid:
             mid_shape_check(results)
         torch.cuda.empty_cache()
-        timing(results, [float(r) for r in args.ratios.split(",")])
+        timing(results, [float(r) for r in args.ratios.split(",")], not args.own_family_only)
     finally:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

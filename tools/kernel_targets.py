@@ -82,7 +82,7 @@ def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = F
 def quantise_pass(capability: int, pv: str) -> dict:
     """The 8-bit pre-pass (`block_quantise`) at block size 64, head_dim 128, P.V format `pv`."""
     pointers = {n: "*bf16" for n in ("Q", "K", "V")} | {"QPerm": "*i32", "KPerm": "*i32"}
-    pointers |= {n: "*fp32" for n in ("Mean", "QS", "QShift", "KS", "VS")}
+    pointers |= {n: "*fp32" for n in ("Mean", "VMax", "QS", "QShift", "KS", "VS")}
     pointers |= {"QC": "*i8", "KC": "*i8", "VC": "*fp8e4nv" if pv == "fp8" else "*i8"}
     return compile_for(block_quantise._quantise_blocks, pointers, set(),
                        {"BS": 64, "HEAD_DIM": 128, "PV_FP8": pv == "fp8", "EMULATE_FP8": False, "ALIGN": 8},
