@@ -2,7 +2,7 @@
 
 One program per (key/query block, batch * head): it reads the block's model-order rows through
 q_perm and k_perm (any strides), and writes the block's INT8 codes of Q and of K smoothed by the
-head's key mean, their per-block scales, q . mean per query slot, and V's codes (FP8 e4m3 or INT8,
+head's key mean, both rotated by a Hadamard matrix, their per-block scales, q . mean per query slot, and V's codes (FP8 e4m3 or INT8,
 the head's per-channel scales) transposed. The same arithmetic as `eight_bit.quantise_blocks_torch`
 in the same order, so the codes agree bit for bit (in the CPU interpreter; on the GPU Triton may
 fuse a multiply-add, which can move a code that sits on a rounding boundary by one).
@@ -37,6 +37,17 @@ def e4m3_grid(x):
 
 
 @triton.jit
+def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
+    """Rows of x [ROWS, D] times the (unnormalised, +-1) Sylvester-Hadamard matrix, by log2(D)
+    butterflies (a + b, a - b at distance 1, 2, 4, ...), as `eight_bit.hadamard_rows`."""
+    for stage in tl.static_range(LOG_D):  # pairs at distance 2 ** stage
+        pairs = tl.permute(tl.reshape(x, [ROWS, D >> (stage + 1), 2, 1 << stage]), (0, 1, 3, 2))
+        a, b = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [ROWS, D])
+    return x
+
+
+@triton.jit
 def _int8_block(x, TOP: tl.constexpr):
     """INT8 codes of fp32 x (one scale for the whole block) and the scale."""
     amax = tl.max(tl.max(tl.abs(x), 1), 0)
@@ -58,8 +69,8 @@ def _load_rows(X, rows, b, h, sx_b, sx_h, sx_s, sx_d, offs_d, ALIGN: tl.constexp
 def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, VMax, QC, QS, QShift, KC, KS, VC, VS,
                      sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                      sqp_b, sqp_h, skp_b, skp_h, H, H0, HC, J,
-                     BS: tl.constexpr, HEAD_DIM: tl.constexpr, PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
-                     ALIGN: tl.constexpr):
+                     BS: tl.constexpr, HEAD_DIM: tl.constexpr, LOG_D: tl.constexpr, PV_FP8: tl.constexpr,
+                     EMULATE_FP8: tl.constexpr, ALIGN: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # (batch, head among this call's HC heads)
     b = bh // HC
@@ -72,14 +83,15 @@ def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, VMax, QC, QS, QShift, KC, KS, 
 
     q_rows = tl.load(QPerm + b * sqp_b + h * sqp_h + slots)
     q = _load_rows(Q, q_rows, b, h, sq_b, sq_h, sq_s, sq_d, offs_d, ALIGN)
-    codes, scale = _int8_block(q, 127.0)  # eight_bit.CODE_TOP
-    tl.store(QC + out[:, None] * HEAD_DIM + offs_d[None, :], codes)
-    tl.store(QS + bh * J + i, scale)
     tl.store(QShift + out, tl.sum(q * mean[None, :], 1))
+    codes, scale = _int8_block(hadamard_rows(q, BS, HEAD_DIM, LOG_D), 127.0)  # eight_bit.CODE_TOP
+    tl.store(QC + out[:, None] * HEAD_DIM + offs_d[None, :], codes)
+    tl.store(QS + bh * J + i, scale * (1.0 / HEAD_DIM))  # the rotation multiplies dot products by D
 
     k_rows = tl.load(KPerm + b * skp_b + h * skp_h + slots)
     k = _load_rows(K, k_rows, b, h, sk_b, sk_h, sk_s, sk_d, offs_d, ALIGN)
-    codes, scale = _int8_block(tl.where((k_rows >= 0)[:, None], k - mean[None, :], 0.0), 127.0)
+    k = hadamard_rows(tl.where((k_rows >= 0)[:, None], k - mean[None, :], 0.0), BS, HEAD_DIM, LOG_D)
+    codes, scale = _int8_block(k, 127.0)
     tl.store(KC + out[:, None] * HEAD_DIM + offs_d[None, :], codes)
     tl.store(KS + bh * J + i, scale)
 
@@ -131,7 +143,7 @@ def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     _quantise_blocks[(J, B * hc)](
         q, k, v, q_perm, k_perm, mean.contiguous(), v_max.contiguous(), qc, qs, shift, kc, ks, vc, vs,
         *q.stride(), *k.stride(), *v.stride(), *perm_strides(q_perm), *perm_strides(k_perm), H, h0, hc, J,
-        BS=block_size, HEAD_DIM=D, PV_FP8=pv == "fp8", EMULATE_FP8=os.environ.get("TRITON_INTERPRET") == "1",
+        BS=block_size, HEAD_DIM=D, LOG_D=D.bit_length() - 1, PV_FP8=pv == "fp8", EMULATE_FP8=os.environ.get("TRITON_INTERPRET") == "1",
         ALIGN=row_align(q, k, v),
         num_warps=8 if block_size * D >= 128 * 128 else 4)
     return QuantisedBlocks(qc, qs, shift, kc, ks, vc, vs)

@@ -8,8 +8,10 @@ Per call, in tiled order (`plan.pack`), per (batch, head):
 - K is smoothed: the head's key mean over its rows (fp32) is subtracted from every key. That shifts
   the logits of a query row by one constant, q . mean, which the kernel adds back (`q_shift`), so
   the exact keys, the dense prefix and the summaries still share one softmax.
-- Q and smoothed K: INT8 codes, one scale per block (its largest magnitude / 127), rounded half
-  away from zero.
+- Q and smoothed K are rotated by the same Hadamard matrix (unnormalised: +-1 entries, applied by
+  log2(D) butterflies of exact-order fp32 adds), which leaves q . k times D and spreads an outlier
+  channel over all channels; then INT8 codes, one scale per block (its largest magnitude / 127,
+  Q's also / D), rounded half away from zero.
 - V: one scale per channel of the head (its largest magnitude over the head's rows), so the scales
   leave the loop: FP8 e4m3 codes (magnitude up to 448) or INT8 codes (up to 127). Stored transposed
   [D, L] so that P.V reads V along its reduction dimension, as 8-bit MMA wants.
@@ -40,7 +42,7 @@ PRECISIONS = ("bf16", "8-bit")  # what the kernels take: bf16 is the inputs' own
 class QuantisedBlocks:
     """Q, K, V of some heads in 8 bits, tiled order (L = J * block_size slots, zero in padding).
 
-    q_codes, k_codes: int8 [B, h, L, D]; q_scale, k_scale: fp32 [B, h, J]; q_shift: fp32 [B, h, L],
+    q_codes, k_codes: int8 [B, h, L, D] (rotated); q_scale, k_scale: fp32 [B, h, J]; q_shift: fp32 [B, h, L],
     q . key mean of every query slot; v_codes: int8 or float8_e4m3fn [B, h, D, L] (transposed);
     v_scale: fp32 [B, h, J, D]."""
 
@@ -56,6 +58,18 @@ class QuantisedBlocks:
 def key_mean(k: torch.Tensor) -> torch.Tensor:
     """fp32 [B, H, D]: the mean key of every (batch, head) over its S rows (the smoothing of K)."""
     return k.mean(2, dtype=torch.float32)
+
+
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times the unnormalised Sylvester-Hadamard matrix (D a power of two), by the
+    butterflies of `block_quantise.hadamard_rows` in the same order (so the same fp32 bits)."""
+    D, h = x.shape[-1], 1
+    while h < D:
+        pairs = x.unflatten(-1, (D // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], -2).flatten(-3)
+        h *= 2
+    return x
 
 
 def value_max(v: torch.Tensor) -> torch.Tensor:
@@ -111,8 +125,9 @@ def quantise_blocks_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     vt = pack(v, plan.k_perm).float()
     key_slot = (plan.k_perm >= 0).expand(B, H, -1).unsqueeze(-1)
     kd = torch.where(key_slot, kt - mean.unsqueeze(2), 0.0)  # padding slots stay zero
-    q_codes, q_scale = _blockwise_int8(qt.view(B, H, J, bs, D))
-    k_codes, k_scale = _blockwise_int8(kd.view(B, H, J, bs, D))
+    q_codes, q_scale = _blockwise_int8(hadamard_rows(qt).view(B, H, J, bs, D))
+    k_codes, k_scale = _blockwise_int8(hadamard_rows(kd).view(B, H, J, bs, D))
+    q_scale = q_scale * (1.0 / D)  # the rotation multiplies dot products by D (exact: a power of two)
     q_shift = (qt * mean.unsqueeze(2)).sum(-1)
     amax = value_max(v)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))

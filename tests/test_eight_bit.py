@@ -44,7 +44,7 @@ from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import block_sparse_reference
 from adaptive_sparse_attention.kernels.configs import EIGHT_BIT_CONFIGS, eight_bit_config
 from adaptive_sparse_attention.kernels.custom_op import TritonAttention
-from adaptive_sparse_attention.kernels.eight_bit import key_mean, quantise_blocks_torch, value_max
+from adaptive_sparse_attention.kernels.eight_bit import hadamard_rows, key_mean, quantise_blocks_torch, value_max
 from adaptive_sparse_attention.kernels.table import CUDNN_ATTENTION, Host, Target, choose_backend
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -100,8 +100,8 @@ def test_pre_pass_codes_equal_the_torch_quantisation(pv, shared):
 
 @pytest.mark.parametrize("pv", ["fp8", "int8"])
 def test_quantisation_error_is_half_a_step(pv):
-    """Dequantised codes are within half a code step of the inputs (INT8: scale / 2; FP8 V: 2^-4
-    relative, or half the subnormal step), and padding slots are zero."""  # noqa: D401
+    """Dequantised codes are within half a code step of the rotated Q and smoothed K (INT8: scale / 2)
+    and of V (FP8: 2^-4 relative, or half the subnormal step), and padding slots are zero."""
     g = torch.Generator().manual_seed(1)
     S, B, H, D, bs = 97, 1, 2, 32, 32
     plan = random_plan(S, B, H, D, bs, torch.float32, "none", seed=2)
@@ -113,8 +113,8 @@ def test_quantisation_error_is_half_a_step(pv):
     qt, kt, vt = pack(q, plan.q_perm), pack(k, plan.k_perm) - key_mean(k).unsqueeze(2), pack(v, plan.k_perm)
     kt = torch.where((plan.k_perm >= 0).unsqueeze(-1), kt, 0.0)
     per_slot = lambda s: s.repeat_interleave(bs, 2).unsqueeze(-1)  # noqa: E731
-    for x, codes, scale in ((qt, c.q_codes, c.q_scale), (kt, c.k_codes, c.k_scale)):
-        assert ((codes.float() * per_slot(scale) - x).abs() <= per_slot(scale) * 0.5001).all()
+    for x, codes, scale in ((hadamard_rows(qt), c.q_codes, c.q_scale * 32), (hadamard_rows(kt), c.k_codes, c.k_scale)):
+        assert ((codes.float() * per_slot(scale) - x).abs() <= per_slot(scale) * 0.5001).all()  # q_scale has 1/D
     v_deq = c.v_codes.float().transpose(-1, -2) * c.v_scale.unsqueeze(2)
     half_step = c.v_scale.unsqueeze(2) * (0.5 if pv == "int8" else 2 ** -10)  # e4m3: subnormal step 2^-9
     bound = torch.maximum(vt.abs() * (0 if pv == "int8" else 2 ** -4), half_step) * 1.0001  # e4m3: 3 mantissa bits

@@ -85,7 +85,7 @@ def quantise_pass(capability: int, pv: str) -> dict:
     pointers |= {n: "*fp32" for n in ("Mean", "VMax", "QS", "QShift", "KS", "VS")}
     pointers |= {"QC": "*i8", "KC": "*i8", "VC": "*fp8e4nv" if pv == "fp8" else "*i8"}
     return compile_for(block_quantise._quantise_blocks, pointers, set(),
-                       {"BS": 64, "HEAD_DIM": 128, "PV_FP8": pv == "fp8", "EMULATE_FP8": False, "ALIGN": 8},
+                       {"BS": 64, "HEAD_DIM": 128, "LOG_D": 7, "PV_FP8": pv == "fp8", "EMULATE_FP8": False, "ALIGN": 8},
                        capability, 8, 1)
 
 
