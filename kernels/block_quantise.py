@@ -2,10 +2,11 @@
 
 One program per (key/query block, batch * head): it reads the block's model-order rows through
 q_perm and k_perm (any strides), and writes the block's INT8 codes of Q and of K smoothed by the
-head's key mean, both rotated by a Hadamard matrix, their per-block scales, q . mean per query slot, and V's codes (FP8 e4m3 or INT8,
-the head's per-channel scales) transposed. The same arithmetic as `eight_bit.quantise_blocks_torch`
-in the same order, so the codes agree bit for bit (in the CPU interpreter; on the GPU Triton may
-fuse a multiply-add, which can move a code that sits on a rounding boundary by one).
+head's key mean, both rotated by a Hadamard matrix, their per-block scales, q . mean per query
+slot, and V's codes (FP8 e4m3 or INT8, the head's per-channel scales) transposed. The same
+arithmetic as `eight_bit.quantise_blocks_torch` in the same order, so the codes agree bit for bit
+(in the CPU interpreter; on the GPU Triton may fuse a multiply-add, which can move a code that sits
+on a rounding boundary by one).
 
 The interpreter's own fp32 -> fp8 conversion rounds ties up and truncates subnormals;
 `e4m3_grid` (interpreter only) rounds to the e4m3 grid first, ties to even, as the GPU's
@@ -143,7 +144,8 @@ def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     _quantise_blocks[(J, B * hc)](
         q, k, v, q_perm, k_perm, mean.contiguous(), v_max.contiguous(), qc, qs, shift, kc, ks, vc, vs,
         *q.stride(), *k.stride(), *v.stride(), *perm_strides(q_perm), *perm_strides(k_perm), H, h0, hc, J,
-        BS=block_size, HEAD_DIM=D, LOG_D=D.bit_length() - 1, PV_FP8=pv == "fp8", EMULATE_FP8=os.environ.get("TRITON_INTERPRET") == "1",
+        BS=block_size, HEAD_DIM=D, LOG_D=D.bit_length() - 1, PV_FP8=pv == "fp8",
+        EMULATE_FP8=os.environ.get("TRITON_INTERPRET") == "1",
         ALIGN=row_align(q, k, v),
         num_warps=8 if block_size * D >= 128 * 128 else 4)
     return QuantisedBlocks(qc, qs, shift, kc, ks, vc, vs)

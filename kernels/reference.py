@@ -113,7 +113,8 @@ class _QuantisedKeys:
         bs = plan.block_size
         self.k_codes = self.codes.k_codes.to(torch.float64)  # integer products and sums stay exact
         self.v_deq = self.codes.v_codes.float().transpose(-1, -2).to(acc) * self.codes.v_scale.unsqueeze(2).to(acc)
-        self.qk_scale = torch.tensor(q.shape[-1] ** -0.5 * LOG2E, dtype=torch.float32, device=q.device)  # as the kernel gets it
+        # the kernel's fp32 scale argument
+        self.qk_scale = torch.tensor(q.shape[-1] ** -0.5 * LOG2E, dtype=torch.float32, device=q.device)
         self.scale = q.shape[-1] ** -0.5
 
     def terms(self, i0: int, i1: int, key_valid: torch.Tensor) -> tuple[torch.Tensor, tuple]:
