@@ -106,7 +106,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
     plan = build_plan(q, k, v, layout, config, kernels=kernels)
     marks.append(_now(q, timings))
-    out, _ = kernels.attention.attend_blocks(q, k, v, plan)
+    out, _ = kernels.attention.attend_blocks(q, k, v, plan, precision=config.exact_precision)
     if config.tail == "coarse" and coarse_gate is not None:
         out = out + coarse_gate.to(out.dtype) * coarse_branch(q, k, v, plan, config.tail_granularity, kernels)
     marks.append(_now(q, timings))

@@ -111,14 +111,21 @@ class SparseConfig:
         "an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks.")
     precision: str = setting("auto", Choice(PRECISIONS),
         "Arithmetic of attention. auto: 8-bit when ComfyUI itself runs 8-bit attention (launched with "
-        "--use-sage-attention or --use-ck-attention, or an 8-bit attention another node installed), else bf16. "
-        "bf16: exact attention up to bf16 rounding. 8-bit: 8-bit kernels are allowed where they meet an 8-bit "
-        "error bound. Dense steps: the fastest kernel within the precision's bound, ComfyUI's own attention "
-        "among the candidates; sparse exact loop: see the README. Outside ComfyUI auto means bf16.")
+        "--use-sage-attention or --use-ck-attention, or an 8-bit attention another node installed), else bf16; "
+        "outside ComfyUI auto means bf16. Dense steps: the fastest kernel within the precision's error bound, "
+        "ComfyUI's own attention among the candidates. Sparse steps at 8-bit: INT8 Q.K^T after smoothing K, FP8 "
+        "(INT8 before RTX 40xx) P.V, fp32 softmax statistics and accumulation over the selected video key blocks; "
+        "context keys, summaries and routing keep their precision.")
 
     def __post_init__(self) -> None:
         for name, declared in settings().items():
             object.__setattr__(self, name, declared.rule.check(f"SparseConfig.{name}", getattr(self, name)))
+
+    @property
+    def exact_precision(self) -> str:
+        """The exact loop's arithmetic as the kernels take it: "bf16" (the inputs' own precision; what
+        `auto` means inside the engine) or "8-bit"."""
+        return "8-bit" if self.precision == "8-bit" else "bf16"
 
     def replace(self, **changes: Any) -> "SparseConfig":
         """A copy with some fields changed (validated again)."""

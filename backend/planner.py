@@ -33,10 +33,10 @@ def layout_kernels(layout: SequenceLayout, config: SparseConfig, device: torch.d
     """The kernels of calls on `layout` under `config` (`kernels.table.resolve`), resolved once per
     (request, device, dtype, head dim, block size) and kept by the layout, which also owns the
     once-only record of the fallbacks it says."""
-    key = (config.backend, config.strict, str(device), dtype, head_dim, config.block_size)
+    key = (config.backend, config.strict, str(device), dtype, head_dim, config.block_size, config.exact_precision)
     return layout.cache.get("kernels", key, lambda: resolve(
         config.backend, device, dtype, strict=config.strict, head_dim=head_dim, block_size=config.block_size,
-        notes=layout.cache.notes))
+        notes=layout.cache.notes, precision=config.exact_precision))
 
 
 def cached_cube_tiling(layout: SequenceLayout, block_size: int, device: torch.device) -> Tiling:

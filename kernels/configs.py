@@ -118,6 +118,55 @@ def row_align(*tensors: torch.Tensor) -> int:
     return align
 
 
+@dataclass(frozen=True)
+class EightBitConfig(KernelConfig):
+    """A launch of the kernel whose exact loop over the selected key blocks runs in 8 bits: INT8
+    Q.K^T and `pv` ("fp8": e4m3 P and V, on GPUs with FP8 MMA; "int8": codes 0..127 for P, signed
+    V) for P.V (`triton_attention`, `eight_bit`)."""
+
+    pv: str
+
+
+# The 8-bit families, by compute capability: the P.V format follows the MMA the family has (FP8 from
+# sm89 on), the tiles follow the shared memory (`CONFIGS`' families: sm89 and sm120 plan for ~99 KB
+# as sm80/86 do). The 8-bit loop's stages take half the bf16 loop's memory (one byte per element),
+# but the bf16 prefix and tail loops of the same launch keep theirs, so stages are the bf16 configs'.
+PV_FORMATS = {"sm80": "int8", "sm89": "fp8", "sm90": "fp8", "sm120": "fp8"}
+EIGHT_BIT_FAMILIES = tuple(PV_FORMATS)
+EIGHT_BIT_CONFIGS: dict[tuple[str, int, int], EightBitConfig] = {
+    (fam, d, bs): EightBitConfig(**vars(CONFIGS[("sm90" if fam == "sm90" else "sm80", d, bs)]), pv=pv)
+    for fam, pv in PV_FORMATS.items() for d in (32, 64, 128) for bs in (64, 128)
+}
+
+
+def eight_bit_family(capability: tuple[int, int]) -> str:
+    """8-bit family of a CUDA compute capability (major, minor): sm80 (sm80/86/87), sm89 (Ada),
+    sm90 (Hopper, datacenter Blackwell), sm120 (consumer Blackwell)."""
+    if capability[0] in (9, 10):
+        return "sm90"
+    if capability[0] >= 12:
+        return "sm120"
+    return "sm89" if tuple(capability) >= (8, 9) else "sm80"
+
+
+def eight_bit_config(head_dim: int, block_size: int, device: torch.device, family: str | None = None
+                     ) -> EightBitConfig:
+    """The 8-bit launch for head_dim and plan block size on `device`: the family is the argument,
+    else ``ADAPTIVE_SPARSE_KERNEL_FAMILY`` (any of `EIGHT_BIT_FAMILIES`), else the device's own
+    (sm89, FP8 P.V, on the CPU, where it only decides the arithmetic the interpreter reproduces)."""
+    family = family or os.environ.get(FAMILY_ENV) or None
+    if family is None:
+        family = eight_bit_family(torch.cuda.get_device_capability(device)) if device.type == "cuda" else "sm89"
+    if family not in EIGHT_BIT_FAMILIES:
+        raise ValueError(f"8-bit kernel family {family!r} (argument or {FAMILY_ENV}) is not allowed: expected one of "
+                         f"{', '.join(EIGHT_BIT_FAMILIES)}")
+    key = (family, head_dim, 128 if block_size >= 128 else 64)
+    if key not in EIGHT_BIT_CONFIGS:
+        raise ValueError(f"8-bit block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
+                         f"{sorted({d for _, d, _ in EIGHT_BIT_CONFIGS})}")
+    return EIGHT_BIT_CONFIGS[key]
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision for operands of `dtype`: full fp32 ("ieee") for fp32 inputs, so
     fp32 runs stay close to the float64 reference; the tensor-core default for 16-bit inputs."""

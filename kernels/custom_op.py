@@ -12,11 +12,13 @@ from .plan import BlockSparsePlan
 
 @torch.library.custom_op("adaptive_sparse_attention::triton_block_sparse", mutates_args=())
 def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_tensors: list[torch.Tensor],
-                        block_size: int, groups: list[int], tail: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of `triton_attention.block_sparse_triton` on the flattened plan."""
+                        block_size: int, groups: list[int], tail: str, precision: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `triton_attention.block_sparse_triton` on the flattened plan, in `precision`."""
     from .triton_attention import block_sparse_triton
 
-    return block_sparse_triton(q, k, v, BlockSparsePlan.unflatten(plan_tensors, block_size, groups, tail))
+    return block_sparse_triton(q, k, v, BlockSparsePlan.unflatten(plan_tensors, block_size, groups, tail),
+                               precision=precision)
 
 
 @torch.library.custom_op("adaptive_sparse_attention::cudnn_block_sparse", mutates_args=())
@@ -29,6 +31,10 @@ def cudnn_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_t
 
 
 @triton_block_sparse.register_fake
+def _fake_triton(q, k, v, plan_tensors, block_size, groups, tail, precision):
+    return _fake(q, k, v, plan_tensors, block_size, groups, tail)
+
+
 @cudnn_block_sparse.register_fake
 def _fake(q, k, v, plan_tensors, block_size, groups, tail):
     B, H, S, _ = q.shape
@@ -38,19 +44,23 @@ def _fake(q, k, v, plan_tensors, block_size, groups, tail):
 class TritonAttention:
     """The `triton` row of the attention: the fused Triton kernel, through the custom op."""
 
-    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32) of q, k, v under `plan`."""
+    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                      precision: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32) of q, k, v under `plan`,
+        the exact loop over the picks in `precision` ("bf16": the inputs' own, or "8-bit")."""
         check_grad(q, k, v, "triton")
-        return triton_block_sparse(q, k, v, *plan.flatten())
+        return triton_block_sparse(q, k, v, *plan.flatten(), precision)
 
 
 class CudnnAttention:
     """The `cudnn` row of the attention: exact keys on cuDNN-frontend, the tail on Triton, through the custom op."""
 
-    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32) of q, k, v under `plan`."""
+    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                      precision: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32) of q, k, v under `plan`
+        (bf16 only: the table resolves 8-bit calls elsewhere)."""
+        if precision != "bf16":
+            raise ValueError(f"backend='cudnn': precision={precision!r} is not supported: expected 'bf16'")
         check_grad(q, k, v, "cudnn")
         return cudnn_block_sparse(q, k, v, *plan.flatten())
 

@@ -67,23 +67,26 @@ class Host:
 @dataclass(frozen=True)
 class Target:
     """What a call runs on: device type, CUDA compute capability (None off CUDA), dtype, head dim
-    and block size (None: not known yet, any value is assumed to fit)."""
+    and block size (None: not known yet, any value is assumed to fit), and the exact loop's
+    arithmetic ("bf16": the inputs' own; "8-bit")."""
 
     device: str
     capability: tuple[int, int] | None = None
     dtype: torch.dtype | None = None
     head_dim: int | None = None
     block_size: int | None = None
+    precision: str = "bf16"
 
     @classmethod
     def of(cls, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
-           block_size: int | None = None, capability: tuple[int, int] | None = None) -> "Target":
+           block_size: int | None = None, capability: tuple[int, int] | None = None,
+           precision: str = "bf16") -> "Target":
         """The target of tensors on `device`; the capability is read from the device unless given
         (None where no GPU is visible: any capability is assumed to fit)."""
         device = torch.device(device)
         if capability is None and device.type == "cuda" and torch.cuda.is_available():
             capability = tuple(torch.cuda.get_device_capability(device))
-        return cls(device.type, capability, dtype, head_dim, block_size)
+        return cls(device.type, capability, dtype, head_dim, block_size, precision)
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,10 @@ CUDNN_ATTENTION = (
                 _cudnn_device),
     _dtype_in(CUDNN_DTYPES), _head_dim_in(CUDNN_HEAD_DIMS),
     Requirement(f"block_size {CUDNN_BLOCK_SIZE}", lambda t, h: None if t.block_size in (None, CUDNN_BLOCK_SIZE) else
-                f"block_size {t.block_size} is not supported (expected {CUDNN_BLOCK_SIZE})"))
+                f"block_size {t.block_size} is not supported (expected {CUDNN_BLOCK_SIZE})"),
+    Requirement("precision bf16", lambda t, h: None if t.precision == "bf16" else
+                f"precision {t.precision!r} is not supported (its 8-bit path returns no log-sum-exp to merge the tail "
+                "with; the Triton kernel has the 8-bit loop)"))
 
 
 def _fp32(what: str) -> Callable[..., str | None]:
@@ -347,7 +353,7 @@ class Kernels:
 
 def resolve(requested: str, device: torch.device, dtype: torch.dtype, *, strict: bool = False,
             head_dim: int | None = None, block_size: int | None = None, capability: tuple[int, int] | None = None,
-            host: Host | None = None, notes: set[str] | None = None) -> Kernels:
+            host: Host | None = None, notes: set[str] | None = None, precision: str = "bf16") -> Kernels:
     """The `Kernels` of a call.
 
     Args:
@@ -357,10 +363,11 @@ def resolve(requested: str, device: torch.device, dtype: torch.dtype, *, strict:
         capability: the CUDA compute capability (default: read from `device`).
         host: this process's packages (default: `Host.current()`).
         notes: the owner's once-only record of what was said (default: a new one).
+        precision: the exact loop's arithmetic, "bf16" or "8-bit" (`SparseConfig.exact_precision`).
     Returns:
         The resolution: `backend` is the name that runs the attention.
     """
-    target = Target.of(device, dtype, head_dim, block_size, capability)
+    target = Target.of(device, dtype, head_dim, block_size, capability, precision)
     host = Host.current() if host is None else host
     notes = set() if notes is None else notes
     backend = BACKENDS[choose_backend(requested, target, host, strict, notes)]

@@ -31,9 +31,11 @@ import triton
 import triton.language as tl
 
 from .configs import TRITON_DTYPES as DTYPES
-from .configs import KernelConfig, dot_precision, kernel_config
+from .configs import EightBitConfig, KernelConfig, dot_precision, eight_bit_config, kernel_config
 from .offsets import perm_strides, wide_rows
 from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
+from .block_quantise import e4m3_grid, quantise_blocks_triton
+from .eight_bit import PRECISIONS, QuantisedBlocks, key_mean, value_max
 from .tiled_pack import pack_qkv
 
 HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size
@@ -120,6 +122,79 @@ def _gathered_keys(acc, m_i, l_i, q, K, V, KPerm, BlockLen, sel_row, dh, n_slots
 
 
 @triton.jit
+def _quantised_keys(acc, m_i, l_i, QC, QS, QShift, KC, KS, VC, VS, BlockLen, sel_row, n_pick, bh, i, J, offs_m,
+                    offs_d, qk_scale, BS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """Fold the selected key blocks of one query block into (acc, m, l) in 8 bits (`eight_bit`).
+
+    Logits: INT8 Q.K^T (exact int32 sums) times the blocks' scales. The loop keeps its own softmax
+    state, which depends on these logits only (so the reference reproduces P's codes): `ref`, the
+    running max of the tiles' row maxima; the sum of p; and `part`, P's codes times V's codes summed
+    in code units, rescaled by exp2(old ref - new ref) when ref grows (fp32, outside the MMA: long
+    rows cannot drift). FP8: p = 256 exp2(s - ref) in e4m3. INT8: p = exp2(s - the tile's own max)
+    as codes 0..127 (a uniform grid needs the tile's range), their product scaled by exp2(tile max -
+    ref). At the end q . key mean (undoing the smoothing) and V's per-channel scales join the part
+    to (acc, m, l) as one softmax. Codes are in tiled order (V transposed), (batch, head) `bh`; the
+    pick list runs one tile ahead as in `_tiled_keys`."""
+    SUB: tl.constexpr = BS // BLOCK_N
+    L = J * BS
+    offs_n = tl.arange(0, BLOCK_N)
+    qslot = i * BS + offs_m
+    q = tl.load(QC + (bh * L + qslot)[:, None] * HEAD_DIM + offs_d[None, :])
+    q_scale = tl.load(QS + bh * J + i) * qk_scale
+    KC += bh * L * HEAD_DIM
+    VC += bh * HEAD_DIM * L
+    ref = tl.zeros_like(m_i) - 1.0e30  # finite: exp2(ref - ref_new) stays defined
+    l8 = tl.zeros_like(l_i)
+    part = tl.zeros_like(acc)
+    n_tiles = n_pick * SUB
+    blk = tl.load(sel_row, mask=n_tiles > 0, other=0).to(tl.int32)
+    blen = tl.load(BlockLen + blk, mask=n_tiles > 0, other=0)
+    k_scale = tl.load(KS + bh * J + blk, mask=n_tiles > 0, other=0.0)
+    for t in range(0, n_tiles):
+        first = (t % SUB) * BLOCK_N
+        kslot = tl.max_contiguous(tl.multiple_of(blk * BS + first + offs_n, BLOCK_N), BLOCK_N)
+        kt = tl.load(KC + kslot[None, :] * HEAD_DIM + offs_d[:, None])
+        vt = tl.load(VC + offs_d[None, :] * L + kslot[:, None])
+        scale = q_scale * k_scale
+        s = tl.where((first + offs_n < blen)[None, :], tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32), float("-inf"))
+        top = tl.max(s, 1) * scale  # -inf for a tile past its block's length
+        ref_new = tl.maximum(ref, top)
+        grow = tl.exp2(ref - ref_new)
+        if PV_FP8:
+            p = tl.exp2(s * scale - (ref_new - 8.0)[:, None])  # 256 exp2(s - ref): eight_bit.P_SCALE
+            l8 = l8 * grow + tl.sum(p, 1)
+            if EMULATE_FP8:
+                p = e4m3_grid(p)
+            part = part * grow[:, None] + tl.dot(p.to(tl.float8e4nv), vt)
+        else:
+            own = tl.where(top == float("-inf"), ref_new, top)
+            p = tl.exp2(s * scale - own[:, None])
+            w = tl.exp2(own - ref_new)
+            l8 = l8 * grow + tl.sum(p, 1) * w
+            pv = tl.dot((p * 127.0 + 0.5).to(tl.int8), vt, out_dtype=tl.int32).to(tl.float32)
+            part = part * grow[:, None] + pv * w[:, None]
+        ref = ref_new
+        live = t + 1 < n_tiles
+        blk = tl.load(sel_row + (t + 1) // SUB, mask=live, other=0).to(tl.int32)
+        blen = tl.load(BlockLen + blk, mask=live, other=0)
+        k_scale = tl.load(KS + bh * J + blk, mask=live, other=0.0)
+    # one softmax with what came before: the part's max is ref + q . key mean (base 2)
+    m8 = ref + tl.load(QShift + bh * L + qslot) * qk_scale
+    m_new = tl.maximum(m_i, m8)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(m8 - m_new)
+    v_scale = tl.load(VS + bh * HEAD_DIM + offs_d)
+    if PV_FP8:  # the sum and the codes were of 256 p
+        l_i = l_i * alpha + l8 * (beta * (1.0 / 256.0))
+        acc = acc * alpha[:, None] + part * (beta * (1.0 / 256.0))[:, None] * v_scale[None, :]
+    else:  # the sum was of p, the codes of 127 p
+        l_i = l_i * alpha + l8 * beta
+        acc = acc * alpha[:, None] + part * (beta * (1.0 / 127.0))[:, None] * v_scale[None, :]
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _next_picks(sel_row, done, n_pick, offs_t, past):
     """The pick list's entries [done, done + BLOCK_T) as int32, `past` beyond its n_pick entries."""
     p = done + offs_t
@@ -132,6 +207,7 @@ def _block_sparse_fwd(
     Q, K, V, Out, Lse,
     QPerm, KPerm, BlockLen, DenseHi, Q2kIdx, Q2kNum,
     TailK, TailV, TailBias, BlockLogit, BlockValue, PartOut, PartLse,
+    QC, QS, QShift, KC, KS, VC, VS,
     sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s,
     sqp_b, sqp_h, skp_b, skp_h, sp_b, sp_h, spl_b, spl_h,
@@ -140,6 +216,7 @@ def _block_sparse_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     QUERY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, FROM_PARTIAL: tl.constexpr, TILED: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EMPTY_LSE: tl.constexpr, ROW_DTYPE: tl.constexpr,
+    EIGHT_BIT: tl.constexpr, PV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -189,11 +266,15 @@ def _block_sparse_fwd(
         if TILED:
             acc, m_i, l_i = _tiled_keys(acc, m_i, l_i, q, K + tile_base, V + tile_base, BlockLen, sel_row, dh, n_slots,
                                         qk_scale, offs_d, BS, HEAD_DIM, BLOCK_N, DOT_DTYPE, PRECISION, ROW_DTYPE)
-        else:
+        else:  # 8-bit: the gathered keys are the dense prefix only, in the inputs' precision
             acc, m_i, l_i = _gathered_keys(acc, m_i, l_i, q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h,
-                                           KPerm + b * skp_b + h * skp_h, BlockLen, sel_row, dh, n_slots, qk_scale,
-                                           sk_s, sk_d, sv_s, sv_d, offs_d, BS, BLOCK_N, DOT_DTYPE, PRECISION,
-                                           ROW_DTYPE)
+                                           KPerm + b * skp_b + h * skp_h, BlockLen, sel_row, dh,
+                                           dh if EIGHT_BIT else n_slots, qk_scale, sk_s, sk_d, sv_s, sv_d, offs_d,
+                                           BS, BLOCK_N, DOT_DTYPE, PRECISION, ROW_DTYPE)
+            if EIGHT_BIT:
+                acc, m_i, l_i = _quantised_keys(acc, m_i, l_i, QC, QS, QShift, KC, KS, VC, VS, BlockLen, sel_row,
+                                                n_slots - dh, bh.to(tl.int64), i, J, offs_m, offs_d, qk_scale, BS,
+                                                HEAD_DIM, BLOCK_N, PV_FP8, EMULATE_FP8)
 
     if QUERY_TAIL:
         # candidate blocks [dh, J) not selected: one summary column each. The picks are ascending and
@@ -287,7 +368,7 @@ def _checked_partial(partial: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
 def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
                         config: KernelConfig | None = None,
                         partial: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                        tiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        tiled: bool = True, precision: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan` with the fused Triton kernel.
 
     Args:
@@ -302,7 +383,11 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
             softmax and stores them in model order (k and v are not read).
         tiled: read the exact keys from Q/K/V packed HEADS_PER_CALL heads at a time (True) or
             gather their rows through the permutations (False: no packed copies, the mode to compare
-            with where tiled mode is not measured faster). Ignored with `partial`.
+            with where tiled mode is not measured faster). Ignored with `partial` and in 8 bits.
+        precision: "bf16" (the inputs' precision) or "8-bit": the selected key blocks in 8-bit
+            arithmetic (`eight_bit`; Q/K/V quantised HEADS_PER_CALL heads at a time by
+            `block_quantise`), the dense prefix and the tail in the inputs' precision (read as in gather
+            mode); `config` is then an `EightBitConfig` (default `configs.eight_bit_config`).
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log; rows with
         nothing allowed get zeros and EMPTY_ROW_LSE).
@@ -311,7 +396,11 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     B, H, S, D = q.shape
     J, bs = plan.num_blocks, plan.block_size
     scale = D ** -0.5
-    cfg = kernel_config(D, bs, q.device) if config is None else config
+    eight_bit = _check_precision(precision, partial, config, D, bs)
+    if config is not None:
+        cfg = config
+    else:
+        cfg = eight_bit_config(D, bs, q.device) if eight_bit else kernel_config(D, bs, q.device)
     block_m, block_n = min(cfg.block_m, bs), min(cfg.block_n, bs)  # tiles never span two blocks
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     # bf16 tl.dot is wrong in the CPU interpreter, and fp32 dots are faster there anyway
@@ -332,15 +421,18 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     block_value = plan.tail.value.float().contiguous() if block_tail else lse
     part_out, part_lse = (q, lse) if partial is None else _checked_partial(partial, q, plan)
     from_partial = partial is not None
-    tiled = tiled and not from_partial
+    tiled = tiled and not from_partial and not eight_bit
 
-    def launch(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, h0: int) -> None:
-        """The kernel on heads [h0, h0 + qx.shape[1]) of q, k, v given as qx, kx, vx (packed in tiled mode)."""
-        hc = qx.shape[1]
+    def launch(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, h0: int, hc: int,
+               codes: QuantisedBlocks | None = None) -> None:
+        """The kernel on heads [h0, h0 + hc) of q, k, v given as qx, kx, vx (packed in tiled mode),
+        with their 8-bit `codes` in 8 bits."""
+        c = codes or QuantisedBlocks(*(lse,) * 7)  # unread without EIGHT_BIT
         _block_sparse_fwd[(J * (bs // block_m), B * hc)](
             qx, kx, vx, out, lse,
             q_perm, k_perm, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx, q2k_num,
             tail_k, tail_v, tail_bias, block_logit, block_value, part_out, part_lse,
+            c.q_codes, c.q_scale, c.q_shift, c.k_codes, c.k_scale, c.v_codes, c.v_scale,
             *qx.stride(), *kx.stride(), *vx.stride(), *out.stride(), *lse.stride(),
             *perm_strides(q_perm), *perm_strides(k_perm),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
@@ -349,14 +441,42 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
             QUERY_TAIL=query_tail, BLOCK_TAIL=block_tail, FROM_PARTIAL=from_partial, TILED=tiled,
             DOT_DTYPE=dot_dtype, PRECISION=precision, EMPTY_LSE=EMPTY_ROW_LSE,
             ROW_DTYPE=tl.int64 if wide_rows(qx, kx, vx, out) else tl.int32,  # narrow offsets: half the address math
+            EIGHT_BIT=eight_bit, PV_FP8=eight_bit and cfg.pv == "fp8", EMULATE_FP8=eight_bit and interpret,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
+    if eight_bit:
+        mean, v_max = key_mean(k), value_max(v)
+        for h0 in range(0, H, HEADS_PER_CALL):
+            h1 = min(H, h0 + HEADS_PER_CALL)
+            launch(q, k, v, h0, h1 - h0,
+                   quantise_blocks_triton(q, k, v, q_perm, k_perm, mean, v_max, bs, h0, h1, cfg.pv))
+        return out, lse
     if not tiled:
-        launch(q, k, v, 0)
+        launch(q, k, v, 0, H)
         return out, lse
     for h0 in range(0, H, HEADS_PER_CALL):
         h1 = min(H, h0 + HEADS_PER_CALL)
         launch(*pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(q_perm, h0, h1),
-                         perm_heads(k_perm, h0, h1)), h0)
+                         perm_heads(k_perm, h0, h1)), h0, h1 - h0)
     return out, lse
+
+
+def _check_precision(precision: str, partial: object, config: KernelConfig | None, head_dim: int,
+                     block_size: int) -> bool:
+    """Whether the call runs in 8 bits; raises on a precision, config or shape the 8-bit loop cannot take."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"block_sparse_triton: precision={precision!r} is not allowed: expected one of "
+                         f"{', '.join(map(repr, PRECISIONS))}")
+    if precision != "8-bit":
+        if isinstance(config, EightBitConfig):
+            raise ValueError("block_sparse_triton: an EightBitConfig needs precision='8-bit'")
+        return False
+    if partial is not None:
+        raise ValueError("block_sparse_triton: precision='8-bit' computes the exact keys itself: it takes no partial")
+    if config is not None and not isinstance(config, EightBitConfig):
+        raise ValueError(f"block_sparse_triton: precision='8-bit' needs an EightBitConfig, got {config!r}")
+    if min(head_dim, block_size) < 32:
+        raise ValueError(f"block_sparse_triton: precision='8-bit' needs head_dim and block_size >= 32 (8-bit MMA "
+                         f"reduces 32 at a time), got head_dim={head_dim}, block_size={block_size}")
+    return True

@@ -16,9 +16,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adaptive_sparse_attention.kernels import (block_mass, block_scores, block_select, block_stats, reblock_features,
-                                               reblock_split, tiled_pack, triton_attention)
-from adaptive_sparse_attention.kernels.configs import CONFIGS, FINISH_CONFIGS, family_of
+from adaptive_sparse_attention.kernels import (block_mass, block_quantise, block_scores, block_select, block_stats,
+                                               reblock_features, reblock_split, tiled_pack, triton_attention)
+from adaptive_sparse_attention.kernels.configs import (CONFIGS, EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES, FINISH_CONFIGS,
+                                                       PV_FORMATS, eight_bit_family, family_of)
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
 UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}
@@ -53,22 +54,39 @@ def compile_for(fn, pointers: dict, floats: set, const: dict, capability: int, w
     return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"])}
 
 
-def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = False, tiled: bool = False) -> dict:
+def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = False, tiled: bool = False,
+              eight_bit: str | None = None) -> dict:
     """The attention kernel with the launcher's config, reading the exact keys as row gathers or
     (tiled) from packed Q/K/V, or (finish) the variant that adds the tail to a partial result, with
-    the config its launcher picks."""
+    the config its launcher picks; `eight_bit`: the 8-bit variant with that family's config
+    (`EIGHT_BIT_CONFIGS`: its P.V format and tiles)."""
     family = family_of((capability // 10, capability % 10))
     cfg = FINISH_CONFIGS.get((family, head_dim, 64), CONFIGS[(family, head_dim, 64)]) if finish else \
         CONFIGS[(family, head_dim, 64)]
+    if eight_bit:
+        cfg = EIGHT_BIT_CONFIGS[(eight_bit, head_dim, 64)]
+    fp8 = eight_bit is not None and cfg.pv == "fp8"
     pointers = {n: "*bf16" for n in ("Q", "K", "V", "Out", "TailK", "TailV")}
-    pointers.update({n: "*fp32" for n in ("Lse", "TailBias", "BlockLogit", "BlockValue", "PartLse")})
-    pointers["PartOut"] = "*bf16"
+    pointers.update({n: "*fp32" for n in ("Lse", "TailBias", "BlockLogit", "BlockValue", "PartLse",
+                                          "QS", "QShift", "KS", "VS")})
+    pointers.update(PartOut="*bf16", QC="*i8", KC="*i8", VC="*fp8e4nv" if fp8 else "*i8")
     pointers.update({n: "*i32" for n in ("QPerm", "KPerm", "BlockLen", "DenseHi", "Q2kNum")}, Q2kIdx="*i16")
     const = dict(BS=64, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
                  QUERY_TAIL=query_tail, BLOCK_TAIL=not query_tail, FROM_PARTIAL=finish, TILED=tiled, DOT_DTYPE=tl.bfloat16,
-                 PRECISION="tf32", EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32)
+                 PRECISION="tf32", EMPTY_LSE=-1.0e30, ROW_DTYPE=tl.int32, EIGHT_BIT=eight_bit is not None,
+                 PV_FP8=fp8, EMULATE_FP8=False)
     return compile_for(triton_attention._block_sparse_fwd, pointers, {"qk_scale"}, const, capability,
                        cfg.num_warps, cfg.num_stages)
+
+
+def quantise_pass(capability: int, pv: str) -> dict:
+    """The 8-bit pre-pass (`block_quantise`) at block size 64, head_dim 128, P.V format `pv`."""
+    pointers = {n: "*bf16" for n in ("Q", "K", "V")} | {"QPerm": "*i32", "KPerm": "*i32"}
+    pointers |= {n: "*fp32" for n in ("Mean", "VMax", "QS", "QShift", "KS", "VS")}
+    pointers |= {"QC": "*i8", "KC": "*i8", "VC": "*fp8e4nv" if pv == "fp8" else "*i8"}
+    return compile_for(block_quantise._quantise_blocks, pointers, set(),
+                       {"BS": 64, "HEAD_DIM": 128, "LOG_D": 7, "PV_FP8": pv == "fp8", "EMULATE_FP8": False, "ALIGN": 8},
+                       capability, 8, 1)
 
 
 def planner(capability: int) -> dict:
@@ -123,6 +141,9 @@ if __name__ == "__main__":
     for cap in TARGETS:
         out[f"sm{cap} attention D128 query"] = attention(cap, 128, True)
         out[f"sm{cap} attention D128 query tiled"] = attention(cap, 128, True, tiled=True)
+        fam8 = eight_bit_family((cap // 10, cap % 10))
+        out[f"sm{cap} attention D128 query 8-bit"] = attention(cap, 128, True, eight_bit=fam8)
+        out[f"sm{cap} quantise {PV_FORMATS[fam8]}"] = quantise_pass(cap, PV_FORMATS[fam8])
         out.update({f"sm{cap} {name}": r for name, r in planner(cap).items()})
     for tiled in (False, True):
         mode = " tiled" * tiled
@@ -131,6 +152,8 @@ if __name__ == "__main__":
         out[f"sm86 attention D64 query{mode}"] = attention(86, 64, True, tiled=tiled)
         out[f"sm86 attention D32 block{mode}"] = attention(86, 32, False, tiled=tiled)
     out["sm90 attention D128 query finish"] = attention(90, 128, True, finish=True)
+    for fam8 in EIGHT_BIT_FAMILIES:  # every family's 8-bit config as Hopper code: what the H200 can run
+        out[f"sm90 attention D128 block 8-bit {fam8} config"] = attention(90, 128, False, eight_bit=fam8)
     out["sm90 pack qkv"] = compile_for(tiled_pack._pack_qkv, {n: "*bf16" for n in ("Q", "K", "V", "QT", "KT", "VT")}
                                        | {"QPerm": "*i32", "KPerm": "*i32"}, set(),
                                        {"HEAD_DIM": 128, "BLOCK": tiled_pack.SLOTS, "ALIGN": 8}, 90, 4, 3)
