@@ -65,8 +65,6 @@ def test_every_widget_shows_its_fields_declaration(name):
     if name == "backend":  # picked by the GPU, not shown on the node
         assert name not in WIDGETS
         return
-    if name == "precision" and name not in WIDGETS:  # its widget is issue 36's node part, merged from another branch
-        pytest.skip("the precision widget is not in this branch")
     w, rule = WIDGETS[name], declared.rule
     assert w.tooltip == declared.meaning and w.tooltip
     if isinstance(rule, LayerIndices):
