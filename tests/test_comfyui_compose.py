@@ -132,8 +132,10 @@ def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comf
     to another function at import. A stand-in bound the same way (wrapped by ComfyUI's `wrap_attn`,
     as `attention_sage` is; it runs ComfyUI's PyTorch attention and counts its calls) shows what the
     node does with it: sparse blocks never call it; dense blocks (here the fidelity warmup step)
-    call it with `dense_attention=comfyui` and not with `fastest`, whose measured exact kernel
-    replaces it. Sage itself needs CUDA and is not run here."""
+    call it with `dense_attention=comfyui`; with `fastest` it is one of the measured dense
+    candidates (called while the choice is measured). Sage itself needs CUDA and is not run here.
+    The stand-in keeps ComfyUI's `_inside_attn_wrapper` flag when it calls PyTorch's attention, as
+    ComfyUI's own attention_sage does on its fallback (dropping it would re-enter the override)."""
     import comfy.ldm.minimax.model as h3
     from comfy.ldm.modules import attention
 
@@ -142,7 +144,6 @@ def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comf
     @attention.wrap_attn
     def selected_attention(q, k, v, heads, **kwargs):
         calls.append(q.shape[-2] if kwargs.get("skip_reshape") else q.shape[1])
-        kwargs.pop("_inside_attn_wrapper", None)
         return attention.attention_pytorch(q, k, v, heads, **kwargs)
 
     monkeypatch.setattr(h3, "optimized_attention", selected_attention)
@@ -153,7 +154,10 @@ def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comf
     (dense_steps, sparse_steps, dense_blocks, sparse_blocks), = summaries(caplog)
     assert (dense_steps, sparse_steps) == (1, 3) and sparse_blocks > 0
     blocks = [rows for rows in calls if rows == SEQUENCE]  # the DiT blocks (the text refiner's calls are shorter)
-    assert len(blocks) == (dense_blocks if dense_attention == "comfyui" else 0)
+    if dense_attention == "comfyui":  # every dense block, and no sparse one
+        assert len(blocks) == dense_blocks
+    else:  # measured as a candidate of the dense choice
+        assert len(blocks) >= 1
     calls.clear()
     sample(nodes, model)  # without the node every block calls it
     assert calls.count(SEQUENCE) == 4 * TINY["num_layers"] * CALLS
