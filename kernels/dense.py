@@ -95,10 +95,9 @@ def tolerance(dtype: torch.dtype, precision: str = "bf16", sdpa_error: float | N
 
     The unit is the error of an exact kernel at this dtype: SDPA's own, measured on the same rows
     (`sdpa_error`), held between `rounding_error(dtype)` and twice that. A bf16 run accepts
-    BF16_MULTIPLE units (bfloat16: 9.6e-3; the exact kernels measure 2.3e-3 on the H200, the 8-bit ones
-    1.3e-2 (Sage) and 1.7e-2 (comfy-kitchen INT8), so they are refused). An 8-bit run accepts
-    EIGHT_BIT_MULTIPLE units (bfloat16: 3.2e-2, about twice comfy-kitchen INT8's error on random
-    inputs). A wrong kernel (scale, head or row mix-up) is off by 0.1 or more in either.
+    BF16_MULTIPLE units (bfloat16: 9.6e-3: room for exact kernels, not for 8-bit ones). An 8-bit run
+    accepts EIGHT_BIT_MULTIPLE units (bfloat16: 3.2e-2: room for 8-bit kernels such as comfy-kitchen
+    INT8 and Sage; their measured errors are in docs/performance-notes.md). A wrong kernel (scale, head or row mix-up) is off by 0.1 or more in either.
 
     Args:
         dtype: the dtype of q, k, v.
