@@ -72,7 +72,7 @@ def version(dist: str) -> str | None:
 
 
 def pack_module(name: str):
-    """The pack's module `name` (e.g. ``kernels.table``), imported from this folder under the
+    """The pack's module `name` (e.g. ``kernels.registry``), imported from this folder under the
     package's name: ComfyUI runs this file from the pack's folder, whose name need not be the
     package's, with a Python the pack is not installed into."""
     if PACKAGE not in sys.modules:
@@ -88,20 +88,21 @@ def pack_module(name: str):
 
 
 def kernel_table():
-    """The pack's `kernels/table.py` (what runs where)."""
-    return pack_module("kernels.table")
+    """The pack's `kernels/registry.py` (what runs where)."""
+    return pack_module("kernels.registry")
 
 
 def gpu_lines(table, gpus: list[tuple[str, tuple[int, int]]], host) -> list[str]:
-    """Per GPU (name, capability): which backend ``auto`` runs for every dtype, from the table itself."""
+    """Per GPU (name, capability): which kernel family ``auto`` runs for every dtype, from the table itself."""
+    cudnn = importlib.import_module(f"{PACKAGE}.kernels.cudnn.family")
     lines = []
     for i, (name, cap) in enumerate(gpus):
         auto = table.auto_choices(table.Target("cuda", cap), host)
         lines.append(f"  cuda:{i} {name} (sm{cap[0]}{cap[1]}): auto runs "
                      + ", ".join(f"{str(d).removeprefix('torch.')} -> {b}" for d, b in auto.items()))
-        if cap[0] in table.CUDNN_FAMILIES and not host.cudnn:
+        if cap[0] in cudnn.GPU_FAMILIES and not host.has(cudnn.MODULE):
             lines.append(f"    this GPU can run cuDNN-frontend's block-sparse kernel for the exact keys, faster than "
-                         f"the Triton kernel: {table.CUDNN_INSTALL}")
+                         f"the Triton kernel: {cudnn.INSTALL}")
     return lines
 
 
@@ -153,7 +154,7 @@ def report() -> list[str]:
 def kernel_lines(torch) -> list[str]:
     """Per GPU (or the CPU) which backend `auto` runs, and the table of what runs where."""
     table = kernel_table()
-    host = table.Host.current()
+    host = table.current_host()
     lines = []
     if torch.cuda.is_available():
         gpus = [(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
@@ -163,7 +164,7 @@ def kernel_lines(torch) -> list[str]:
         auto = table.auto_choices(table.Target("cpu"), host)
         lines.append("  GPU: none visible -> every block that runs sparse uses the torch reference kernel on the "
                      f"CPU (for testing; real H3 runs need a CUDA GPU); auto runs {auto[torch.float32]}")
-    lines.append("  what runs where (operation: backends [what each needs]):")
+    lines.append("  what runs where (operation: kernel families [what each needs]):")
     return lines + ["    " + line for line in table.operation_lines()]
 
 

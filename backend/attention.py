@@ -18,11 +18,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass
 class SparseInfo:
-    """What a call computed: exact-pair density, per-region budgets, the backend, the plan, optional timings."""
+    """What a call computed: exact-pair density, per-region budgets, the kernel family that ran, the plan, optional timings."""
 
     density: float
     budgets: dict[str, int]
-    backend: str
+    kernel: str
     plan: BlockSparsePlan
     timings_ms: dict[str, float] = field(default_factory=dict)
 
@@ -86,7 +86,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
     Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
-    stage of the call runs the implementation the table gives it for `config.backend` (`kernels/table.py`).
+    stage of the call runs the implementation the table gives it for `config.kernel` (`kernels/registry.py`).
     Bad inputs raise before anything is computed (`check_inputs`).
 
     Args:
@@ -115,7 +115,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     budgets = {f"{seg.kind}[{seg.start}:{seg.stop}]": g.budget
                for seg, span in zip(plan.tiling.regions, plan.tiling.region_blocks)
                for g in plan.groups if (g.lo, g.hi) == span}
-    info = SparseInfo(plan.density(), budgets, kernels.backend, plan)
+    info = SparseInfo(plan.density(), budgets, kernels.family, plan)
     if timings:
         info.timings_ms = {"plan": (marks[1] - marks[0]) * 1e3, "kernel": (marks[2] - marks[1]) * 1e3}
     return out, info

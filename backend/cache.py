@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Generic, Hashable, TypeVar
 
+from ..notices import Notices
+
 T = TypeVar("T")
 
 # entries kept per job of a `ShapeCache` (the oldest goes first); graphs hold GPU memory
@@ -41,12 +43,12 @@ class BoundedCache(Generic[T]):
 
 class ShapeCache:
     """What was built for one layout, per job (`JOB_BOUNDS`), and the once-only record of what
-    was said about it (`notes`: fallbacks logged once per layout, not once per call). `graphs`
+    was said about it (`notices`: fallbacks logged once per layout, not once per call). `graphs`
     off: nothing is captured as a CUDA graph (a scratch layout for shapes never seen again)."""
 
     def __init__(self, graphs: bool = True) -> None:
         self.jobs: dict[str, BoundedCache] = {}
-        self.notes: set[str] = set()
+        self.notices = Notices()
         self.graphs = graphs  # whether partitions built for this layout are captured and replayed as CUDA graphs
 
     def get(self, job: str, key: Hashable, build: Callable[[], T]) -> T:
@@ -65,7 +67,7 @@ class ShapeCache:
     def clear(self) -> None:
         """Drop every entry and the record of what was said."""
         self.jobs.clear()
-        self.notes.clear()
+        self.notices.clear()
 
     def __len__(self) -> int:
         return sum(len(c) for c in self.jobs.values())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..kernels.table import BACKENDS as KERNEL_BACKENDS
+from ..kernels.registry import FAMILIES
 from .rules import Choice, Flag, Integer, LayerIndices, Number, Rule
 
 WARMUP_MODES = ("fidelity", "speed", "dense")
@@ -22,7 +22,7 @@ TILINGS = ("reblock", "cube")
 REBLOCK_LAYOUTS = ("q_reuse_k", "independent")
 TAILS = ("reweight", "mean", "none", "coarse")
 BLOCK_SIZES = (64, 128)
-BACKENDS = ("auto", *KERNEL_BACKENDS)  # auto or a backend of the one table (kernels/table.py)
+KERNELS = ("auto", *FAMILIES)  # auto or an implementation family of the one table (kernels/registry.py)
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
 PRECISIONS = ("auto", "bf16", "8-bit")
@@ -54,7 +54,7 @@ def setting(default: Any, rule: Rule, meaning: str) -> Any:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Configuration of adaptive block-sparse attention (the node's widgets, plus `backend`).
+    """Configuration of adaptive block-sparse attention (the node's widgets, plus `kernel`).
 
     Every field is declared with `setting(default, rule, meaning)`; `settings()` lists the
     declarations. Values are checked and normalised when the config is built (NumPy scalars and
@@ -98,7 +98,7 @@ class SparseConfig:
     strict: bool = setting(False, Flag(),
         "On: anything that cannot run sparse (head size, dtype, device, unknown layout) stops with an error. "
         "Off: that block runs dense and the reason is logged once per run.")
-    backend: str = setting("auto", Choice(BACKENDS),
+    kernel: str = setting("auto", Choice(KERNELS),
         "The kernels every stage runs, the planner's included: auto picks the first that runs on the "
         "device and dtype; triton, cudnn or torch (the pure-torch reference, on every device) by name.")
     dense_attention: str = setting("fastest", Choice(DENSE_ATTENTIONS),

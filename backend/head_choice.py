@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.registry import Kernels, or_reference
 from .layout import SequenceLayout
 from .routing import region_budget
 from .tiling import golden_positions, snake_perm
@@ -53,12 +53,12 @@ def block_log_mass(probes: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, bl
     """log sum_i exp(q . k_i / sqrt(D)) of every probe q [G, P, D] over the rows of every key
     block of k [G, S, D] listed by perm [Gp, n * block_size] (Gp in {1, G}, -1 pads): [G, P, n]
     in k's accumulation dtype (`kernels.block_log_mass`)."""
-    return (reference_kernels() if kernels is None else kernels).block_log_mass(probes, k, perm, block_size)
+    return or_reference(kernels).block_log_mass(probes, k, perm, block_size)
 
 
 def top_share(log_mass: torch.Tensor, budget: int, kernels: Kernels | None = None) -> torch.Tensor:
     """Mean over probes of the mass share in the `budget` heaviest blocks: [..., P, n] -> [...]."""
-    return (reference_kernels() if kernels is None else kernels).top_share(log_mass, budget).mean(-1)
+    return or_reference(kernels).top_share(log_mass, budget).mean(-1)
 
 
 def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: SequenceLayout, block_size: int,
@@ -72,7 +72,7 @@ def choose_tubes(q: torch.Tensor, k: torch.Tensor, tree: torch.Tensor, layout: S
         layout, block_size: the call's layout and block size (the tubes are cut from them).
         span: the target video's [lo, hi) blocks.
         ratio: the routing ratio whose budget the shares are taken at.
-        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
+        kernels: the call's kernels (`kernels/registry.py`; default: the torch reference).
     Returns:
         The chosen permutations, tree's shape and dtype.
     """

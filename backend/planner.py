@@ -2,16 +2,15 @@
 
 Everything runs on the device of Q/K/V with no host synchronisation; only the shape-only cube
 tiling is built on the host, once per layout, and kept by the layout. The kernels it runs are the
-call's resolution of the table (`kernels/table.py`).
+call's resolution of the table (`kernels/registry.py`).
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling, group_span
-from ..kernels.table import Kernels, resolve
+from ..kernels.registry import Kernels, resolve
+from ..notices import Notices
 from .config import SparseConfig
 from .indexer import fp8_unavailable_reason
 from .layout import SequenceLayout
@@ -19,8 +18,6 @@ from .pooling import block_means
 from .routing import route_blocks, route_plan
 from .tail import block_reduce, mean_summaries, reweight_summaries, target_anchor
 from .tiling import cube_tiling
-
-log = logging.getLogger("adaptive_sparse_attention")
 
 
 def call_kernels(q: torch.Tensor, layout: SequenceLayout, config: SparseConfig) -> Kernels:
@@ -30,13 +27,13 @@ def call_kernels(q: torch.Tensor, layout: SequenceLayout, config: SparseConfig) 
 
 def layout_kernels(layout: SequenceLayout, config: SparseConfig, device: torch.device, dtype: torch.dtype,
                    head_dim: int) -> Kernels:
-    """The kernels of calls on `layout` under `config` (`kernels.table.resolve`), resolved once per
+    """The kernels of calls on `layout` under `config` (`kernels.registry.resolve`), resolved once per
     (request, device, dtype, head dim, block size) and kept by the layout, which also owns the
     once-only record of the fallbacks it says."""
-    key = (config.backend, config.strict, str(device), dtype, head_dim, config.block_size, config.exact_precision)
+    key = (config.kernel, config.strict, str(device), dtype, head_dim, config.block_size, config.exact_precision)
     return layout.cache.get("kernels", key, lambda: resolve(
-        config.backend, device, dtype, strict=config.strict, head_dim=head_dim, block_size=config.block_size,
-        notes=layout.cache.notes, precision=config.exact_precision))
+        config.kernel, device, dtype, strict=config.strict, head_dim=head_dim, block_size=config.block_size,
+        notices=layout.cache.notices, precision=config.exact_precision))
 
 
 def cached_cube_tiling(layout: SequenceLayout, block_size: int, device: torch.device) -> Tiling:
@@ -63,7 +60,7 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         layout: their segments.
         config: the engine's settings.
         tiling: a tiling to use instead of the one `config.tiling` builds.
-        kernels: the kernels to plan with (`kernels.table.resolve`); default: `call_kernels`.
+        kernels: the kernels to plan with (`kernels.registry.resolve`); default: `call_kernels`.
     Returns:
         The plan. With ``tail="coarse"`` it has no tail: the coarse branch is an additive term
         (`tail.coarse_branch`).
@@ -73,7 +70,7 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
     q_mean = block_means(q, tiling.q_perm, tiling, kernels)
     k_mean = block_means(k, tiling.k_perm, tiling, kernels)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio, layout.cache)
-    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device, layout.cache.notes), kernels,
+    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device, layout.cache.notices), kernels,
                                     group_span(groups))
     tail: Tail = None
     if config.tail in ("mean", "reweight"):
@@ -87,15 +84,12 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
     return BlockSparsePlan(tiling, dense_hi, q2k_idx, q2k_num, groups, tail)
 
 
-def routing_scores(config: SparseConfig, device: torch.device, notes: set[str]) -> str:
+def routing_scores(config: SparseConfig, device: torch.device, notices: Notices) -> str:
     """The routing score format to use: `config.routing_scores`, except fp8 on a GPU without it,
-    which raises (strict) or runs int8 and says so once into `notes` (the owner's record)."""
+    which raises (strict) or runs int8 and says so once into `notices` (the owner's record)."""
     reason = fp8_unavailable_reason(device) if config.routing_scores == "fp8" else None
     if reason is None:
         return config.routing_scores
-    if config.strict:
-        raise RuntimeError(f"SparseConfig.routing_scores='fp8' cannot run: {reason} (strict mode)")
-    if reason not in notes:
-        notes.add(reason)
-        log.warning("%s; routing with int8 scores instead", reason)
+    notices.fallback(f"SparseConfig.routing_scores='fp8' cannot run: {reason}", "routing with int8 scores instead",
+                     config.strict)
     return "int8"

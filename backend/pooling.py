@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.planner_reference import accum_dtype
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.reference.planner_reference import accum_dtype
+from ..kernels.registry import Kernels, or_reference
 from .tiling import Tiling
 
 CHUNK_ELEMENTS = 1 << 26  # per-block planner buffers that grow with J x J are streamed in row
@@ -32,7 +32,7 @@ def block_means(x: torch.Tensor, perm: torch.Tensor, tiling: Tiling, kernels: Ke
     upcast copy. Non-finite entries of a mean (a NaN or inf row in the block) become 0, on the
     device: everything pooled from the means (scores, TopK, anchors, block summaries) stays
     finite, so one bad row cannot spread beyond the rows that read it directly."""
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     n = tiling.block_len.to(accum_dtype(x)).view(1, 1, -1, 1)
     out = kernels.block_sums(x, perm, tiling.block_len, tiling.block_size) / n
     return out.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.table import Kernels
+from ..kernels.registry import Kernels
 from .config import REBLOCK_LAYOUTS
 from .head_choice import choose_tubes
 from .layout import SequenceLayout
@@ -63,7 +63,7 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
         tubes: every head keeps the tree or takes a fixed space-time tube, whichever holds more
             sampled attention mass in its routing budget at `ratio` (backend/head_choice.py);
             False keeps the tree for every head.
-        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
+        kernels: the call's kernels (`kernels/registry.py`; default: the torch reference).
     Returns:
         The tiling; its permutations are [B, H, J * block_size]."""
     check_inputs(q, k, layout, block_size, layout_mode)

@@ -7,17 +7,17 @@ and later calls copy their features in and replay it. Graphs live in the layout'
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.registry import Kernels, or_reference
+from ..notices import logger
 from .cache import ShapeCache
 from .reblock_partition import partition
 from .reblock_schedule import Schedule
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 
 @dataclass
@@ -63,10 +63,10 @@ def run_partition(z: torch.Tensor, schedule: Schedule, block_size: int, kernels:
     block size, kernels); eager without a cache, off the GPU, where `cache.graphs` is off (calls whose
     shapes are never seen again, such as the kernel warm-up), while the caller is itself capturing,
     or where capture failed (cached as None: said once)."""
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     if cache is None or not cache.graphs or not z.is_cuda or torch.cuda.is_current_stream_capturing():
         return partition(z, schedule, kernels)
-    key = (region, tuple(z.shape), z.dtype, str(z.device), block_size, kernels.partition_level.backend)
+    key = (region, tuple(z.shape), z.dtype, str(z.device), block_size, kernels.partition_level.family)
     with torch.cuda.device(z.device):
         captured = cache.get("partition_graph", key, lambda: capture_or_none(z, schedule, kernels))
         if captured is None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reblock_reference import TINY
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.reference.reblock_reference import TINY
+from ..kernels.registry import Kernels, or_reference
 
 MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
 RIDGE = 1e-3  # ridge added to the second moment, relative to trace / d
@@ -76,7 +76,7 @@ def metric_features(x: torch.Tensor, other: torch.Tensor, kernels: Kernels | Non
     tensor cores with fp32 accumulation, reading the strided sample in place; in torch in x's
     accumulation dtype.
     """
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     N, D = x.shape[1], x.shape[2]
     step = -(-N // MOMENT_SAMPLES)  # an evenly strided sample of the rows, read in place
     sample, rows = other[:, ::step], x[:, ::step]

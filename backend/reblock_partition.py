@@ -2,15 +2,15 @@
 
 The features stay in token order; what moves from level to level are the int32 token ids of
 every node's slots. Each level is one call of the table's `partition_level` (Triton: split
-directions from landmarks, radix-select split and placement, `kernels/reblock_split.py`; torch:
-selection and prefix sums, `kernels/reblock_reference.py`). No sort anywhere; work is
+directions from landmarks, radix-select split and placement, `kernels/triton/reblock_split.py`; torch:
+selection and prefix sums, `kernels/reference/reblock_reference.py`). No sort anywhere; work is
 O(N log N) per head.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.registry import Kernels, or_reference
 from .reblock_schedule import Schedule
 
 
@@ -19,7 +19,7 @@ def partition(z: torch.Tensor, schedule: Schedule, kernels: Kernels | None = Non
 
     The features stay in token order; what moves from level to level are the int32 token ids of
     every node's slots (`kernels.partition_level`, one call per level)."""
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     G, N, _ = z.shape
     rows = torch.arange(N, device=z.device, dtype=torch.int32).expand(G, 1, N)  # the root is every token
     for level in schedule.levels:

@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..kernels.plan import RoutingGroup
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.registry import Kernels, or_reference
 from .cache import ShapeCache
 from .config import ROUTING_SCORES
 from .indexer import QuantisedMeans, quantise_means
@@ -28,7 +28,7 @@ from .layout import CONTEXT, TARGET_VIDEO
 from .pooling import row_chunks
 from .tiling import Tiling
 
-TILE = 64  # score windows start at multiples of the score kernel's tile (kernels/block_scores.py)
+TILE = 64  # score windows start at multiples of the score kernel's tile (kernels/triton/block_scores.py)
 
 
 def region_budget(num_blocks: int, ratio: float) -> int:
@@ -44,7 +44,7 @@ def pooled_scores(q_mean: torch.Tensor, k_mean: torch.Tensor, rows: tuple[int, i
     kernel on tensor cores at about fp32 accuracy)."""
     J = q_mean.shape[2]
     rows = (0, J) if rows is None else rows
-    return _score_window(q_mean, k_mean, rows, (0, J), reference_kernels() if kernels is None else kernels)
+    return _score_window(q_mean, k_mean, rows, (0, J), or_reference(kernels))
 
 
 def index_table(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +93,7 @@ def select_blocks(scores: torch.Tensor, dense_hi: torch.Tensor, groups: tuple[Ro
                   kernels: Kernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group TopK for every sparse query block: (q2k_idx [B, H, J, R] int32 ascending with -1
     rows for dense query blocks, q2k_num [B, H, J] int32). R = sum of the group budgets."""
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     idx = kernels.select_blocks(scores, dense_hi, groups)
     return idx.contiguous(), _counts(idx, dense_hi)
 
@@ -114,7 +114,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
         dense_hi: int32 [J]; query blocks with dense_hi == J are dense (their rows are -1).
         groups: candidate key block ranges (lo, hi, budget), ascending and disjoint.
         scores: "fp32" (the exact pooled scores) or "int8" / "fp8" (`backend/indexer.py`).
-        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
+        kernels: the call's kernels (`kernels/registry.py`; default: the torch reference).
         sparse_rows: [lo, hi) query blocks that may be sparse, when the caller knows that every
             block outside is dense (for `route_plan`'s groups: `plan.group_span(groups)`); only
             these rows are scored. None: every row is scored.
@@ -129,7 +129,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
     R = sum(budget for _, _, budget in groups)
     c0 = min(lo for lo, _, _ in groups) // TILE * TILE  # candidate columns [c0, c1), tile-aligned
     c1 = max(hi for _, hi, _ in groups)
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     means = q_mean if scores == "fp32" else quantise_means(q_mean, k_mean, scores)
     lo, hi = (0, J) if sparse_rows is None else sparse_rows
     if not (0 <= lo <= hi <= J):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.plan import BlockSparsePlan, Tiling, summary_mask, unpack
-from ..kernels.table import Kernels, reference_kernels
+from ..kernels.registry import Kernels, or_reference
 from .layout import TARGET_VIDEO
 from .pooling import block_means, row_chunks
 from .routing import pooled_scores
@@ -47,7 +47,7 @@ def mean_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, kernels: Ke
     Returns:
         (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias log(n) [B,H,J]).
     """
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     return kernels.block_summaries(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, None)
 
 
@@ -60,12 +60,12 @@ def reweight_summaries(k: torch.Tensor, v: torch.Tensor, tiling: Tiling, anchor:
     Args:
         k, v: [B, H, S, D], model order; tiling: their block layout (`k_perm`).
         anchor: [B, H, D], the mean target-video query (`target_anchor`).
-        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
+        kernels: the call's kernels (`kernels/registry.py`; default: the torch reference).
     Returns:
         (key [B,H,J,D] in k's dtype, value [B,H,J,D] in v's dtype, bias [B,H,J] in the accumulation
         dtype, -inf for a block without a finite key).
     """
-    kernels = reference_kernels() if kernels is None else kernels
+    kernels = or_reference(kernels)
     return kernels.block_summaries(k, v, tiling.k_perm, tiling.block_len, tiling.block_size, anchor)
 
 
@@ -101,7 +101,7 @@ def coarse_branch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block
         granularity: `block`: C_i = softmax_j(E_ij) V-bar_j broadcast to the rows of query block i
             E the pooled scores, in chunks of query blocks; `query`: every row uses its
             own query against the pooled keys, softmax_j(q.k-bar_j / sqrt(D)), in chunks of rows.
-        kernels: the call's kernels (`kernels/table.py`; default: the torch reference).
+        kernels: the call's kernels (`kernels/registry.py`; default: the torch reference).
     Returns:
         C in q's dtype.
     """

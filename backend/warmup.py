@@ -9,19 +9,19 @@ processes, and `python -m adaptive_sparse_attention prepare` fills that cache ah
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import fields
 from typing import Callable
 
 import torch
 
+from ..notices import logger
 from .attention import sparse_attention
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .planner import layout_kernels
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 SCHEDULE_FIELDS = ("warmup_mode", "warmup_ratio", "dense_layers", "min_tokens", "strict", "dense_attention")
 
 
@@ -72,7 +72,7 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
                    for _ in range(3))
         scratch = SequenceLayout(layout.segments)  # what this one-head call builds goes with it
         scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
-        scratch.cache.notes = layout.cache.notes  # what it says is said once for the layout
+        scratch.cache.notices = layout.cache.notices  # what it says is said once for the layout
         sparse_attention(q, k, v, scratch, config)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once per layout: the time is reported

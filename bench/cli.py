@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ..kernels import table
+from ..kernels import registry
 from ..nodes.capture import load_capture
 from . import (long_clips, planner_timing, prepare, reblock_timing, routing_quality, tiling_ceiling,
                ulysses_timing)
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser, ratios: str) -> None:
         p.add_argument("--ratios", type=_floats, default=_floats(ratios), help=f"top-k ratios (default {ratios})")
         p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
-        p.add_argument("--backend", default="auto", choices=("auto", *table.BACKENDS),
+        p.add_argument("--backend", default="auto", choices=("auto", *registry.FAMILIES),
                        help="kernels of ours: auto = the first that runs of cuDNN-frontend (optional package, sm90), "
                             "Triton on CUDA, else the torch reference")
         p.add_argument("--seed", type=int, default=0)

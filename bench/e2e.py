@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..notices import logger
 from . import e2e_nodes
 from .checkpoints import quantise_state_dict, unsupported
 
@@ -335,7 +336,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     """Milliseconds of the op alone at a clip's shape: our call (plan, kernel), dense SDPA backends and the
     other dense kernels of the op bench where installed (FlashAttention-4, comfy-kitchen INT8, Sage)."""
     from .. import sparse_attention
-    from ..kernels.dense import sdpa
+    from ..kernels.dense.choice import sdpa
     from .methods import DENSE_KERNELS, dense_kernel, dense_unavailable_reason
     from .timing import time_call
 
@@ -414,8 +415,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton_cache"))  # empty: the first sparse use is cold
     os.environ.setdefault("ADAPTIVE_SPARSE_DENSE_CACHE", str(work / "dense_kernels.json"))
     lines = LogLines()
-    logging.getLogger("adaptive_sparse_attention").addHandler(lines)
-    logging.getLogger("adaptive_sparse_attention").setLevel(logging.INFO)
+    logger().addHandler(lines)
+    logger().setLevel(logging.INFO)
     nodes, execution = load_comfyui(comfyui, work, cpu=not cuda, launch=launch)
     if compile_backend is not None and "TorchCompileModel" not in nodes.NODE_CLASS_MAPPINGS:
         raise RuntimeError("e2e: this ComfyUI has no TorchCompileModel node (comfy_extras/nodes_torch_compile.py)")
@@ -507,7 +508,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
     if compile_only:
-        logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
+        logger().removeHandler(lines)
         return result
     for clip in clips[1:] if "other-clips" in runs else ():
         run("comfyui", clip, None)
@@ -520,7 +521,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             echo(f"e2e op [{clip}]: {result['op'][clip]}")
         if out is not None:
             out.write_text(json.dumps(result, indent=1))
-    logging.getLogger("adaptive_sparse_attention").removeHandler(lines)
+    logger().removeHandler(lines)
     return result
 
 

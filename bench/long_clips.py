@@ -33,7 +33,7 @@ from ..backend.config import SparseConfig
 from ..backend.planner import build_plan, make_tiling
 from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_blocks, route_plan, select_blocks
-from ..kernels.table import resolve
+from ..kernels.registry import resolve
 from ..kernels.plan import group_span
 from .methods import dense_call
 from .runner import environment
@@ -68,7 +68,7 @@ def shared_picks(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def routing_rows(q, k, layout, config: SparseConfig, shape: str) -> list[dict]:
-    kernels = resolve(config.backend, q.device, q.dtype)
+    kernels = resolve(config.kernel, q.device, q.dtype)
     tiling = make_tiling(q, k, layout, config, kernels)
     q_mean, k_mean = block_means(q, tiling.q_perm, tiling, kernels), block_means(k, tiling.k_perm, tiling, kernels)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio)
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         q, k, v = h3_qkv(layout, size.heads, size.head_dim, torch.bfloat16, seed=11)
         qkv_mib = 3 * q.numel() * q.element_size() / 2 ** 20
         for tiling in args.tilings.split(","):
-            config = SparseConfig(topk_ratio=args.ratio, tiling=tiling, min_tokens=0, backend="triton")
+            config = SparseConfig(topk_ratio=args.ratio, tiling=tiling, min_tokens=0, kernel="triton")
             result["plans"].append(plan_rows(q, k, v, layout, config, shape, qkv_mib))  # first: fresh caches
             print(json.dumps(result["plans"][-1]), file=sys.stderr, flush=True)
             result["routing"] += routing_rows(q, k, layout, config, shape)

@@ -32,7 +32,7 @@ from ..backend.attention import sparse_attention
 from ..backend.config import TAIL_GRANULARITIES, TAILS, TILINGS, SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import build_plan
-from ..kernels import flash4
+from ..kernels.flash4 import attention as flash4
 from ..kernels.plan import BlockSparsePlan, pack, unpack
 from .timing import time_call
 
@@ -198,7 +198,7 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Calla
 def ours_config(spec: str, ratio: float, backend: str) -> SparseConfig:
     _, tiling, tail, granularity = spec.split(":")
     return SparseConfig(topk_ratio=ratio, tiling=tiling, tail=tail, tail_granularity=granularity,
-                        backend=backend, min_tokens=0)
+                        kernel=backend, min_tokens=0)
 
 
 def context_blocks(layout: SequenceLayout, block: int = 64) -> int:

@@ -1,10 +1,10 @@
-"""GPU timing of the planner with and without the fused Triton kernels (`kernels/block_stats.py`).
+"""GPU timing of the planner with and without the fused Triton kernels (`kernels/triton/block_stats.py`).
 
     python -m adaptive_sparse_attention planner-timing [--out FILE] [--shape 10s] [--ratio 0.1]
 
 At an H3 shape (bf16, q/k/v as views of one buffer, cube tiling), times each planner step and
 `build_plan` (reweight and mean tails, query granularity) on the torch backend (the reference) and on the
-Triton backend (the fused kernels of `kernels/block_stats.py`, `block_scores.py`, `block_select.py`; CUDA events, warm-up, median). Checks the fused results against the torch path
+Triton backend (the fused kernels of `kernels/triton/block_stats.py`, `block_scores.py`, `block_select.py`; CUDA events, warm-up, median). Checks the fused results against the torch path
 on the same GPU (max error relative to the largest reference value, selections equal),
 identical bits on a rerun and no host synchronisation.
 """
@@ -21,14 +21,14 @@ from ..backend.pooling import block_means
 from ..backend.routing import pooled_scores, route_plan, select_blocks
 from ..backend.tail import mean_summaries, reweight_summaries, target_anchor
 from .scenes import SIZES, h3_qkv
-from ..kernels.table import resolve
+from ..kernels.registry import resolve
 from .timing import bench_ms
 
 
 def steps(q, k, v, layout, ratio: float, backend: str = "triton") -> dict:
     """name -> callable of every planner step on `backend`'s kernels (later steps read earlier
     results from `state`)."""
-    cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity="query", backend=backend)
+    cfg = SparseConfig(tiling="cube", topk_ratio=ratio, tail="reweight", tail_granularity="query", kernel=backend)
     kernels = resolve(backend, q.device, q.dtype)
     tiling = make_tiling(q, k, layout, cfg, kernels)
     state: dict = {}

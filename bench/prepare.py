@@ -18,10 +18,11 @@ import torch
 
 from ..backend.config import SparseConfig
 from ..backend.warmup import prepare_kernels
-from ..kernels.dense import DenseChoices, default_cache_path
+from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..notices import logger
 from .scenes import SIZES
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 CLIPS = {"5s": "h3-5s", "10s": "h3-10s", "14s": "h3-14s", "30s": "h3-30s"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -30,7 +30,7 @@ from ..backend.planner import build_plan
 from ..backend import reblock
 from ..backend.reblock_partition import partition
 from ..backend.head_choice import choose_tubes
-from ..kernels.table import resolve
+from ..kernels.registry import resolve
 from .timing import queued_ms, time_call
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..backend.layout import SequenceLayout
-from ..kernels import table
+from ..kernels import registry
 from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .metrics import quality_report, sample_rows
 from .scenes import SIZES, make_scene
@@ -66,7 +66,7 @@ def bench_dtype(device: torch.device) -> torch.dtype:
 def resolve_backend(requested: str, device: torch.device) -> str:
     """Kernel backend `ours` runs with on `device`: the engine's own choice for `requested` at the
     bench's dtype."""
-    return table.resolve_backend(requested, device, bench_dtype(device))
+    return registry.resolve_family(requested, device, bench_dtype(device))
 
 
 def scene_cases(preset: Preset, scenes: Iterable[str], seed: int, device: torch.device) -> Iterator[Case]:

@@ -1,7 +1,5 @@
-"""Timing of one callable: warm-up calls, then the median of timed repetitions.
-
-On CUDA every repetition is bracketed by CUDA events (device time, no host overhead between
-launches counted twice); on the CPU by `time.perf_counter`. `bench_ms` is Triton's `do_bench`
+"""Timing of one callable: `time_call` (the pack's `timer.median_ms`: warm-up calls, then the median
+of timed repetitions, by CUDA events on a GPU, by the wall clock on the CPU). `bench_ms` is Triton's `do_bench`
 (it flushes the L2 cache between calls), for kernels timed on their own. `queued_ms` times a callable's
 device work alone: its launches are queued behind a busy GPU, as inside a model's forward pass
 where the host runs ahead of the GPU, so gaps while the host enqueues many small kernels do not
@@ -15,27 +13,7 @@ from typing import Callable
 
 import torch
 
-
-def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 1, reps: int = 3) -> float:
-    """Median milliseconds of `reps` calls of `fn` after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from ..timer import median_ms as time_call  # the pack's one timer, under the benchmarks' name
 
 
 def queued_ms(fn: Callable[[], object], device: torch.device, warmup: int = 1, reps: int = 3,

@@ -15,7 +15,7 @@ def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_
                         block_size: int, groups: list[int], tail: str, precision: str
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `triton_attention.block_sparse_triton` on the flattened plan, in `precision`."""
-    from .triton_attention import block_sparse_triton
+    from .triton.attention import block_sparse_triton
 
     return block_sparse_triton(q, k, v, BlockSparsePlan.unflatten(plan_tensors, block_size, groups, tail),
                                precision=precision)
@@ -25,7 +25,7 @@ def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_
 def cudnn_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_tensors: list[torch.Tensor],
                        block_size: int, groups: list[int], tail: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `cudnn_attention.block_sparse_cudnn` on the flattened plan."""
-    from .cudnn_attention import block_sparse_cudnn
+    from .cudnn.cudnn_attention import block_sparse_cudnn
 
     return block_sparse_cudnn(q, k, v, BlockSparsePlan.unflatten(plan_tensors, block_size, groups, tail))
 
@@ -60,16 +60,16 @@ class CudnnAttention:
         """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32) of q, k, v under `plan`
         (bf16 only: the table resolves 8-bit calls elsewhere)."""
         if precision != "bf16":
-            raise ValueError(f"backend='cudnn': precision={precision!r} is not supported: expected 'bf16'")
+            raise ValueError(f"kernel='cudnn': precision={precision!r} is not supported: expected 'bf16'")
         check_grad(q, k, v, "cudnn")
         return cudnn_block_sparse(q, k, v, *plan.flatten())
 
 
-def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> None:
+def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: str) -> None:
     """Refuse inputs that require grad (with grad mode on): the kernels are forward only, so this
     fails before anything runs instead of returning outputs whose backward fails later."""
     needs_grad = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
     if needs_grad and torch.is_grad_enabled():
-        raise ValueError(f"backend={backend!r}: {', '.join(needs_grad)} require grad, but the fused kernels have no "
+        raise ValueError(f"kernel={family!r}: {', '.join(needs_grad)} require grad, but the fused kernels have no "
                          "backward: call it under torch.no_grad() or torch.inference_mode(), detach the inputs, or use "
-                         "backend='torch' (the differentiable reference)")
+                         "kernel='torch' (the differentiable reference)")

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
+from .segments import Segment
+
 EMPTY_ROW_LSE = -1.0e30  # log-sum-exp reported for a row that may attend to nothing (finite)
 INDEX_DTYPES = (torch.int16, torch.int32)
 
@@ -60,7 +62,7 @@ class Tiling:
     q_perm: torch.Tensor
     k_perm: torch.Tensor
     block_len: torch.Tensor
-    regions: tuple[Any, ...] = ()  # the layout's segments (`backend.layout.Segment`) in block order
+    regions: tuple[Segment, ...] = ()  # the layout's segments in block order
     region_blocks: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:

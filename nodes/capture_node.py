@@ -8,7 +8,6 @@ call of a CFG pair is captured.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Callable
 
@@ -17,15 +16,16 @@ from comfy_api.latest import io
 
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
+from ..notices import logger
 from .comfy_weights import on_device, qkv_projection, unwrap_input
-from .block_patches import install
+from .model_patches import install
 from .h3_model import h3_diffusion_model
-from .hooks import BlockHook, CallContext
+from .block_hook import BlockHook, CallContext
 from .schema import io_input
 from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_SEARCH_ALIASES, CAPTURE_WIDGETS, CATEGORY,
                       capture_selection, check_prefix, model_layer_count, validation_answer)
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 
 class CaptureHook(BlockHook):

@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 
 from ..backend.attention import DTYPES
-from ..kernels.dense import DenseChoices, HostAttention
+from ..kernels.dense.choice import DenseChoices, HostAttention
 from .precision import identity, is_eight_bit
 
 MAX_FUNCTIONS = 16  # identities of ComfyUI attention functions remembered (a launch has one or two)

@@ -1,9 +1,9 @@
 """Progress text on the node ComfyUI is executing (the sampler), for waits the user should see coming."""
 from __future__ import annotations
 
-import logging
+from ..notices import logger
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 
 def progress_text(message: str) -> None:

@@ -35,11 +35,11 @@ from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import layout_kernels
 from ..backend.ulysses import check_sequence_parallel, local_heads_attention, padded_rows
-from .block_patches import install
+from .model_patches import install
 from .h3_model import check_h3
-from .hooks import CallContext, Mark
+from .block_hook import CallContext, Mark
 from .schedule import schedule_reason
-from .sparse_hook import SparseAttentionHook, apply_sparse_attention
+from .sparse_policy import SparseAttentionHook, apply_sparse_attention
 
 # keyword arguments of xFuser's ring-attention call and the only values sparse attention matches
 XFUSER_EXPECTED = MappingProxyType({
@@ -130,7 +130,7 @@ class RaylightSparseAttention(SparseAttentionHook):
 
         This object sits in ``transformer_options`` and is shared by every clone of the model; the
         call runs with the state of the model it runs on (the hook in the block's `Mark`). Under
-        torch.compile it reads the mark eagerly (compiled code would freeze it, see `nodes/hooks.py`);
+        torch.compile it reads the mark eagerly (compiled code would freeze it, see `nodes/block_hook.py`);
         xFuser's dense attention under it still compiles."""
         mark = transformer_options.get(self.key)
         if not (isinstance(mark, Mark) and mark.token is not None):  # not a sparse layer (or not our model call)

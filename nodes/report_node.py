@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from .block_patches import hooks_of
-from .sparse_hook import SparseAttentionHook
+from .model_patches import hooks_of
+from .sparse_policy import SparseAttentionHook
 from .report import format_report
 from .widgets import CATEGORY, REPORT_NODE_ID, REPORT_NODE_NAME, REPORT_SEARCH_ALIASES, SPARSE_NODE_NAME
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..notices import Notices, logger
 from .schedule import denoising_step
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 
 @dataclass
@@ -53,7 +54,7 @@ class RunTracker:
         self.last_sigma: float | None = None  # sigma of the run's latest model call
         self.summarised = False  # the run's summary was logged (its schedule reached sigma 0)
         self.at_end = False  # the latest call was the last step of a schedule that ends at sigma 0
-        self.logged: set[str] = set()
+        self.notices = Notices()  # reasons already logged this run
         self.stats = RunStats()
         self.densities: dict[tuple, float] = {}  # per layout signature, measured once per run
         self.last_report: dict | None = None  # `report()` of the latest run that ran any block, as of its last sampler call
@@ -86,9 +87,7 @@ class RunTracker:
     def log_once(self, message: str, level: int = logging.WARNING) -> None:
         """Log a message (a warning by default) once per run (a reason that holds for every block is
         not repeated per block)."""
-        if message not in self.logged:
-            self.logged.add(message)
-            log.log(level, "%s: %s", self.name, message)
+        self.notices.say(f"{self.name}: {message}", level)
 
     def note_dense_kernel(self, name: str) -> None:
         """Count one attention call of our dense override on kernel `name`."""
@@ -228,7 +227,7 @@ class RunTracker:
                 log.info("%s", line)
             self.publish()
             self.run_sigmas, self.last_sigma, self.at_end, self.summarised = [], None, False, False
-            self.logged.clear()
+            self.notices.clear()
             self.densities.clear()
             self.timed.clear()
             self.stats = RunStats()

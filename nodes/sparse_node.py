@@ -4,7 +4,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..backend.index_lists import parse_layer_list
-from .sparse_hook import apply_sparse_attention
+from .sparse_policy import apply_sparse_attention
 from .h3_model import h3_diffusion_model
 from .schema import io_input
 from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
-from adaptive_sparse_attention.nodes.block_patches import DiffusionModelWrapper, block_hooks
-from adaptive_sparse_attention.nodes.hooks import bind
+from adaptive_sparse_attention.nodes.model_patches import DiffusionModelWrapper, block_hooks
+from adaptive_sparse_attention.nodes.block_hook import bind
 from h3_block import Block, MiniMaxH3Model, OldBlock, PackedLayout, h3_blocks, layout_of
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -20,7 +20,7 @@ PACKED = PackedLayout(5, 4, 16, 16, 3)  # text 5, audio 6, video 4x8x8: S = 267,
 
 
 def config(**kw) -> SparseConfig:
-    base = dict(tiling="cube", warmup_mode="speed", min_tokens=0, backend="torch", topk_ratio=0.25)
+    base = dict(tiling="cube", warmup_mode="speed", min_tokens=0, kernel="torch", topk_ratio=0.25)
     base.update(kw)
     return SparseConfig(**base)
 

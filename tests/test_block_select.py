@@ -13,10 +13,10 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels.block_select import select_blocks_triton
+    from adaptive_sparse_attention.kernels.triton.block_select import select_blocks_triton
 
 from adaptive_sparse_attention.backend.routing import select_blocks
-from adaptive_sparse_attention.kernels.table import resolve
+from adaptive_sparse_attention.kernels.registry import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -59,7 +59,7 @@ def test_pooled_scores_kernel_matches_float64(monkeypatch, B, H, J, D):
     """The routing's scores on the fused path (CPU interpreter) against the float64 product:
     fp32 accuracy (1e-5 of scores of order 1)."""
     from adaptive_sparse_attention.backend import routing
-    from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton
+    from adaptive_sparse_attention.kernels.triton.block_scores import pooled_scores_triton
 
     g = torch.Generator().manual_seed(J)
     q_mean, k_mean = (torch.randn(B, H, J, D, generator=g) for _ in range(2))

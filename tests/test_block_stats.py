@@ -17,14 +17,14 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels.block_stats import block_sums_triton, block_summaries_triton
+    from adaptive_sparse_attention.kernels.triton.block_stats import block_sums_triton, block_summaries_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend import planner
 from adaptive_sparse_attention.backend.pooling import block_means
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries
-from adaptive_sparse_attention.kernels.configs import row_align
-from adaptive_sparse_attention.kernels.table import resolve
+from adaptive_sparse_attention.kernels.triton.configs import row_align
+from adaptive_sparse_attention.kernels.registry import resolve
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 STORED_TOL = {torch.float32: FP32_TOL, torch.float16: dict(rtol=1e-3, atol=1e-5)}
@@ -92,9 +92,9 @@ def test_build_plan_on_both_backends(tail_kind):
     interpreter) selects the same blocks and gives the same summaries as on the torch backend,
     and `auto` picks torch for CPU tensors."""
     from adaptive_sparse_attention.backend.tail import coarse_branch
-    from adaptive_sparse_attention.kernels.table import resolve_backend
+    from adaptive_sparse_attention.kernels.registry import resolve_family
 
-    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert resolve_family("auto", torch.device("cpu"), torch.float32) == "torch"
     layout = SequenceLayout.from_segments([(0, 37, "text"), (37, 127, "ref_video", (3, 5, 6)),
                                            (127, 180, "audio"), (180, 390, "video", (5, 6, 7))])
     g = torch.Generator().manual_seed(21)

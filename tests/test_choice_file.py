@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from adaptive_sparse_attention.kernels import choice_file
-from adaptive_sparse_attention.kernels.choice_file import ChoiceFile
+from adaptive_sparse_attention.kernels.dense import store as choice_file
+from adaptive_sparse_attention.kernels.dense.store import ChoiceFile
 
 
 def warnings_of(caplog) -> list[str]:

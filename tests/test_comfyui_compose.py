@@ -93,8 +93,8 @@ def skipped(caplog) -> list[str]:
 
 @pytest.mark.parametrize("order", ["node-then-easycache", "easycache-then-node"])
 def test_easycache_composes_before_and_after_the_node(comfy, caplog, order):
-    from adaptive_sparse_attention.nodes.block_patches import hooks_of
-    from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
+    from adaptive_sparse_attention.nodes.model_patches import hooks_of
+    from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
 
     _, nodes = comfy
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]

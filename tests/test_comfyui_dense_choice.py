@@ -17,7 +17,7 @@ import torch
 from comfyui_harness import CKPT, comfy, needs_comfyui, sample, sparse  # noqa: F401
 
 from adaptive_sparse_attention.kernels import dense
-from adaptive_sparse_attention.nodes.block_patches import hooks_of
+from adaptive_sparse_attention.nodes.model_patches import hooks_of
 
 pytestmark = needs_comfyui
 ATTENTION = "comfy.ldm.modules.attention"

@@ -22,7 +22,7 @@ WHOLE_RUN = {"steps_dense": [0], "steps_sparse": [1, 2, 3], "blocks_dense": 4, "
 
 def report_of(model) -> dict:
     """The counts of the last run in the sparse hook of `model` (steps and blocks)."""
-    from adaptive_sparse_attention.nodes.block_patches import hooks_of
+    from adaptive_sparse_attention.nodes.model_patches import hooks_of
 
     (hook,) = hooks_of(model)
     return {k: hook.tracker.last_report[k] for k in WHOLE_RUN}

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import adaptive_sparse_attention
-from adaptive_sparse_attention.kernels import dense
-from adaptive_sparse_attention.nodes.block_patches import DiffusionModelWrapper, block_hooks
-from adaptive_sparse_attention.nodes.hooks import bind
-from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
+from adaptive_sparse_attention.kernels.dense import choice as dense
+from adaptive_sparse_attention.nodes.model_patches import DiffusionModelWrapper, block_hooks
+from adaptive_sparse_attention.nodes.block_hook import bind
+from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
 from h3_block import PackedLayout, block_args, block_wrap
 from h3_harness import PACKED, Executor, config, model_of, options, set_path
 
@@ -162,7 +162,7 @@ def test_compiled_run_matches_eager_step_by_step_and_recompiles_once_per_new_len
         assert report[key] == eager_report[key], key
     assert report["blocks_sparse"] == 2 * (STEPS - 1) and 0 < report["mean_density"] < 1
     # the package breaks the graph only in the frames it keeps eager, and none of its frames recompiles
-    assert log["breaks"] <= {("nodes/block_patches.py", "__call__"), ("nodes/hooks.py", "begin_call")}
+    assert log["breaks"] <= {("nodes/model_patches.py", "__call__"), ("nodes/block_hook.py", "begin_call")}
     assert not log["recompiled"], log["recompiled"]  # steps and blocks of one length: nothing
     # within one length the stand-in's own frames compile a dense and a sparse variant at most (the
     # block args differ); a new clip length recompiles each variant of a frame at most once
@@ -170,7 +170,7 @@ def test_compiled_run_matches_eager_step_by_step_and_recompiles_once_per_new_len
     assert max(variants.values(), default=1) <= 2, log["all_recompiles"]
     again = longer["all_recompiles"]
     assert all(again.count(f) <= variants.get(f, 1) for f in again), (variants, sorted(again))
-    assert all(again.count(f) <= 1 for f in again if f[1] in {"block_patches.py", "hooks.py"}), again
+    assert all(again.count(f) <= 1 for f in again if f[1] in {"model_patches.py", "block_hook.py"}), again
 
 
 def test_a_measured_dense_kernel_choice_is_read_without_a_graph_break(dynamo, tmp_path):

@@ -12,7 +12,7 @@ from adaptive_sparse_attention.backend.index_lists import parse_layer_list
 def test_defaults_match_the_node():
     cfg = SparseConfig()
     assert (cfg.topk_ratio, cfg.warmup_mode, cfg.sparse_scope, cfg.tail_granularity) == (0.2, "fidelity", "target-video", "query")
-    assert (cfg.tiling, cfg.reblock_layout, cfg.tail, cfg.block_size, cfg.backend) == ("reblock", "q_reuse_k", "reweight", 64, "auto")
+    assert (cfg.tiling, cfg.reblock_layout, cfg.tail, cfg.block_size, cfg.kernel) == ("reblock", "q_reuse_k", "reweight", 64, "auto")
 
 
 @pytest.mark.parametrize("field,value,allowed", [
@@ -29,7 +29,7 @@ def test_defaults_match_the_node():
     ("block_size", 96, "one of 64, 128"),
     ("min_tokens", -1, "an integer in [0, 4194304]"),
     ("strict", "yes", "True or False"),
-    ("backend", "cuda", "'auto', 'cudnn', 'triton', 'torch'"),
+    ("kernel", "cuda", "'auto', 'cudnn', 'triton', 'torch'"),
     ("dense_layers", (0, -2), "non-negative layer indices"),
 ])
 def test_bad_values_name_field_value_and_allowed(field, value, allowed):
@@ -62,7 +62,7 @@ WIDGETS = {w.name: w for w in SPARSE_WIDGETS}
 @pytest.mark.parametrize("name", list(settings()))
 def test_every_widget_shows_its_fields_declaration(name):
     declared = settings()[name]
-    if name == "backend":  # picked by the GPU, not shown on the node
+    if name == "kernel":  # picked by the GPU, not shown on the node
         assert name not in WIDGETS
         return
     w, rule = WIDGETS[name], declared.rule

@@ -19,14 +19,14 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels.tiled_pack import pack_qkv
-    from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+    from adaptive_sparse_attention.kernels.triton.tiled_pack import pack_qkv
+    from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 
 from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, block_sparse_reference, pack
-from adaptive_sparse_attention.kernels import cudnn_attention
-from adaptive_sparse_attention.kernels.cudnn_attention import exact_attention_cudnn, key_lists, sparse_span
+from adaptive_sparse_attention.kernels.cudnn import cudnn_attention
+from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import exact_attention_cudnn, key_lists, sparse_span
 from layouts import awkward_layout, with_empty_rows
 from random_blocks import random_block_lengths, random_perms
 
@@ -61,7 +61,7 @@ def planned(heads, dim, tiling, scope, tail, gran, empty, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, heads, layout.total, dim, generator=g) for _ in range(3))
     cfg = SparseConfig(tiling=tiling, topk_ratio=0.3, sparse_scope=scope, tail=tail, tail_granularity=gran,
-                       block_size=64, backend="torch")
+                       block_size=64, kernel="torch")
     plan = build_plan(q, k, v, layout, cfg)
     return q, k, v, (with_empty_rows(plan) if empty else plan)
 

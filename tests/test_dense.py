@@ -6,6 +6,7 @@ override to an independent float64 softmax attention.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -13,11 +14,12 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig
-from adaptive_sparse_attention.nodes.block_patches import BlockReplacement
+from adaptive_sparse_attention.nodes.model_patches import BlockReplacement
 from adaptive_sparse_attention.nodes.dense_override import DenseOverride
-from adaptive_sparse_attention.nodes.hooks import CallContext
-from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
-from adaptive_sparse_attention.kernels import dense
+from adaptive_sparse_attention.nodes.block_hook import CallContext
+from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
+from adaptive_sparse_attention.kernels.dense import choice as dense
+from adaptive_sparse_attention.kernels.flash4.family import FLASH4
 
 
 def notes():
@@ -302,14 +304,16 @@ def test_candidate_list(monkeypatch):
     assert seen == ["dense kernel ComfyUI's attention sageattention.core.sageattn is not a candidate: it computes "
                     "in 8-bit and this run's precision is bf16"]
     assert choices.candidates(q, q, q, eight, "8-bit") == (dense.DEFAULT, dense.HOST)
-    monkeypatch.setattr(dense.flash4, "unavailable_reason", lambda q: None)  # as on an sm90 GPU with flash-attn-4
-    assert choices.candidates(q, q, q, plain, "bf16") == (dense.DEFAULT, dense.FLASH4, dense.HOST)
+    runs = dataclasses.replace(FLASH4, unavailable=lambda q: None)  # as on an sm90 GPU with flash-attn-4
+    monkeypatch.setattr(dense, "DENSE_KERNELS", (runs,))
+    assert choices.candidates(q, q, q, plain, "bf16") == (dense.DEFAULT, "flash4", dense.HOST)
+    assert choices.kernel("flash4", None) is FLASH4.attention
 
 
 def test_flash4_says_why_it_cannot_run_here():
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
-    assert dense.flash4.unavailable_reason(q) == "needs a CUDA GPU"
-    assert dense.LABELS[dense.FLASH4] == "FlashAttention-4"
+    assert FLASH4.unavailable(q) == "needs a CUDA GPU"
+    assert dense.LABELS[FLASH4.name] == "FlashAttention-4"
 
 
 class StubTimer:

@@ -30,8 +30,8 @@ with interpreter_env():
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
-    from adaptive_sparse_attention.kernels.block_quantise import e4m3_grid, quantise_blocks_triton
-    from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+    from adaptive_sparse_attention.kernels.triton.block_quantise import e4m3_grid, quantise_blocks_triton
+    from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 
     @triton.jit
     def _to_e4m3(X, Y, N, BLOCK: tl.constexpr):
@@ -42,10 +42,13 @@ with interpreter_env():
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import block_sparse_reference
-from adaptive_sparse_attention.kernels.configs import EIGHT_BIT_CONFIGS, eight_bit_config
+from adaptive_sparse_attention.kernels.triton.configs import EIGHT_BIT_CONFIGS, eight_bit_config
 from adaptive_sparse_attention.kernels.custom_op import TritonAttention
-from adaptive_sparse_attention.kernels.eight_bit import hadamard_rows, key_mean, quantise_blocks_torch, value_max
-from adaptive_sparse_attention.kernels.table import CUDNN_ATTENTION, Host, Target, choose_backend
+from adaptive_sparse_attention.kernels.eight_bit import key_mean, value_max
+from adaptive_sparse_attention.kernels.reference.quantise import hadamard_rows, quantise_blocks_torch
+from adaptive_sparse_attention.kernels.cudnn.family import CUDNN, MODULE
+from adaptive_sparse_attention.kernels.registry import choose_family
+from adaptive_sparse_attention.kernels.vocabulary import Host, Target
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -188,10 +191,10 @@ def test_public_entry_point_and_custom_op_run_8_bit():
     layout = awkward_layout()
     g = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, 2, layout.total, 64, generator=g) for _ in range(3))
-    cfg = SparseConfig(tiling="cube", topk_ratio=0.3, backend="triton", strict=True, precision="8-bit")
+    cfg = SparseConfig(tiling="cube", topk_ratio=0.3, kernel="triton", strict=True, precision="8-bit")
     out, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
-    assert info.backend == "triton"
-    ref = sparse_attention(q, k, v, layout, cfg.replace(backend="torch"))
+    assert info.kernel == "triton"
+    ref = sparse_attention(q, k, v, layout, cfg.replace(kernel="torch"))
     torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
     bf16 = sparse_attention(q, k, v, layout, cfg.replace(precision="auto"))
     assert (out - bf16).abs().max() > 1e-3  # auto is bf16 (the inputs' precision) inside the engine
@@ -204,13 +207,13 @@ def test_public_entry_point_and_custom_op_run_8_bit():
 
 
 def test_8_bit_is_resolved_away_from_cudnn_and_bad_requests_raise():
-    host = Host(triton=True, cudnn=True, interpret=False)
+    host = Host(frozenset({"triton", MODULE}), interpret=False)
     bf16 = Target("cuda", (9, 0), torch.bfloat16, 128, 64)
-    assert choose_backend("auto", bf16, host) == "cudnn"
-    assert choose_backend("auto", dataclasses.replace(bf16, precision="8-bit"), host) == "triton"
-    assert any("precision" in r.label for r in CUDNN_ATTENTION)
+    assert choose_family("auto", bf16, host) == "cudnn"
+    assert choose_family("auto", dataclasses.replace(bf16, precision="8-bit"), host) == "triton"
+    assert any("precision" in r.label for r in CUDNN.of("attention").requires)
     with pytest.raises(RuntimeError, match="precision '8-bit'"):
-        choose_backend("cudnn", dataclasses.replace(bf16, precision="8-bit"), host, strict=True)
+        choose_family("cudnn", dataclasses.replace(bf16, precision="8-bit"), host, strict=True)
     with pytest.raises(ValueError, match=r"SparseConfig\.precision.*'int4'"):
         SparseConfig(precision="int4")
     plan = _awkward_plan(1, 1, 32, 32, "none", seed=1)

@@ -22,7 +22,7 @@ def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comf
 
     from adaptive_sparse_attention import SparseConfig
     from adaptive_sparse_attention.backend import warmup
-    from adaptive_sparse_attention.nodes.sparse_hook import apply_sparse_attention
+    from adaptive_sparse_attention.nodes.sparse_policy import apply_sparse_attention
 
     events = []
 
@@ -33,7 +33,7 @@ def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comf
     monkeypatch.setattr(server.PromptServer, "instance", UI(), raising=False)
     compile_call = warmup.sparse_attention
     monkeypatch.setattr(warmup, "sparse_attention", lambda *a, **kw: events.append(("prepare",)) or compile_call(*a, **kw))
-    config = SparseConfig(backend="triton", tiling="cube", topk_ratio=0.25, warmup_ratio=0.5, min_tokens=0, strict=True)
+    config = SparseConfig(kernel="triton", tiling="cube", topk_ratio=0.25, warmup_ratio=0.5, min_tokens=0, strict=True)
     model = apply_sparse_attention(nodes.UNETLoader().load_unet(CKPT, "default")[0], config)
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"), CurrentNodeContext("prompt", "7"):
         sample(nodes, model, steps=2)

@@ -54,11 +54,12 @@ from adaptive_sparse_attention import SparseConfig, sparse_attention  # noqa: E4
 from adaptive_sparse_attention.backend import indexer, pooling, routing  # noqa: E402
 from adaptive_sparse_attention.backend.pooling import block_means  # noqa: E402
 from adaptive_sparse_attention.backend.tail import mean_summaries, reweight_summaries  # noqa: E402
-from adaptive_sparse_attention.kernels.planner_reference import quantised_scores_torch, topk_blocks  # noqa: E402
-from adaptive_sparse_attention.kernels.table import resolve  # noqa: E402
+from adaptive_sparse_attention.kernels.reference.planner_reference import quantised_scores_torch, topk_blocks  # noqa: E402
+from adaptive_sparse_attention.kernels.registry import resolve  # noqa: E402
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSummaries, QuerySummaries, block_sparse_reference,  # noqa: E402
                                              pack, unpack)
-from adaptive_sparse_attention.kernels import block_scores, triton_attention  # noqa: E402
+from adaptive_sparse_attention.kernels.triton import attention as triton_attention
+from adaptive_sparse_attention.kernels.triton import block_scores  # noqa: E402
 from layouts import awkward_layout, with_empty_rows  # noqa: E402
 from random_blocks import h3_views, random_tiling  # noqa: E402
 
@@ -157,7 +158,7 @@ BACKEND_CASES = [("triton", 2, c) for c in ATTENTION_CASES] + [("cudnn", CUDNN_M
 def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_reference(backend, multiple, case):
     """The Triton kernel within 2x; the `cudnn` backend (exact keys on cuDNN-frontend, tail on
     Triton) within 3x, on the same plans. Both repeat bit for bit."""
-    from adaptive_sparse_attention.kernels.table import unavailable_reason
+    from adaptive_sparse_attention.kernels.registry import unavailable_reason
 
     dtype, B, H, D, bs, tiling, scope, tail, gran, empty = case
     reason = unavailable_reason("cudnn", DEVICE, dtype, D, bs) if backend == "cudnn" else None
@@ -167,10 +168,10 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
     g = torch.Generator(device=DEVICE).manual_seed(D + bs + H)
     q, k, v = (torch.randn(B, H, layout.total, D, generator=g, device=DEVICE).to(dtype) for _ in range(3))
     cfg = SparseConfig(topk_ratio=0.25, tiling=tiling, sparse_scope=scope, tail=tail, tail_granularity=gran,
-                       block_size=bs, backend=backend, strict=True)
+                       block_size=bs, kernel=backend, strict=True)
     out_api, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
     plan = kernel_plan(info)
-    assert info.backend == backend and plan.block_size == bs and plan.summary_mask().any()  # candidates left out
+    assert info.kernel == backend and plan.block_size == bs and plan.summary_mask().any()  # candidates left out
     if empty:
         plan = with_empty_rows(plan, empty_tail=True)
     attention = resolve(backend, DEVICE, dtype, strict=True, head_dim=D, block_size=bs).attention

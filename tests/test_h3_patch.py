@@ -14,12 +14,12 @@ import torch
 
 from adaptive_sparse_attention import sparse_attention
 from adaptive_sparse_attention.backend import producer
-from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_hook
-from adaptive_sparse_attention.nodes.block_patches import AttentionDispatch, block_hooks
+from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_policy
+from adaptive_sparse_attention.nodes.model_patches import AttentionDispatch, block_hooks
 from adaptive_sparse_attention.nodes.comfy_weights import head_groups
 from adaptive_sparse_attention.nodes.h3_model import LayoutCache, check_h3
-from adaptive_sparse_attention.nodes.hooks import CallContext, bind, bound_hook
-from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
+from adaptive_sparse_attention.nodes.block_hook import CallContext, bind, bound_hook
+from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
 from h3_block import PackedLayout, block_args, layout_of
 from h3_harness import PACKED, TOL, config, model_of, options, reference, run_model, sparse_oracle
 
@@ -151,7 +151,7 @@ def test_strict_errors_and_logged_fallbacks(caplog, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: Triton cannot run, strict says so
     args["layout"] = PACKED
     with pytest.raises(RuntimeError, match="triton.*strict"):
-        run_model(model, SparseAttentionHook(config(strict=True, backend="triton")), args, True)
+        run_model(model, SparseAttentionHook(config(strict=True, kernel="triton")), args, True)
 
 
 def test_chains_earlier_patches_and_object_patches():
@@ -290,7 +290,7 @@ def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
 def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     """The first block call of a layout compiles the sparse kernels, before any sparse step."""
     prepared = []
-    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a, announce: prepared.append(a))
+    monkeypatch.setattr(sparse_policy, "prepare_kernels", lambda *a, announce: prepared.append(a))
     model = model_of(True, seed=12)
     args = block_args(model.blocks[0], PACKED, seed=13, new=True)
     args["transformer_options"] = options(step=0)
@@ -317,9 +317,9 @@ def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_grap
 
     monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
     seen = []
-    attention = sparse_hook.sparse_attention
-    monkeypatch.setattr(sparse_hook, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
-    monkeypatch.setattr(sparse_hook, "prepare_kernels", lambda *a, announce: seen.append(("prepare", len(depth))))
+    attention = sparse_policy.sparse_attention
+    monkeypatch.setattr(sparse_policy, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
+    monkeypatch.setattr(sparse_policy, "prepare_kernels", lambda *a, announce: seen.append(("prepare", len(depth))))
     model = model_of(True, seed=23, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=24, new=True)
     hook = SparseAttentionHook(config(warmup_mode="fidelity", warmup_ratio=0.3))

@@ -16,7 +16,7 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     triton = pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels import block_mass
+    from adaptive_sparse_attention.kernels.triton import block_mass
 
 from adaptive_sparse_attention.backend import head_choice
 from adaptive_sparse_attention.backend.config import SparseConfig

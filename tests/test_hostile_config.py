@@ -181,9 +181,9 @@ def test_numbers_from_scripts_are_normalised_and_mistakes_say_why():
     # the normalised config runs exactly as the plain-Python one
     layout = SequenceLayout.from_segments([(0, 20, "text"), (20, 148, "video", (2, 8, 8))])
     q, k, v = torch.randn(3, 1, 2, layout.total, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    plain = SparseConfig(topk_ratio=0.5, tiling="cube", block_size=64, backend="torch")
+    plain = SparseConfig(topk_ratio=0.5, tiling="cube", block_size=64, kernel="torch")
     typed = SparseConfig(topk_ratio=np.float64(0.5), tiling=np.str_("cube"), block_size=np.int32(64),
-                         backend=np.str_("torch"))
+                         kernel=np.str_("torch"))
     assert typed == plain
     assert torch.equal(sparse_attention(q, k, v, layout, typed), sparse_attention(q, k, v, layout, plain))
 

@@ -25,7 +25,7 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels.block_stats import block_summaries_triton
+    from adaptive_sparse_attention.kernels.triton.block_stats import block_summaries_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend import attention
@@ -44,7 +44,7 @@ COMBOS = list(itertools.product(TAILS, TILINGS, TAIL_GRANULARITIES))
 
 
 def config(tail: str, tiling: str, granularity: str, backend: str, rng: random.Random) -> SparseConfig:
-    return SparseConfig(topk_ratio=0.25, tail=tail, tiling=tiling, tail_granularity=granularity, backend=backend,
+    return SparseConfig(topk_ratio=0.25, tail=tail, tiling=tiling, tail_granularity=granularity, kernel=backend,
                         sparse_scope=rng.choice(["target-video", "joint-video"]),
                         reblock_layout=rng.choice(["q_reuse_k", "independent"]))
 
@@ -143,7 +143,7 @@ def test_fused_summaries_leave_out_non_finite_rows_like_the_reference(interprete
 def test_empty_batch_or_heads_and_short_sequences_on_every_tiling(backend, interpreter):
     combos = COMBOS if backend == "torch" else random.Random(6).sample(COMBOS, 6)  # the interpreter is slow
     for tail, tiling, granularity in combos:
-        cfg = SparseConfig(tail=tail, tiling=tiling, tail_granularity=granularity, backend=backend)
+        cfg = SparseConfig(tail=tail, tiling=tiling, tail_granularity=granularity, kernel=backend)
         for shape in ((0, 2, LAYOUT.total, D), (1, 0, LAYOUT.total, D), (0, 0, SHORT.total, D)):
             layout = LAYOUT if shape[2] == LAYOUT.total else SHORT
             q = torch.randn(shape)
@@ -216,7 +216,7 @@ def test_mismatched_tensors_say_which_has_what(monkeypatch):
 def test_random_gate_shapes_broadcast_or_are_named(monkeypatch):
     rng = random.Random(3)
     q = torch.randn(1, 2, SHORT.total, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    cfg = SparseConfig(tail="coarse", tiling="cube", backend="torch")
+    cfg = SparseConfig(tail="coarse", tiling="cube", kernel="torch")
     ungated, info = sparse_attention(q, q, q, SHORT, cfg, return_info=True)
     for _ in range(24):
         shape = tuple(rng.choice([0, 1, 2, 3, SHORT.total, D]) for _ in range(rng.randint(0, 5)))
@@ -245,10 +245,10 @@ def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(inter
     q, k, v = (torch.randn(1, 2, SHORT.total, D, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     dense = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v).square().sum(), (q, k, v))
-    ours = torch.autograd.grad(sparse_attention(q, k, v, SHORT, SparseConfig(backend="torch")).square().sum(), (q, k, v))
+    ours = torch.autograd.grad(sparse_attention(q, k, v, SHORT, SparseConfig(kernel="torch")).square().sum(), (q, k, v))
     for a, b in zip(ours, dense):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-    cfg = SparseConfig(backend="torch", topk_ratio=0.25, tiling="cube", tail="reweight")
+    cfg = SparseConfig(kernel="torch", topk_ratio=0.25, tiling="cube", tail="reweight")
     qkv = [torch.randn(1, 2, LAYOUT.total, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     _, info = sparse_attention(*qkv, LAYOUT, cfg, return_info=True)
     assert info.plan.summary_mask().any() and info.density < 0.7
@@ -265,7 +265,7 @@ def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(inter
             assert float((loss(*ahead) - loss(*behind)) / 2) == pytest.approx(float((grad * step).sum()), rel=1e-6)
     q32 = q.detach().float().requires_grad_()
     with pytest.raises(ValueError, match="q require grad, but the fused kernels have no backward"):
-        sparse_attention(q32, k.detach().float(), v.detach().float(), SHORT, SparseConfig(backend="triton"))
+        sparse_attention(q32, k.detach().float(), v.detach().float(), SHORT, SparseConfig(kernel="triton"))
     with torch.no_grad():
-        out = sparse_attention(q32, q32, q32, SHORT, SparseConfig(backend="triton"))
+        out = sparse_attention(q32, q32, q32, SHORT, SparseConfig(kernel="triton"))
     assert not out.requires_grad and math.isfinite(float(out.abs().sum()))

@@ -28,7 +28,7 @@ with interpreter_env():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from adaptive_sparse_attention.kernels.block_mass import block_log_mass_triton, top_share_triton
+    from adaptive_sparse_attention.kernels.triton.block_mass import block_log_mass_triton, top_share_triton
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
 
@@ -86,8 +86,8 @@ def without_buckets(launch: Launch) -> Launch:
 
 
 CONFIGS = {
-    "reblock-reweight-query": SparseConfig(topk_ratio=0.2, backend="triton", min_tokens=0),
-    "cube-mean-block": SparseConfig(topk_ratio=0.2, backend="triton", min_tokens=0, tiling="cube", tail="mean",
+    "reblock-reweight-query": SparseConfig(topk_ratio=0.2, kernel="triton", min_tokens=0),
+    "cube-mean-block": SparseConfig(topk_ratio=0.2, kernel="triton", min_tokens=0, tiling="cube", tail="mean",
                                     tail_granularity="block"),
 }
 

@@ -11,7 +11,7 @@ import torch
 from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.nodes.dense_override import DenseOverride
 from adaptive_sparse_attention.nodes.precision import identity, is_eight_bit, launch_attention, resolve_precision
-from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
+from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
 
 ATTENTION = "comfy.ldm.modules.attention"
 

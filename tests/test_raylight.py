@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import sparse_attention
-from adaptive_sparse_attention.nodes.block_patches import BlockReplacement
-from adaptive_sparse_attention.nodes.hooks import CallContext, Mark
+from adaptive_sparse_attention.nodes.model_patches import BlockReplacement
+from adaptive_sparse_attention.nodes.block_hook import CallContext, Mark
 from adaptive_sparse_attention.nodes import raylight
 from adaptive_sparse_attention.nodes.raylight import (RaylightSparseAttention, parallel_degrees, patch_worker_model,
                                                       worker_patch)
@@ -132,7 +132,7 @@ def test_decide_uses_the_whole_sequence_and_checks_the_shard(caplog):
     assert decide(RaylightSparseAttention(config(min_tokens=268), HEADS, DEGREE), attn, block_call(134)) is None
     fidelity = RaylightSparseAttention(config(warmup_mode="fidelity"), HEADS, DEGREE)
     assert decide(fidelity, attn, block_call(134, step=0)) is None
-    assert fidelity.tracker.stats.dense_blocks == 1 and not fidelity.tracker.logged  # warmup is no failure
+    assert fidelity.tracker.stats.dense_blocks == 1 and not fidelity.tracker.notices  # warmup is no failure
 
     strict = RaylightSparseAttention(config(strict=True), HEADS, DEGREE)
     with pytest.raises(RuntimeError, match=r"block input of shape \(100, 32\) is not 1/2 of the layout's 267 rows "

@@ -108,7 +108,7 @@ def test_ratio_one_equals_dense(mode, scope):
     # float64: the permutation alone changes nothing, so only summation order differs (~1e-15)
     layout = awkward_layout()
     q, k, v = qk(layout, seed=1)
-    cfg = SparseConfig(topk_ratio=1.0, reblock_layout=mode, sparse_scope=scope, backend="torch")
+    cfg = SparseConfig(topk_ratio=1.0, reblock_layout=mode, sparse_scope=scope, kernel="torch")
     out = sparse_attention(q, k, v, layout, cfg)
     dense = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v
     assert (out - dense).abs().max().item() < 1e-10
@@ -165,7 +165,7 @@ def test_interleaved_clusters_are_grouped_better_than_cubes(mode):
     q, k, v, layout = clustered_scene()
     recall = {}
     for tiling in ("cube", "reblock"):
-        cfg = SparseConfig(topk_ratio=0.25, tiling=tiling, reblock_layout=mode, backend="torch")
+        cfg = SparseConfig(topk_ratio=0.25, tiling=tiling, reblock_layout=mode, kernel="torch")
         _, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
         recall[tiling] = attention_mass_recall(q, k, info.plan, layout)
     # cubes mix all clusters, so their recall stays near the budget; grouped blocks keep most mass
@@ -180,7 +180,7 @@ def test_two_byte_inputs_group_as_well_as_float64(dtype):
     # inputs: rounding the inputs must not cost the grouping (float64 tiling: 0.99)
     q, k, v, layout = clustered_scene()
     tiling = reblock_tiling(q.to(dtype), k.to(dtype), layout, 64)
-    plan = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.25, backend="torch"), tiling=tiling)
+    plan = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.25, kernel="torch"), tiling=tiling)
     assert attention_mass_recall(q, k, plan, layout) > 0.9
 
 

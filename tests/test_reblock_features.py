@@ -17,10 +17,10 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels import reblock_features
+    from adaptive_sparse_attention.kernels.triton import reblock_features
 
 from adaptive_sparse_attention.backend import reblock_metric
-from adaptive_sparse_attention.kernels.table import resolve
+from adaptive_sparse_attention.kernels.registry import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 

@@ -22,12 +22,12 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels import reblock_split
+    from adaptive_sparse_attention.kernels.triton import reblock_split
 
 from adaptive_sparse_attention.backend.reblock_partition import partition
 from adaptive_sparse_attention.backend.reblock_schedule import build_schedule
-from adaptive_sparse_attention.kernels import reblock_reference
-from adaptive_sparse_attention.kernels.table import resolve
+from adaptive_sparse_attention.kernels.reference import reblock_reference
+from adaptive_sparse_attention.kernels.registry import resolve
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 

@@ -78,7 +78,7 @@ def test_every_tail_mode_matches_an_independent_computation(tail, granularity, s
     lay = awkward_layout()
     q, k, v = qkv(lay, seed=3)
     cfg = SparseConfig(topk_ratio=0.3, tiling="cube", tail=tail, tail_granularity=granularity,
-                       sparse_scope=scope, backend="torch")
+                       sparse_scope=scope, kernel="torch")
     plan = build_plan(q, k, v, lay, cfg)
     out = sparse_attention(q, k, v, lay, cfg)
     assert (out - independent(q, k, v, lay, cfg, plan)).abs().max() < TOL
@@ -88,7 +88,7 @@ def test_every_tail_mode_matches_an_independent_computation(tail, granularity, s
 def test_coarse_adds_the_gated_pooled_branch_to_sparse_rows_only(granularity):
     lay = awkward_layout()
     q, k, v = qkv(lay, seed=4)
-    base = SparseConfig(topk_ratio=0.3, tiling="cube", tail="none", backend="torch")
+    base = SparseConfig(topk_ratio=0.3, tiling="cube", tail="none", kernel="torch")
     cfg = base.replace(tail="coarse", tail_granularity=granularity)
     gate = torch.tensor([0.5, -2.0], dtype=torch.float64).view(2, 1, 1)
     plan = build_plan(q, k, v, lay, cfg)
@@ -120,7 +120,7 @@ def test_ratio_one_equals_dense(tail, scope):
     q, k, v = qkv(lay, heads=1, seed=5)
     for granularity in ("query", "block"):
         cfg = SparseConfig(topk_ratio=1.0, tiling="cube", tail=tail, tail_granularity=granularity,
-                           sparse_scope=scope, backend="torch")
+                           sparse_scope=scope, kernel="torch")
         out, info = sparse_attention(q, k, v, lay, cfg, return_info=True)  # coarse: no gate, as in base H3
         assert (out - dense(q, k, v)).abs().max() < TOL
         assert info.density == pytest.approx(1.0)
@@ -133,7 +133,7 @@ def test_selected_summaries_are_never_double_counted():
     exact block would show."""
     lay = awkward_layout()
     q, k, v = qkv(lay, heads=1, seed=6)
-    kp = build_plan(q, k, v, lay, SparseConfig(topk_ratio=1.0, tiling="cube", tail="mean", backend="torch"))
+    kp = build_plan(q, k, v, lay, SparseConfig(topk_ratio=1.0, tiling="cube", tail="mean", kernel="torch"))
     assert kp.tail is not None and (kp.q2k_num > 0).any() and not kp.summary_mask().any()
     assert (block_sparse_reference(q, k, v, kp)[0] - dense(q, k, v)).abs().max() < TOL
     summaries_only = dataclasses.replace(kp, q2k_idx=kp.q2k_idx[..., :0], q2k_num=torch.zeros_like(kp.q2k_num))
@@ -143,7 +143,7 @@ def test_selected_summaries_are_never_double_counted():
 def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
     lay = awkward_layout()
     q, k, v = qkv(lay, seed=7)
-    plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=0.3, tiling="cube", tail="reweight", backend="torch"))
+    plan = build_plan(q, k, v, lay, SparseConfig(topk_ratio=0.3, tiling="cube", tail="reweight", kernel="torch"))
     out, lse = block_sparse_reference(q, k, v, plan)
     pi = torch.randperm(lay.total, generator=torch.Generator().manual_seed(8))  # new row r holds old row pi[r]
     inv = torch.argsort(pi).to(torch.int32)
@@ -157,7 +157,7 @@ def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
 def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
     lay = awkward_layout()
     q, k, v = qkv(lay, seed=9)
-    kp = build_plan(q, k, v, lay, SparseConfig(tiling="cube", tail="none", backend="torch"))
+    kp = build_plan(q, k, v, lay, SparseConfig(tiling="cube", tail="none", kernel="torch"))
     J = kp.num_blocks
     empty = torch.arange(J) % 3 == 0
     kp = dataclasses.replace(kp, dense_hi=torch.where(empty, torch.zeros_like(kp.dense_hi), kp.dense_hi),
@@ -172,7 +172,7 @@ def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
 def test_sparse_attention_is_deterministic_and_keeps_dtype():
     lay = awkward_layout()
     q, k, v = (x.float() for x in qkv(lay, seed=10))
-    cfg = SparseConfig(topk_ratio=0.2, tiling="cube", backend="torch")
+    cfg = SparseConfig(topk_ratio=0.2, tiling="cube", kernel="torch")
     a, b = sparse_attention(q, k, v, lay, cfg), sparse_attention(q, k, v, lay, cfg)
     assert a.dtype == torch.float32 and torch.equal(a, b)
 
@@ -180,10 +180,10 @@ def test_sparse_attention_is_deterministic_and_keeps_dtype():
 def test_info_reports_density_budgets_and_plan():
     lay = awkward_layout()
     q, k, v = qkv(lay, seed=11)
-    out, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=0.25, tiling="cube", backend="torch",
+    out, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=0.25, tiling="cube", kernel="torch",
                                                             sparse_scope="joint-video"), return_info=True)
     assert info.budgets == {"ref_video[37:127]": 1, "video[180:390]": 2}
-    assert 0 < info.density < 1 and info.backend == "torch"
+    assert 0 < info.density < 1 and info.kernel == "torch"
     assert info.plan.q2k_idx.dtype == torch.int16  # J < 2**15: the half-width table
 
 
@@ -194,7 +194,7 @@ def test_density_counts_the_exact_pairs_of_the_masks(tiling, scope, ratio):
     lay = awkward_layout()
     q, k, v = qkv(lay, seed=12)
     _, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=ratio, tiling=tiling, sparse_scope=scope,
-                                                          backend="torch"), return_info=True)
+                                                          kernel="torch"), return_info=True)
     kp = info.plan
     n = kp.block_len.double()
     pairs = (kp.allowed_mask().double() * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2)).mean()
@@ -217,5 +217,5 @@ def test_bad_inputs_raise_clearly(change, match):
 
 def test_strict_triton_without_a_gpu_raises():
     lay = awkward_layout()
-    with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
-        sparse_attention(*qkv(lay), lay, SparseConfig(tiling="cube", backend="triton", strict=True))
+    with pytest.raises(RuntimeError, match="kernel='triton' cannot run"):
+        sparse_attention(*qkv(lay), lay, SparseConfig(tiling="cube", kernel="triton", strict=True))

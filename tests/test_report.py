@@ -65,7 +65,7 @@ def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
     from h3_harness import PACKED, config, model_of, options, run_model
     from h3_block import block_args
 
-    from adaptive_sparse_attention.nodes.sparse_hook import SparseAttentionHook
+    from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
 
     model = model_of(True, seed=40, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=41, new=True)

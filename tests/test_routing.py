@@ -7,7 +7,7 @@ import torch
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.backend.routing import index_table, pooled_scores, region_budget
-from adaptive_sparse_attention.kernels.planner_reference import topk_blocks
+from adaptive_sparse_attention.kernels.reference.planner_reference import topk_blocks
 from adaptive_sparse_attention.backend.tiling import cube_tiling
 
 

@@ -139,7 +139,7 @@ def test_cfg_pairs_count_once_and_a_new_schedule_is_a_new_run(caplog):
     summaries = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()]
     assert summaries == ["t: steps 2 dense / 4 sparse; blocks 4 dense / 8 sparse; mean density 0.250 in sparse "
                          "blocks (0.500 over all blocks); sparse attention time 0.00 s; precision bf16"]
-    assert tracker.stats.dense_blocks == 0 and tracker.logged == set()  # fresh run state
+    assert tracker.stats.dense_blocks == 0 and len(tracker.notices) == 0  # fresh run state
 
 
 def test_log_once_per_run_and_reset(caplog):

@@ -22,9 +22,9 @@ def test_each_job_is_bounded_and_the_cache_resets():
     assert len(cache) == JOB_BOUNDS["route_plan"]
     assert cache.get("route_plan", JOB_BOUNDS["route_plan"] + 2, lambda: -1) == JOB_BOUNDS["route_plan"] + 2
     assert cache.get("route_plan", 0, lambda: "rebuilt") == "rebuilt"  # the oldest went first
-    cache.notes.add("said")
+    cache.notices.say("said")
     cache.clear()
-    assert len(cache) == 0 and not cache.notes
+    assert len(cache) == 0 and not cache.notices
     with pytest.raises(ValueError, match="job='tilings' is not allowed"):
         cache.get("tilings", 0, lambda: 0)
 
@@ -33,7 +33,7 @@ def test_the_layout_owns_what_a_call_builds():
     a, b = SequenceLayout.from_segments(SEGMENTS), SequenceLayout.from_segments(SEGMENTS)
     assert a == b and hash(a) == hash(b) and a.cache is not b.cache  # the cache is not part of the value
     q, k, v = (torch.randn(1, 2, a.total, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    config = SparseConfig(backend="torch", min_tokens=0, topk_ratio=0.3)
+    config = SparseConfig(kernel="torch", min_tokens=0, topk_ratio=0.3)
     out = sparse_attention(q, k, v, a, config)
     assert {"kernels", "reblock_static", "route_plan", "tube_statics"} <= set(a.cache.jobs) and len(b.cache) == 0
     again = sparse_attention(q, k, v, a, config)
@@ -45,10 +45,10 @@ def test_the_layout_owns_what_a_call_builds():
 def test_a_fallback_is_said_once_per_layout(caplog):
     layout = SequenceLayout.from_segments(SEGMENTS)
     q, k, v = (torch.randn(1, 2, layout.total, 32, dtype=torch.float64) for _ in range(3))
-    config = SparseConfig(backend="cudnn", min_tokens=0, tiling="cube")
+    config = SparseConfig(kernel="cudnn", min_tokens=0, tiling="cube")
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
         for _ in range(3):
             sparse_attention(q, k, v, layout, config)
         sparse_attention(q, k, v, SequenceLayout.from_segments(SEGMENTS), config)
-    said = [r for r in caplog.records if "backend='cudnn' cannot run" in r.getMessage()]
+    said = [r for r in caplog.records if "kernel='cudnn' cannot run" in r.getMessage()]
     assert len(said) == 2  # once for each layout

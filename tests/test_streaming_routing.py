@@ -16,14 +16,14 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():  # the kernels must be first imported in interpreter mode
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels import block_select  # noqa: F401  (the table imports it when it resolves Triton)
-    from adaptive_sparse_attention.kernels.block_scores import pooled_scores_triton, quantised_scores_triton
+    from adaptive_sparse_attention.kernels.triton import block_select  # noqa: F401  (the table imports it when it resolves Triton)
+    from adaptive_sparse_attention.kernels.triton.block_scores import pooled_scores_triton, quantised_scores_triton
 
 from adaptive_sparse_attention.backend import indexer, pooling, routing, tail
 from adaptive_sparse_attention.backend.routing import pooled_scores, route_blocks, select_blocks
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, Tiling
-from adaptive_sparse_attention.kernels.planner_reference import quantised_scores_torch
-from adaptive_sparse_attention.kernels.table import resolve
+from adaptive_sparse_attention.kernels.reference.planner_reference import quantised_scores_torch
+from adaptive_sparse_attention.kernels.registry import resolve
 
 CASES = [  # B, H, J, D, groups (lo, hi, budget), leading dense query blocks
     (1, 2, 150, 64, [(5, 70, 1), (70, 150, 80)], 5),  # R = 1 and R = J_r, rows 0..4 dense

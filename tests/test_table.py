@@ -1,4 +1,4 @@
-"""The one table of operations x backends (kernels/table.py): its choices, its fallbacks, and
+"""The one table of operations x backends (kernels/registry.py): its choices, its fallbacks, and
 install.py printing the same choices as `auto` makes.
 
 Availability is decided from a `Host` (which packages import, the interpreter) and a `Target`
@@ -12,23 +12,26 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention
-from adaptive_sparse_attention.kernels import BlockSparsePlan, QuerySummaries, table
-from adaptive_sparse_attention.kernels.table import BACKENDS, Host, Stage, Target, choose_backend
+from adaptive_sparse_attention.kernels import BlockSparsePlan, QuerySummaries, registry
+from adaptive_sparse_attention.kernels.cudnn import family as cudnn_family
+from adaptive_sparse_attention.kernels.registry import FAMILIES, Host, Stage, Target, choose_family
+from adaptive_sparse_attention.notices import Notices
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-EVERYTHING = Host(triton=True, cudnn=True, interpret=False)
+TRITON, CUDNN = "triton", cudnn_family.MODULE
+EVERYTHING = Host(frozenset({TRITON, CUDNN}))
 CAPABILITIES = ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))
-HOSTS = (EVERYTHING, Host(True, False, False), Host(False, False, False), Host(False, True, False))
+HOSTS = (EVERYTHING, Host(frozenset({TRITON})), Host(), Host(frozenset({CUDNN})))
 
 
 def auto(target: Target, host: Host = EVERYTHING) -> str:
-    return choose_backend("auto", target, host)
+    return choose_family("auto", target, host)
 
 
 def test_auto_takes_cudnn_then_triton_on_cuda_else_torch():
     assert auto(Target("cuda", (9, 0), torch.bfloat16, 128, 64)) == "cudnn"
     assert auto(Target("cuda", (9, 0), torch.float16)) == "cudnn"  # head dim and block size not known yet
-    assert auto(Target("cuda", (9, 0), torch.bfloat16, 128, 64), Host(True, False, False)) == "triton"  # no package
+    assert auto(Target("cuda", (9, 0), torch.bfloat16, 128, 64), Host(frozenset({TRITON}))) == "triton"  # no package
     assert auto(Target("cuda", (8, 9), torch.bfloat16, 128, 64)) == "triton"  # not sm90
     assert auto(Target("cuda", (10, 0), torch.bfloat16, 128, 64)) == "triton"  # sm100: not measured yet
     assert auto(Target("cuda", (9, 0), torch.float32, 128, 64)) == "triton"  # cuDNN takes 16-bit only
@@ -36,20 +39,20 @@ def test_auto_takes_cudnn_then_triton_on_cuda_else_torch():
     assert auto(Target("cuda", (9, 0), torch.bfloat16, 128, 128)) == "triton"  # block size 128
     assert auto(Target("cuda", (9, 0), torch.float64, 128, 64)) == "torch"  # no fp64 kernel but the reference
     assert auto(Target("cuda", (7, 5), torch.float16, 64, 64)) == "torch"  # older than the Triton kernels
-    assert auto(Target("cuda", (9, 0), torch.bfloat16), Host(False, True, False)) == "torch"  # no Triton at all
-    assert auto(Target("cpu", None, torch.float32), Host(True, True, True)) == "torch"  # auto compiles on CUDA only
+    assert auto(Target("cuda", (9, 0), torch.bfloat16), Host(frozenset({CUDNN}))) == "torch"  # no Triton at all
+    assert auto(Target("cpu", None, torch.float32), Host(frozenset({TRITON, CUDNN}), interpret=True)) == "torch"  # auto compiles on CUDA only
     assert auto(Target("mps", None, torch.float32)) == "torch"
 
 
 def test_auto_reads_the_device_and_this_process():
-    """`resolve_backend` without a GPU: a CUDA device object gets Triton when it is installed."""
+    """`resolve_family` without a GPU: a CUDA device object gets Triton when it is installed."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert table.resolve_backend("auto", cpu, torch.float32) == "torch"
+    assert registry.resolve_family("auto", cpu, torch.float32) == "torch"
     if not torch.cuda.is_available() and importlib.util.find_spec("cudnn") is None:
-        assert table.resolve_backend("auto", cuda, torch.bfloat16) == ("triton" if HAS_TRITON else "torch")
-    with pytest.raises(ValueError, match="backend='rocm' is not allowed"):
-        table.resolve_backend("rocm", cpu, torch.float32)
-    assert tuple(BACKENDS) == ("cudnn", "triton", "torch")
+        assert registry.resolve_family("auto", cuda, torch.bfloat16) == ("triton" if HAS_TRITON else "torch")
+    with pytest.raises(ValueError, match="kernel='rocm' is not allowed"):
+        registry.resolve_family("rocm", cpu, torch.float32)
+    assert tuple(FAMILIES) == ("cudnn", "triton", "torch")
 
 
 @pytest.mark.parametrize("target, named", [
@@ -60,22 +63,22 @@ def test_auto_reads_the_device_and_this_process():
     (Target("cpu", None, torch.bfloat16, 128, 64), "cpu"),
 ])
 def test_a_named_backend_that_cannot_run_says_why_and_runs_the_next(target, named, caplog):
-    with pytest.raises(RuntimeError, match=f"backend='cudnn' cannot run: .*{named}.*strict"):
-        choose_backend("cudnn", target, EVERYTHING, strict=True)
-    notes: set[str] = set()
+    with pytest.raises(RuntimeError, match=f"kernel='cudnn' cannot run: .*{named}.*strict"):
+        choose_family("cudnn", target, EVERYTHING, strict=True)
+    notices = Notices()
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
         for _ in range(3):
-            got = choose_backend("cudnn", target, EVERYTHING, notes=notes)
+            got = choose_family("cudnn", target, EVERYTHING, notices=notices)
     assert got == ("triton" if target.device == "cuda" else "torch")
     said = [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()]
     assert len(said) == 1 and named in said[0]  # once per owner of the record
 
 
 def test_triton_without_its_needs_falls_back_to_the_reference(caplog):
-    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run: .*float64.*strict"):
-        choose_backend("triton", Target("cuda", (9, 0), torch.float64), EVERYTHING, strict=True)
+    with pytest.raises(RuntimeError, match=r"kernel='triton' cannot run: .*float64.*strict"):
+        choose_family("triton", Target("cuda", (9, 0), torch.float64), EVERYTHING, strict=True)
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
-        assert choose_backend("triton", Target("cuda", (7, 5), torch.float16), EVERYTHING, notes=set()) == "torch"
+        assert choose_family("triton", Target("cuda", (7, 5), torch.float16), EVERYTHING, notices=Notices()) == "torch"
     assert any("sm75" in r.getMessage() and "torch reference" in r.getMessage() for r in caplog.records)
 
 
@@ -93,28 +96,27 @@ def test_a_stage_that_cannot_take_its_inputs_runs_the_reference_or_raises(caplog
     def accepts(x):
         return None if x.dtype == torch.float32 else f"{x.dtype} is not float32"
 
-    notes: set[str] = set()
-    stage = Stage("pooled_scores", "triton", fast, reference, accepts, False, notes)
+    stage = Stage("pooled_scores", "triton", fast, reference, accepts, False, Notices())
     assert torch.equal(stage(torch.zeros(2)), torch.ones(2))
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
         for _ in range(2):
             stage(torch.zeros(2, dtype=torch.float64))
     assert calls == ["fast", "reference", "reference"]
     assert len([r for r in caplog.records if "float64 is not float32" in r.getMessage()]) == 1
-    strict = Stage("pooled_scores", "triton", fast, reference, accepts, True, set())
+    strict = Stage("pooled_scores", "triton", fast, reference, accepts, True, Notices())
     with pytest.raises(RuntimeError, match="pooled_scores: the triton kernel cannot take these inputs.*strict"):
         strict(torch.zeros(2, dtype=torch.float64))
 
 
 def test_every_stage_of_a_resolution_comes_from_its_backend():
-    torch_kernels = table.resolve("torch", torch.device("cpu"), torch.float32)
-    assert torch_kernels.attention is table.ATTENTION.of("torch").function
-    for op in table.OPERATIONS[:-1]:
-        assert getattr(torch_kernels, op.name).backend == "torch"
+    torch_kernels = registry.resolve("torch", torch.device("cpu"), torch.float32)
+    assert torch_kernels.attention is registry.ATTENTION.of("torch").load()
+    for op in registry.OPERATIONS[:-1]:
+        assert getattr(torch_kernels, op.name).family == "torch"
     if HAS_TRITON:
-        interpreted = table.resolve("triton", torch.device("cpu"), torch.float32, host=Host(True, False, True))
-        assert interpreted.backend == "triton"
-        assert all(getattr(interpreted, op.name).backend == "triton" for op in table.OPERATIONS[:-1])
+        interpreted = registry.resolve("triton", torch.device("cpu"), torch.float32, host=Host(frozenset({TRITON}), interpret=True))
+        assert interpreted.family == "triton"
+        assert all(getattr(interpreted, op.name).family == "triton" for op in registry.OPERATIONS[:-1])
 
 
 def load_install():
@@ -124,21 +126,21 @@ def load_install():
     return module
 
 
-@pytest.mark.parametrize("host", HOSTS, ids=lambda h: f"triton={h.triton},cudnn={h.cudnn}")
+@pytest.mark.parametrize("host", HOSTS, ids=lambda h: f"triton={h.has(TRITON)},cudnn={h.has(CUDNN)}")
 def test_install_prints_what_auto_chooses(host):
     """For every GPU family, host and dtype, install.py's line names the backend `auto` takes,
     and Hopper users without the cuDNN package are told the one pip command."""
     install = load_install()
     gpus = [(f"GPU {cap}", cap) for cap in CAPABILITIES]
-    lines = install.gpu_lines(table, gpus, host)
+    lines = install.gpu_lines(registry, gpus, host)
     for i, (_, cap) in enumerate(gpus):
         line = next(line for line in lines if line.startswith(f"  cuda:{i} "))
-        for dtype in table.AUTO_DTYPES:
-            want = choose_backend("auto", Target("cuda", cap, dtype), host)
+        for dtype in registry.AUTO_DTYPES:
+            want = choose_family("auto", Target("cuda", cap, dtype), host)
             assert f"{str(dtype).removeprefix('torch.')} -> {want}" in line
-        tip = any(table.CUDNN_INSTALL in line for line in lines[lines.index(line) + 1:][:1])
-        assert tip == (cap[0] == 9 and not host.cudnn)
-    assert sum(table.CUDNN_INSTALL in line for line in lines) == (0 if host.cudnn else 1)
+        tip = any(cudnn_family.INSTALL in line for line in lines[lines.index(line) + 1:][:1])
+        assert tip == (cap[0] == 9 and not host.has(CUDNN))
+    assert sum(cudnn_family.INSTALL in line for line in lines) == (0 if host.has(CUDNN) else 1)
 
 
 def test_install_report_runs_here_and_prints_the_choice():
@@ -146,20 +148,24 @@ def test_install_report_runs_here_and_prints_the_choice():
     assert lines[0].startswith("Adaptive Sparse Attention")
     if not torch.cuda.is_available():
         assert any(line.endswith("auto runs torch") for line in lines)
-    for op in table.OPERATIONS:  # the table itself, from kernels/table.py
+    for op in registry.OPERATIONS:  # the table itself, from kernels/registry.py
         assert any(line.strip().startswith(f"{op.name} (") for line in lines)
 
 
 def test_the_table_renders_every_operation():
-    lines = table.render(Target("cuda", (9, 0)), EVERYTHING)
+    lines = registry.render(Target("cuda", (9, 0)), EVERYTHING)
     assert lines[0].startswith("auto: bfloat16 -> cudnn")
-    for op in table.OPERATIONS:
+    for op in registry.OPERATIONS:
         assert any(line.startswith(f"{op.name} (") for line in lines)
+    dense = [line for line in lines if line.startswith("dense attention (")]
+    assert len(dense) == 1
+    for kernel in registry.DENSE_KERNELS:  # every dense kernel a family offers, with what it needs
+        assert f"{kernel.name} ({kernel.label}) [{kernel.needs}]" in dense[0]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton, to prove it is never launched")
 def test_the_torch_backend_runs_every_kernel_in_torch(monkeypatch):
-    """backend="torch" never reaches a Triton launcher, planner included (reblock, query tail),
+    """kernel="torch" never reaches a Triton launcher, planner included (reblock, query tail),
     even where Triton could run (its interpreter is on)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -172,9 +178,9 @@ def test_the_torch_backend_runs_every_kernel_in_torch(monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run", refuse)
     layout = SequenceLayout.from_segments([(0, 20, "text"), (20, 20 + 3 * 8 * 8, "video", (3, 8, 8))])
     q, k, v = (torch.randn(1, 2, layout.total, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    config = SparseConfig(backend="torch", min_tokens=0)
+    config = SparseConfig(kernel="torch", min_tokens=0)
     with pytest.raises(pytest.fail.Exception, match="launched on the torch backend"):  # the guard sees Triton
-        sparse_attention(q, k, v, layout, config.replace(backend="triton"))
+        sparse_attention(q, k, v, layout, config.replace(kernel="triton"))
     out, info = sparse_attention(q, k, v, layout, config, return_info=True)
-    assert info.backend == "torch" and isinstance(info.plan, BlockSparsePlan) and isinstance(info.plan.tail,
+    assert info.kernel == "torch" and isinstance(info.plan, BlockSparsePlan) and isinstance(info.plan.tail,
                                                                                                QuerySummaries)

@@ -18,14 +18,14 @@ from triton_interpreter import interpreter_env
 
 with interpreter_env():
     pytest.importorskip("triton")
-    from adaptive_sparse_attention.kernels import triton_attention
-    from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+    from adaptive_sparse_attention.kernels.triton import attention as triton_attention
+    from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
                                              block_sparse_reference)
-from adaptive_sparse_attention.kernels.configs import FAMILY_ENV, KernelConfig, kernel_config
+from adaptive_sparse_attention.kernels.triton.configs import FAMILY_ENV, KernelConfig, kernel_config
 from adaptive_sparse_attention.kernels.custom_op import TritonAttention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -249,8 +249,8 @@ def test_custom_op_dispatch_and_compile():
 def test_public_entry_point_with_triton_backend():
     layout = awkward_layout()
     q, k, v = inputs(layout, 2, 64, torch.float32, seed=13)
-    cfg = SparseConfig(tiling="cube", topk_ratio=0.2, backend="triton", strict=True)
+    cfg = SparseConfig(tiling="cube", topk_ratio=0.2, kernel="triton", strict=True)
     out, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
-    ref = sparse_attention(q, k, v, layout, cfg.replace(backend="torch"))
-    assert info.backend == "triton"
+    ref = sparse_attention(q, k, v, layout, cfg.replace(kernel="torch"))
+    assert info.kernel == "triton"
     torch.testing.assert_close(out, ref, rtol=0, atol=TOL[torch.float32])

@@ -32,8 +32,8 @@ from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_atten
 from adaptive_sparse_attention.backend.ulysses import (check_sequence_parallel, degrees_dividing,  # noqa: E402
                                                        local_heads_attention, seq_to_heads,
                                                        sequence_parallel_attention)
-from adaptive_sparse_attention.nodes.block_patches import DiffusionModelWrapper, block_hooks  # noqa: E402
-from adaptive_sparse_attention.nodes.hooks import bind  # noqa: E402
+from adaptive_sparse_attention.nodes.model_patches import DiffusionModelWrapper, block_hooks  # noqa: E402
+from adaptive_sparse_attention.nodes.block_hook import bind  # noqa: E402
 from adaptive_sparse_attention.nodes.raylight import RaylightSparseAttention  # noqa: E402
 from h3_block import MiniMaxH3Model, PackedLayout, block_args, layout_of  # noqa: E402
 from h3_harness import Executor, config  # noqa: E402
@@ -96,13 +96,13 @@ def check_engine(rank: int) -> None:
 
 def check_triton(rank: int) -> None:
     heads = slice(rank * HEADS // WORLD, (rank + 1) * HEADS // WORLD)
-    cfg = config(tiling="cube", backend="triton")  # per-head reblock plans are checked on the torch backend above;
+    cfg = config(tiling="cube", kernel="triton")  # per-head reblock plans are checked on the torch backend above;
     # here the Triton kernels read the strided head views (a reblock plan would run its tree in the interpreter too)
     q, k, v = qkv(torch.float32, seed=1, layout=TRITON_LAYOUT)
     local_q, local_k, local_v = (seq_to_heads(rows_of(rank, t)) for t in (q, k, v))  # strided views inside
     out, local = local_heads_attention(local_q, local_k, local_v, TRITON_LAYOUT, cfg, return_info=True)
     alone, info = sparse_attention(q[:, heads], k[:, heads], v[:, heads], TRITON_LAYOUT, cfg, return_info=True)
-    assert local.backend == info.backend == "triton"
+    assert local.kernel == info.kernel == "triton"
     torch.testing.assert_close(out[:, :TRITON_LAYOUT.total], alone.transpose(1, 2), rtol=0, atol=1e-6)
     assert out[:, TRITON_LAYOUT.total:].abs().max() == 0  # the padding row
     assert_same_plan(info.plan, local.plan, slice(None), 1e-6)

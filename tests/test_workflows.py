@@ -88,10 +88,10 @@ def test_scenario_settings():
 
 
 def test_widget_spec_mirrors_sparse_config():
-    """Every SparseConfig field but the backend is a widget, with SparseConfig's default."""
+    """Every SparseConfig field but the kernel is a widget, with SparseConfig's default."""
     defaults = SparseConfig()
     names = [w.name for w in SPARSE_WIDGETS]
-    assert sorted(names) == sorted(f for f in SparseConfig.__dataclass_fields__ if f != "backend")
+    assert sorted(names) == sorted(f for f in SparseConfig.__dataclass_fields__ if f != "kernel")
     for w in SPARSE_WIDGETS:
         default = getattr(defaults, w.name)
         assert (",".join(map(str, default)) if w.name == "dense_layers" else default) == w.default
@@ -118,12 +118,14 @@ def test_install_check_reports_and_requirements_leave_pins_alone():
     assert "nvidia-cudnn-frontend" in done.stdout
     import importlib.util
 
-    from adaptive_sparse_attention.kernels.cudnn_attention import FAMILIES
+    from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import FAMILIES
+    from adaptive_sparse_attention.kernels.registry import FAMILIES as KERNEL_FAMILIES
 
     spec = importlib.util.spec_from_file_location("_install_check", root / "install.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.kernel_table().CUDNN_FAMILIES is FAMILIES  # the report reads the backend's own facts
+    assert module.kernel_table().FAMILIES is KERNEL_FAMILIES  # the report reads the package's own table
+    assert module.importlib.import_module(f"{module.PACKAGE}.kernels.cudnn.family").GPU_FAMILIES is FAMILIES
     lines = [ln.split("#")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
     assert not [ln for ln in lines if ln.lower().startswith(("torch", "comfy-kitchen", "comfy_kitchen"))]
 

@@ -13,12 +13,12 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.timing import bench_ms, queued_ms
-from adaptive_sparse_attention.kernels.configs import finish_config
-from adaptive_sparse_attention.kernels.cudnn_attention import (_forward, block_sparse_cudnn, cudnn_calls,
+from adaptive_sparse_attention.kernels.triton.configs import finish_config
+from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import (_forward, block_sparse_cudnn, cudnn_calls,
                                                                exact_attention_cudnn)
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
-from adaptive_sparse_attention.kernels.tiled_pack import pack_qkv
-from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+from adaptive_sparse_attention.kernels.triton.tiled_pack import pack_qkv
+from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, computed_pairs
 
 
@@ -46,14 +46,14 @@ def cudnn_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSpar
                finish_ms=bench_ms(lambda: block_sparse_triton(q, q, q, plan, finish_config(DIM, bs, q.device), part)))
     part = None
     row["anchor_vs_dense_rate"] = row["anchor_tflops"] / dense_tflops
-    default = build_plan(q, k, v, layout, SparseConfig(topk_ratio=ratio, tail_granularity=gran, backend="cudnn",
+    default = build_plan(q, k, v, layout, SparseConfig(topk_ratio=ratio, tail_granularity=gran, kernel="cudnn",
                                                        strict=True))  # reblock: full blocks, unlike cube's edges
     row["anchor_default_tiling_ms"] = anchor(default)
     row["anchor_default_tiling_vs_dense_rate"] = 4 * DIM * computed_pairs(default)[0] / row["anchor_default_tiling_ms"] \
         / 1e9 / dense_tflops
     default = None
     for backend in ("cudnn", "triton"):
-        cfg = SparseConfig(topk_ratio=ratio, tail_granularity=gran, backend=backend, strict=True)
+        cfg = SparseConfig(topk_ratio=ratio, tail_granularity=gran, kernel=backend, strict=True)
         row[f"op_default_{backend}_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg), rep_ms=1500)
         # planning as the op's share of device time: launches queued behind GPU work, as in a forward pass
         row[f"plan_default_{backend}_ms"], row[f"plan_default_{backend}_host_ms"] = queued_ms(

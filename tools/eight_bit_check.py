@@ -27,9 +27,9 @@ from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
 from adaptive_sparse_attention.kernels import block_sparse_reference
-from adaptive_sparse_attention.kernels import triton_attention as ta
-from adaptive_sparse_attention.kernels.block_quantise import quantise_blocks_triton
-from adaptive_sparse_attention.kernels.configs import EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES, eight_bit_config
+from adaptive_sparse_attention.kernels.triton import attention as ta
+from adaptive_sparse_attention.kernels.triton.block_quantise import quantise_blocks_triton
+from adaptive_sparse_attention.kernels.triton.configs import EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES, eight_bit_config
 from adaptive_sparse_attention.kernels.eight_bit import key_mean, value_max
 from kernel_cases import DIM, H3_SHAPES, HEADS
 
@@ -44,7 +44,7 @@ def mid_shape_check(results: dict) -> None:
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(1, 4, layout.total, DIM, device="cuda", generator=g, dtype=torch.bfloat16)
                for _ in range(3))
-    plan = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.2, backend="triton", min_tokens=0))
+    plan = build_plan(q, k, v, layout, SparseConfig(topk_ratio=0.2, kernel="triton", min_tokens=0))
     qf, kf, vf = q.float(), k.float(), v.float()
     dense = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf)
     exact, _ = block_sparse_reference(qf, kf, vf, plan)
@@ -77,7 +77,7 @@ def timing(results: dict, ratios: list[float], other_families: bool = True) -> N
     rows = results["10s"] = []
     mean, v_max = key_mean(k), value_max(v)
     for ratio in ratios:
-        cfg = SparseConfig(topk_ratio=ratio, backend="triton", min_tokens=0)
+        cfg = SparseConfig(topk_ratio=ratio, kernel="triton", min_tokens=0)
         plan = build_plan(q, k, v, layout, cfg)
         row = {"ratio": ratio, "density": plan.density()}
         row["kernel_bf16_ms"] = bench_ms(lambda: ta.block_sparse_triton(q, k, v, plan))

@@ -19,7 +19,7 @@ import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.bench.scenes import SCENES, make_scene
-from adaptive_sparse_attention.kernels.configs import FAMILY_ENV
+from adaptive_sparse_attention.kernels.triton.configs import FAMILY_ENV
 
 VARIANTS = ("plain", "k channel x1000", "q channel x1000")
 
@@ -52,7 +52,7 @@ def main() -> None:
             v = scene.v
             dense = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
             for ratio in (float(r) for r in args.ratios.split(",")):
-                cfg = SparseConfig(topk_ratio=ratio, backend="torch", min_tokens=0)
+                cfg = SparseConfig(topk_ratio=ratio, kernel="torch", min_tokens=0)
                 row = {"scene": scene_name, "inputs": vname, "ratio": ratio,
                        "bf16": rel(sparse_attention(q, k, v, scene.layout, cfg), dense)}
                 for family, pv in (("sm89", "fp8"), ("sm80", "int8")):

@@ -12,9 +12,9 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
-from adaptive_sparse_attention.kernels.configs import FAMILIES, kernel_config
-from adaptive_sparse_attention.kernels.reference import block_sparse_reference
-from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+from adaptive_sparse_attention.kernels.triton.configs import FAMILIES, kernel_config
+from adaptive_sparse_attention.kernels.reference.reference import block_sparse_reference
+from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 
 
 def poison_allocator(nbytes: int) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from adaptive_sparse_attention.bench.timing import bench_ms
-from adaptive_sparse_attention.kernels.configs import KernelConfig
+from adaptive_sparse_attention.kernels.triton.configs import KernelConfig
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
-from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, computed_pairs
 
 

@@ -22,8 +22,8 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms, queued_ms
-from adaptive_sparse_attention.kernels import triton_attention as ta
-from adaptive_sparse_attention.kernels.configs import KernelConfig, kernel_config
+from adaptive_sparse_attention.kernels.triton import attention as ta
+from adaptive_sparse_attention.kernels.triton.configs import KernelConfig, kernel_config
 from kernel_cases import DIM, H3_SHAPES, HEADS, computed_pairs
 
 # (family, config changes) timed in tiled mode at 10s / 0.1: the small-shared-memory family's own
@@ -71,7 +71,7 @@ def main() -> None:
         entry = results["shapes"][name] = {"S": S, "dense_cudnn_ms": dense_ms, "dense_tflops": dense_tflops, "rows": []}
         print(f"{name}: S {S} dense cuDNN {dense_ms:.1f} ms ({dense_tflops:.0f} TFLOP/s)", flush=True)
         for ratio in (float(r) for r in args.ratios.split(",")):
-            cfg = SparseConfig(topk_ratio=ratio, backend="triton", min_tokens=0)
+            cfg = SparseConfig(topk_ratio=ratio, kernel="triton", min_tokens=0)
             plan = build_plan(q, k, v, layout, cfg)
             op = whole_op(q, k, v, layout, cfg)
             print(f"  r{ratio} triton: op {op['op_ms']:.1f} ms (plan {op['plan_ms']:.1f}, "
@@ -83,7 +83,7 @@ def main() -> None:
                 print(f"  r{ratio} {row['mode']:6s}: kernel {row['kernel_ms']:.1f} = exact {row['exact_ms']:.1f} "
                       f"({row['exact_tflops']:.0f} TFLOP/s, {100 * row['exact_vs_dense_rate']:.0f}% of dense) + tail "
                       f"{row['tail_ms']:.1f} ({row['tail_tflops']:.0f} TFLOP/s)", flush=True)
-            auto = bench_ms(lambda: sparse_attention(q, k, v, layout, dataclasses.replace(cfg, backend="auto")))
+            auto = bench_ms(lambda: sparse_attention(q, k, v, layout, dataclasses.replace(cfg, kernel="auto")))
             entry["rows"].append({"ratio": ratio, "mode": "auto", "op_ms": auto})
             print(f"  r{ratio} auto: op {auto:.1f} ms", flush=True)
             if name == "10s" and ratio == 0.1:

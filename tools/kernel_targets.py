@@ -16,10 +16,11 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adaptive_sparse_attention.kernels import (block_mass, block_quantise, block_scores, block_select, block_stats,
-                                               reblock_features, reblock_split, tiled_pack, triton_attention)
-from adaptive_sparse_attention.kernels.configs import (CONFIGS, EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES, FINISH_CONFIGS,
-                                                       PV_FORMATS, eight_bit_family, family_of)
+from adaptive_sparse_attention.kernels.triton import (block_mass, block_quantise, block_scores, block_select, block_stats,
+                                                      reblock_features, reblock_split, tiled_pack)
+from adaptive_sparse_attention.kernels.triton import attention as triton_attention
+from adaptive_sparse_attention.kernels.triton.configs import (CONFIGS, EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES,
+                                                              FINISH_CONFIGS, PV_FORMATS, eight_bit_family, family_of)
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
 UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}

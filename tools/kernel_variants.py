@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from adaptive_sparse_attention.backend.layout import SequenceLayout
-from adaptive_sparse_attention.kernels.configs import KernelConfig
+from adaptive_sparse_attention.kernels.triton.configs import KernelConfig
 from kernel_cases import plan_for
 from kernel_rows import kernel_row
 
@@ -39,7 +39,7 @@ def variant_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequ
 def compiled_resources() -> list[dict]:
     """Shared memory, registers and spills of every compiled kernel variant (best effort: Triton's
     cache layout is not a public API)."""
-    from adaptive_sparse_attention.kernels import triton_attention as ta
+    from adaptive_sparse_attention.kernels.triton import attention as ta
 
     seen = []
     try:

@@ -19,9 +19,9 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
-from adaptive_sparse_attention.kernels.configs import FAMILIES, kernel_config
-from adaptive_sparse_attention.kernels.table import unavailable_reason
-from adaptive_sparse_attention.kernels.triton_attention import block_sparse_triton
+from adaptive_sparse_attention.kernels.triton.configs import FAMILIES, kernel_config
+from adaptive_sparse_attention.kernels.registry import unavailable_reason
+from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, H3_SHAPES, HEADS, plan_for
 
 NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis",
@@ -38,7 +38,7 @@ def sanitize_child() -> None:
         for fam in FAMILIES:
             block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, family=fam))
         if unavailable_reason("cudnn", q.device, q.dtype, 128, 64) is None:
-            from adaptive_sparse_attention.kernels.cudnn_attention import block_sparse_cudnn
+            from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import block_sparse_cudnn
 
             block_sparse_cudnn(q, k, v, plan)
     torch.cuda.synchronize()

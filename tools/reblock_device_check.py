@@ -25,7 +25,7 @@ from adaptive_sparse_attention.backend.layout import TARGET_VIDEO, SequenceLayou
 from adaptive_sparse_attention.backend.planner import make_tiling
 from adaptive_sparse_attention.backend.reblock import metric_features, reblock_tiling
 from adaptive_sparse_attention.backend.tiling import Tiling
-from adaptive_sparse_attention.kernels.table import resolve
+from adaptive_sparse_attention.kernels.registry import resolve
 from adaptive_sparse_attention.bench.metrics import sample_rows
 from adaptive_sparse_attention.bench.scenes import make_scene
 from adaptive_sparse_attention.bench.tiling_ceiling import head_recall

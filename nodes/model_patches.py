@@ -31,17 +31,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from typing import Any, Callable
 
 import torch
 
+from ..notices import logger
 from .comfy_weights import unwrap_input
 from .core_sparse import double_block_patches, refuse_core_sparse
 from .h3_model import check_h3
-from .hooks import BlockHook, CallContext, Mark, bind, bound_hook
+from .block_hook import BlockHook, CallContext, Mark, bind, bound_hook
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 
 def call_context(transformer_options: dict, key: str) -> CallContext:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .plan import BlockSparsePlan, group_span, perm_heads
+from ..plan import BlockSparsePlan, group_span, perm_heads
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)  # cuDNN also runs 96; the Triton kernel that adds the tail needs a power of two
@@ -29,7 +29,7 @@ HEADS_PER_CALL = 8  # packed Q/K/V copies stay at most 8 / H of Q/K/V's size
 
 def check_call(q: torch.Tensor, plan: BlockSparsePlan) -> None:
     """Raise ValueError unless q's device, dtype and head dim and the plan's block size are ones
-    this kernel takes (the table, `table.CUDNN_ATTENTION`, declares the same facts for `auto`)."""
+    this kernel takes (the table, `family.REQUIRES`, declares the same facts for `auto`)."""
     if q.device.type != "cuda" or q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or plan.block_size != BLOCK_SIZE:
         raise ValueError(f"block_sparse_cudnn cannot run: q {q.dtype} head_dim {q.shape[-1]} on {q.device}, block_size "
                          f"{plan.block_size}: expected CUDA, dtype in {DTYPES}, head_dim in {HEAD_DIMS}, block_size {BLOCK_SIZE}")
@@ -102,7 +102,7 @@ def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         (out [B, H, J * 64, D] normalised over the exact keys, lse [B, H, J * 64] fp32 natural
         log, -inf where a row has no key); padding slots hold whatever cuDNN leaves there.
     """
-    from .tiled_pack import pack_qkv
+    from ..triton.tiled_pack import pack_qkv
 
     forward = _forward if forward is None else forward
     B, H, _, D = q.shape
@@ -130,7 +130,7 @@ def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
     and the store to model order on the Triton kernel.
 
     Args:
-        q, k, v: one fp16/bf16 dtype on an enabled GPU (`table.CUDNN_ATTENTION`), head_dim in
+        q, k, v: one fp16/bf16 dtype on an enabled GPU (`family.REQUIRES`), head_dim in
             HEAD_DIMS, any strides.
         plan: a plan with block size 64 and the routing groups (`sparse_span`).
     Returns:
@@ -138,8 +138,8 @@ def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
         `block_sparse_triton`.
     """
     check_call(q, plan)
-    from .configs import finish_config
-    from .triton_attention import block_sparse_triton
+    from ..triton.configs import finish_config
+    from ..triton.attention import block_sparse_triton
 
     partial = exact_attention_cudnn(q, k, v, plan)
     return block_sparse_triton(q, q, q, plan, finish_config(q.shape[-1], plan.block_size, q.device), partial)

@@ -13,12 +13,12 @@ from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
-from ..kernels.dense import DenseChoices, default_cache_path
+from ..kernels.dense.choice import DenseChoices, default_cache_path
 from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
                             unwrap_input)
-from .block_patches import install
+from .model_patches import install
 from .dense_override import DenseOverride
-from .hooks import BlockHook, CallContext, log
+from .block_hook import BlockHook, CallContext, log
 from .precision import launch_attention, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.reblock_reference import REFINE_STEPS, SQUARINGS
 from .radix_select import float_key, kth_largest_key, kth_largest_key_in_memory, top_k_mask
-from .reblock_reference import REFINE_STEPS, SQUARINGS
 
 CHUNK = 8192  # slots one program holds in registers (32 per thread at 8 warps)
 WIDE_CHUNK = 2048  # chunk of a wide node's passes when there are at least FEW_PROGRAMS programs

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -33,23 +32,24 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..version import __version__
-from . import flash4
-from .choice_file import ChoiceFile
-from .offsets import wide_rows
+from ...notices import Notices, logger
+from ...timer import median_ms
+from ...version import __version__
+from ..registry import DENSE_KERNELS
+from ..triton.offsets import wide_rows
+from .store import ChoiceFile
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 CACHE_ENV = "ADAPTIVE_SPARSE_DENSE_CACHE"
 CANDIDATES = ("cudnn", "flash", "efficient")  # SDPA's backends on CUDA
 DEFAULT = "sdpa"  # SDPA's own choice: the CPU's candidate
-FLASH4 = "flash4"
 HOST = "host"  # the host application's own attention function (`HostAttention`)
 PRECISIONS = ("bf16", "8-bit")
 BF16_MULTIPLE = 3  # bound of a bf16 run, in units of an exact kernel's rounding error (`tolerance`)
 EIGHT_BIT_MULTIPLE = 10  # bound of an 8-bit run, likewise
 LABELS = {"cudnn": "SDPA cuDNN", "flash": "SDPA FlashAttention-2", "efficient": "SDPA memory-efficient",
-          DEFAULT: "SDPA's own choice", FLASH4: flash4.NAME}
+          DEFAULT: "SDPA's own choice", **{d.name: d.label for d in DENSE_KERNELS}}
 SAMPLE_ROWS = 4096  # queries timed per candidate: the ranking depends on the keys, not on the query count
 CHECK_ROWS = 128  # of those, compared with the float32 reference, in the first and last head
 REPS = 3
@@ -134,17 +134,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None) 
 def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
     """SDPA's backends that can take these inputs: all but memory-efficient where the rows are wide."""
     return tuple(c for c in CANDIDATES if c != "efficient") if wide_rows(q, k, v) else CANDIDATES
-
-
-def wall_time_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of `fn` over REPS calls after a warm-up call, by the wall clock (the CPU)."""
-    fn()
-    spans = []
-    for _ in range(REPS):
-        start = time.perf_counter()
-        fn()
-        spans.append((time.perf_counter() - start) * 1e3)
-    return sorted(spans)[len(spans) // 2]
 
 
 def device_key(device: torch.device) -> str:
@@ -277,20 +266,6 @@ def exact_error(run: Callable[[str], torch.Tensor], reference: torch.Tensor, all
     return None
 
 
-def cuda_time_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of `fn` over REPS calls, timed with CUDA events (synchronises)."""
-    fn()
-    spans = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        spans.append(start.elapsed_time(end))
-    return sorted(spans)[len(spans) // 2]
-
-
 class DenseChoices:
     """The dense kernel of each shape bucket: measured, or saved by an earlier process and checked.
 
@@ -311,7 +286,7 @@ class DenseChoices:
         self.lock = threading.Lock()
         self.choices: dict[str, str | None] = {}
         self.devices: dict[int | None, str] = {}  # device index -> device_key (+ whether FlashAttention-4 runs)
-        self.noted: set[str] = set()
+        self.notices = Notices(limit=MAX_CHOICES)  # what was logged, once per object
 
     @property
     def path(self) -> Path:
@@ -322,15 +297,11 @@ class DenseChoices:
         """Forget the choices in memory (the file keeps them) and the messages already logged."""
         with self.lock:
             self.choices.clear()
-            self.noted.clear()
+            self.notices.clear()
 
     def note(self, message: str, level: int = logging.INFO) -> None:
         """Log `message` once per object (at most MAX_CHOICES distinct messages are remembered)."""
-        if message in self.noted:
-            return
-        if len(self.noted) < MAX_CHOICES:
-            self.noted.add(message)
-        log.log(level, message)
+        self.notices.say(message, level)
 
     def key(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None = None,
             precision: str = "bf16") -> str:
@@ -353,8 +324,8 @@ class DenseChoices:
             self.devices[device.index] = f"pack {__version__}|{device.type}|torch {torch.__version__}"
             return self.devices[device.index]
         probe_q = torch.empty(0, device=device, dtype=torch.bfloat16)
-        fa4 = "|FA4" if flash4.unavailable_reason(probe_q) is None else ""
-        self.devices[device.index] = device_key(device) + fa4
+        runs = "".join(f"|{d.name}" for d in DENSE_KERNELS if d.unavailable(probe_q) is None)
+        self.devices[device.index] = device_key(device) + runs
         return self.devices[device.index]
 
     def lookup(self, key: str, first_use: Callable[[], str | None]) -> str | None:
@@ -414,13 +385,14 @@ class DenseChoices:
         times: SDPA's backends (SDPA's own choice on the CPU), FlashAttention-4 where it runs, then the
         host's function (unless it is 8-bit in a bf16 run: said once)."""
         names = candidates(q, k, v) if q.is_cuda else (DEFAULT,)
-        reason = flash4.unavailable_reason(q)
-        if reason is None:
-            names += (FLASH4,)
-            self.note(f"dense kernel {flash4.NAME} is a candidate here: its first call in a process compiles its "
-                      "kernel (CuTe DSL), once")
-        elif q.is_cuda and flash4.installed():
-            self.note(f"dense kernel {flash4.NAME} is not a candidate: it {reason}")
+        for dense in DENSE_KERNELS:
+            reason = dense.unavailable(q)
+            if reason is None:
+                names += (dense.name,)
+                if dense.first_call:
+                    self.note(f"dense kernel {dense.label} is a candidate here: {dense.first_call}")
+            elif q.is_cuda and dense.installed():
+                self.note(f"dense kernel {dense.label} is not a candidate: it {reason}")
         if host is not None:
             if host.eight_bit and precision != "8-bit":
                 self.note(f"dense kernel {host.name()} is not a candidate: it computes in 8-bit and this run's "
@@ -441,8 +413,9 @@ class DenseChoices:
         """The function that runs kernel `name` on [B, H, S, D] inputs."""
         if name == HOST:
             return host.run
-        if name == FLASH4:
-            return flash4.attention
+        offered = next((d for d in DENSE_KERNELS if d.name == name), None)
+        if offered is not None:
+            return offered.attention
         return lambda q, k, v: sdpa(q, k, v, name)
 
     @torch.compiler.disable
@@ -453,7 +426,7 @@ class DenseChoices:
         on the same rows)."""
         allowed = self.candidates(q, k, v, host, precision)
         sample = q[:, :, :SAMPLE_ROWS]
-        timer = self.timer or (cuda_time_ms if q.is_cuda else wall_time_ms)
+        timer = self.timer or (lambda fn: median_ms(fn, q.device, reps=REPS))
 
         def run(name: str) -> torch.Tensor:
             return probe(self.kernel(name, host)(sample, k, v))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import RoutingGroup, pack, perm_heads
+from ..plan import RoutingGroup, pack, perm_heads
 
 HEADS_PER_PASS = 8
 

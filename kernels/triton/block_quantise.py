@@ -4,7 +4,7 @@ One program per (key/query block, batch * head): it reads the block's model-orde
 q_perm and k_perm (any strides), and writes the block's INT8 codes of Q and of K smoothed by the
 head's key mean, both rotated by a Hadamard matrix, their per-block scales, q . mean per query
 slot, and V's codes (FP8 e4m3 or INT8, the head's per-channel scales) transposed. The same
-arithmetic as `eight_bit.quantise_blocks_torch` in the same order, so the codes agree bit for bit
+arithmetic as `reference/quantise.quantise_blocks_torch` in the same order, so the codes agree bit for bit
 (in the CPU interpreter; on the GPU Triton may fuse a multiply-add, which can move a code that sits
 on a rounding boundary by one).
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eight_bit import PV_FORMATS, QuantisedBlocks
+from ..eight_bit import PV_FORMATS, QuantisedBlocks
 from .configs import row_align
 from .offsets import perm_strides
 
@@ -40,7 +40,7 @@ def e4m3_grid(x):
 @triton.jit
 def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     """Rows of x [ROWS, D] times the (unnormalised, +-1) Sylvester-Hadamard matrix, by log2(D)
-    butterflies (a + b, a - b at distance 1, 2, 4, ...), as `eight_bit.hadamard_rows`."""
+    butterflies (a + b, a - b at distance 1, 2, 4, ...), as `reference/quantise.hadamard_rows`."""
     for stage in tl.static_range(LOG_D):  # pairs at distance 2 ** stage
         pairs = tl.permute(tl.reshape(x, [ROWS, D >> (stage + 1), 2, 1 << stage]), (0, 1, 3, 2))
         a, b = tl.split(pairs)
@@ -115,7 +115,7 @@ def _quantise_blocks(Q, K, V, QPerm, KPerm, Mean, VMax, QC, QS, QShift, KC, KS, 
 def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_perm: torch.Tensor,
                            k_perm: torch.Tensor, mean: torch.Tensor, v_max: torch.Tensor, block_size: int, h0: int,
                            h1: int, pv: str) -> QuantisedBlocks:
-    """`eight_bit.quantise_blocks_torch` of heads [h0, h1) in one launch.
+    """`reference/quantise.quantise_blocks_torch` of heads [h0, h1) in one launch.
 
     Args:
         q, k, v: [B, H, S, D] model order, one float dtype, any strides, D a power of two.

@@ -4,21 +4,20 @@ A hook object is the state of one patched model: its run tracker, layout cache a
 a ModelPatcher attachment, so every clone ComfyUI makes (``clone()``, ``deepclone_multigpu``)
 gets its own (`BlockHook.on_model_patcher_clone`), and it is bound to the diffusion model that
 patcher samples when sampling starts (`bind`). What is registered in ``model_options`` (block
-patches, wrapper, callbacks; `nodes/block_patches.py`) holds only the hook's key, a layer index
+patches, wrapper, callbacks; `nodes/model_patches.py`) holds only the hook's key, a layer index
 and the patch it chains: every call finds its hook and its attention modules from the diffusion
 model it runs on, never from the model the node patched.
 
 Under torch.compile (ComfyUI's TorchCompileModel compiles the whole diffusion model and drops
 every guard under ``transformer_options``, so a decision read from there in compiled code would be
 frozen at its first value) the pack's own frames run eagerly: the wrapper's `begin_call`, each
-block replacement's decision and the attention it hands the block (`nodes/block_patches.py`).
+block replacement's decision and the attention it hands the block (`nodes/model_patches.py`).
 Everything they call of ComfyUI's (the block's norms, MLP and projections, ComfyUI's own attention in
 dense blocks) is compiled as it is without this pack; the sparse attention itself stays eager.
 """
 from __future__ import annotations
 
 import copy
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,11 +25,12 @@ from typing import Any, Callable
 import torch
 
 from ..backend.layout import SequenceLayout
+from ..notices import logger
 from .core_sparse import refuse_core_sparse
 from .h3_model import LayoutCache, payload_layout
 from .run_tracker import RunTracker
 
-log = logging.getLogger("adaptive_sparse_attention")
+log = logger()
 
 STATE_ATTR = "adaptive_sparse_attention_hooks"  # on a diffusion model: hook key -> the hook sampling it
 

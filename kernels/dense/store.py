@@ -29,7 +29,9 @@ try:
 except ImportError:  # POSIX
     msvcrt = None
 
-log = logging.getLogger("adaptive_sparse_attention")
+from ...notices import logger
+
+log = logger()
 
 MAX_BYTES = 256 * 1024  # a few hundred entries of about 150 bytes; anything larger is not ours
 MAX_ENTRIES = 512  # the oldest entries beyond this are dropped when saving

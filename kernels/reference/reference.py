@@ -12,9 +12,10 @@ import math
 
 import torch
 
-from .configs import EightBitConfig, eight_bit_config
-from .eight_bit import P_SCALE, PRECISIONS, quantise_blocks_torch, quantise_p
-from .plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, pack, unpack
+from ..eight_bit import P_SCALE, PRECISIONS
+from ..plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, pack, unpack
+from ..triton.configs import EightBitConfig, eight_bit_config
+from .quantise import quantise_blocks_torch, quantise_p
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk
 LOG2E = 1.4426950408889634
@@ -30,8 +31,8 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         q, k, v: model order, one dtype and device.
         plan: the plan (its tail, if any, joins the same softmax); logits are scaled by head_dim ** -0.5.
         eight_bit: the selected key blocks in the 8-bit arithmetic of the Triton kernel with this
-            config (`eight_bit.quantise_blocks_torch`, P quantised per key tile of `block_n` rows,
-            `triton_attention._quantised_keys`); the dense prefix and the tail as without it.
+            config (`quantise.quantise_blocks_torch`, P quantised per key tile of `block_n` rows,
+            `triton/attention.py` `_quantised_keys`); the dense prefix and the tail as without it.
     Returns:
         (out [B, H, S, D] in q's dtype, lse [B, H, S] natural log in the compute dtype; a row with
         nothing allowed gets zeros and EMPTY_ROW_LSE).
@@ -148,7 +149,7 @@ class ReferenceAttention:
         """(out [B, H, S, D] in q's dtype, lse [B, H, S]) of q, k, v under `plan`; with "8-bit", the
         arithmetic of the Triton kernel's 8-bit loop for this device (`configs.eight_bit_config`)."""
         if precision not in PRECISIONS:
-            raise ValueError(f"backend='torch': precision={precision!r} is not allowed: expected one of "
+            raise ValueError(f"kernel='torch': precision={precision!r} is not allowed: expected one of "
                              f"{', '.join(map(repr, PRECISIONS))}")
         eight_bit = eight_bit_config(q.shape[-1], plan.block_size, q.device) if precision == "8-bit" else None
         return block_sparse_reference(q, k, v, plan, eight_bit=eight_bit)

@@ -1,0 +1,10 @@
+"""The `flash4` family's rows: FlashAttention-4 as a dense kernel of the measured dense choice."""
+from __future__ import annotations
+
+from ..vocabulary import DenseKernel
+from .attention import FAMILIES, NAME, attention, installed, unavailable_reason
+
+FLASH4 = DenseKernel("flash4", NAME, unavailable_reason, installed, attention,
+                     needs="CUDA " + ", ".join(f"sm{f}x" for f in FAMILIES) + ", dtype in (bfloat16, float16), "
+                     "flash-attn-4 installed",
+                     first_call="its first call in a process compiles its kernel (CuTe DSL), once")

@@ -1,0 +1,52 @@
+"""The pack's logger, and notices said once per owner (strict mode raises instead).
+
+A fallback or refusal that holds for every call (a kernel that cannot run, a stage that cannot take
+its inputs, a layer that runs dense) is logged once per owner (a layout, a sampling run, a dense
+chooser), not once per call; under ``strict`` it raises instead.
+"""
+from __future__ import annotations
+
+import logging
+
+NAME = "adaptive_sparse_attention"
+
+
+def logger() -> logging.Logger:
+    """The pack's logger (named for the package, so a host application can configure it)."""
+    return logging.getLogger(NAME)
+
+
+class Notices:
+    """An owner's once-only record of what was said; `limit` bounds how many distinct messages are
+    remembered (None: all; an owner that lives as long as the process should set one)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.said: set[str] = set()
+        self.limit = limit
+
+    def __contains__(self, message: str) -> bool:
+        return message in self.said
+
+    def __len__(self) -> int:
+        return len(self.said)
+
+    def clear(self) -> None:
+        """Forget what was said (it will be said again)."""
+        self.said.clear()
+
+    def say(self, message: str, level: int = logging.WARNING) -> bool:
+        """Log `message` at `level` unless this owner said it before; whether it was said now."""
+        if message in self.said:
+            return False
+        if self.limit is None or len(self.said) < self.limit:
+            self.said.add(message)
+        logger().log(level, "%s", message)
+        return True
+
+    def fallback(self, message: str, instead: str, strict: bool) -> None:
+        """`message` says what cannot run: raise RuntimeError in strict mode, else say once what runs `instead`."""
+        if strict:
+            raise RuntimeError(f"{message} (strict mode)")
+        if message not in self.said:
+            self.said.add(message)
+            logger().warning("%s; %s", message, instead)
