@@ -44,12 +44,12 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
                     head_dim: int, announce: Callable[[str], None] | None = None) -> float | None:
     """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
 
-    Nothing runs when the call's backend compiles nothing (the torch reference) or the layout was
+    Nothing runs when the call's kernel family compiles nothing (the torch reference) or the layout was
     prepared already; otherwise the wait is announced before it starts.
 
     Args:
         layout: the packed-sequence layout the sparse steps will see.
-        config: their configuration (its backend is resolved here: strict raises when it cannot run).
+        config: their configuration (its kernel family is resolved here: strict raises when it cannot run).
         dtype, device, head_dim: of their Q/K/V.
         announce: also shows the message before the wait (e.g. in ComfyUI's UI); it is always logged.
     Returns:

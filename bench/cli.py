@@ -40,7 +40,7 @@ from .checkpoints import WEIGHTS
 from .e2e import RUNS
 from .methods import DEFAULT_METHOD
 from .report import acceptance, column_notes, markdown_table, render_markdown, write_outputs
-from .runner import PRESETS, Case, resolve_backend, run_cases, run_preset
+from .runner import PRESETS, Case, resolve_kernel, run_cases, run_preset
 
 BENCH_METHODS = ["dense", "ours:reblock:reweight:query", "ours:reblock:mean:query", "ours:reblock:none:query",
                  "ours:reblock:reweight:block", "ours:cube:reweight:query", "ours:cube:none:query",
@@ -71,7 +71,7 @@ def demo_methods() -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> int:
     device = _device(args.device)
     preset = PRESETS["demo"]
-    backend = resolve_backend(args.backend, device)
+    backend = resolve_kernel(args.kernel, device)
     off_gpu = "" if device.type == "cuda" else f" (sparse rows on the {backend} backend: see the note under the table)"
     print(f"demo: synthetic H3-like scene (text + audio + a moving-object video grid) on {device}{off_gpu}",
           file=sys.stderr)
@@ -111,7 +111,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     code = 0
     for preset in args.preset:
         deadline = time.monotonic() + args.budget_s if args.budget_s else None
-        result = run_preset(preset, methods, args.ratios, device, args.backend, args.seed, scenes, deadline)
+        result = run_preset(preset, methods, args.ratios, device, args.kernel, args.seed, scenes, deadline)
         paths = write_outputs(result, args.out, lambda s: print(s, file=sys.stderr))
         print(render_markdown(result))
         print("wrote " + ", ".join(paths), file=sys.stderr)
@@ -127,13 +127,13 @@ def evaluate_file(path: str, methods: list[str], ratios: list[float], device: to
     dtype = None if device.type == "cuda" else torch.float32  # the CPU computes in fp32 anyway
     cases = (Case(f"L{e['layer']}s{e['step']}", *(e[n].to(device, dtype or e[n].dtype) for n in "qkv"), layout)
              for e in entries)
-    return run_cases(cases, len(entries), methods, ratios, device, resolve_backend(backend, device),
+    return run_cases(cases, len(entries), methods, ratios, device, resolve_kernel(backend, device),
                      rows_per_group, warmup=1, reps=3, seed=seed)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     methods = args.methods.split(",") if args.methods else EVALUATE_METHODS
-    rows = evaluate_file(args.file, methods, args.ratios, _device(args.device), args.backend, args.rows, args.seed)
+    rows = evaluate_file(args.file, methods, args.ratios, _device(args.device), args.kernel, args.rows, args.seed)
     print(markdown_table(rows))
     print("\n" + column_notes())
     for line in acceptance(rows, structured=("L",)):
@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser, ratios: str) -> None:
         p.add_argument("--ratios", type=_floats, default=_floats(ratios), help=f"top-k ratios (default {ratios})")
         p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
-        p.add_argument("--backend", default="auto", choices=("auto", *registry.FAMILIES),
-                       help="kernels of ours: auto = the first that runs of cuDNN-frontend (optional package, sm90), "
+        p.add_argument("--kernel", "--backend", dest="kernel", default="auto", choices=("auto", *registry.FAMILIES),
+                       help="kernel family of ours (SparseConfig.kernel; --backend is its old name): auto = the first that runs of cuDNN-frontend (optional package, sm90), "
                             "Triton on CUDA, else the torch reference")
         p.add_argument("--seed", type=int, default=0)
 

@@ -63,8 +63,8 @@ def bench_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """Kernel backend `ours` runs with on `device`: the engine's own choice for `requested` at the
+def resolve_kernel(requested: str, device: torch.device) -> str:
+    """Kernel family `ours` runs with on `device`: the engine's own choice for `requested` at the
     bench's dtype."""
     return registry.resolve_family(requested, device, bench_dtype(device))
 
@@ -191,7 +191,7 @@ def run_preset(name: str, methods: list[str], ratios: list[float], device: torch
     if preset.needs_cuda and device.type != "cuda":
         raise ValueError(f"preset {name!r} needs a CUDA GPU (its scenes are full H3 size)")
     scenes = list(scenes or preset.scenes)
-    backend = resolve_backend(backend, device)
+    backend = resolve_kernel(backend, device)
     rows = run_cases(scene_cases(preset, scenes, seed, device), len(scenes), methods, ratios, device, backend,
                      preset.rows_per_group, preset.warmup, preset.reps, seed, deadline)
     size = SIZES[preset.size]

@@ -112,7 +112,7 @@ class Stage:
 class Kernels:
     """Every operation's implementation for one call (`resolve`): the planner's stages as `Stage`s
     and the attention, whose `attend_blocks(q, k, v, plan) -> (out, lse)` is defined in its kernel's file
-    (`reference/reference.py` or `custom_op.py`)."""
+    (`reference/reference.py`, `triton/op.py`, `cudnn/op.py`)."""
 
     family: str
     compiles: bool
@@ -150,13 +150,14 @@ def resolve(requested: str, device: torch.device, dtype: torch.dtype, *, strict:
     notices = Notices() if notices is None else notices
     chosen = list(FAMILIES)[list(FAMILIES).index(choose_family(requested, target, host, strict, notices)):]
     stages: dict[str, Any] = {}
-    for op in OPERATIONS:
-        impl = next(i for i in (op.of(f) for f in chosen) if i is not None and i.unmet(target, host) is None)
-        if op is ATTENTION:
-            stages[op.name] = impl.load()
+    for name, _ in ROWS:
+        impl = next(i for i in (FAMILIES[f].of(name) for f in chosen)
+                    if i is not None and i.unmet(target, host) is None)
+        if name == "attention":
+            stages[name] = impl.load()
             continue
-        stages[op.name] = Stage(op.name, impl.family, impl.load(), op.of("torch").load(), impl.accepts, strict,
-                                notices)
+        stages[name] = Stage(name, impl.family, impl.load(), FAMILIES["torch"].of(name).load(), impl.accepts, strict,
+                             notices)
     return Kernels(chosen[0], FAMILIES[chosen[0]].compiles, **stages)
 
 

@@ -84,7 +84,7 @@ class RaylightSparseAttention(SparseAttentionHook):
         if schedule_reason(self.config, layer, self.warmup(ctx), rows) is None:
             problem = self.shard_problem(x, layout)
             if problem is None:
-                # strict raises here when the asked-for backend cannot run
+                # strict raises here when the asked-for kernel family cannot run
                 layout_kernels(layout, self.engine_config, x.device, x.dtype, attn.head_dim)
                 return ctx.step, layout
             self.refuse(layer, problem)

@@ -146,7 +146,7 @@ class SparseAttentionHook(BlockHook):
                                   "only; sparse blocks run adaptive sparse attention")
 
     def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
-        """Compile the kernels of this layout before they run (once per layout, where the backend
+        """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node."""
         with outside_allocation_graph():
             prepare_kernels(layout, self.engine_config, dtype, device, attn.head_dim, announce=progress_text)

@@ -89,7 +89,7 @@ def config_widget(name: str, step: float | None = None, advanced: bool = False) 
     raise TypeError(f"SparseConfig.{name}: no widget for a {type(rule).__name__} rule")
 
 
-# Every SparseConfig field but `backend` (left to `auto` on the node), in the order the node shows them.
+# Every SparseConfig field but `kernel` (left to `auto` on the node), in the order the node shows them.
 SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("topk_ratio", step=0.01),
     config_widget("warmup_mode"),

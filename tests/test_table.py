@@ -71,7 +71,8 @@ def test_a_named_backend_that_cannot_run_says_why_and_runs_the_next(target, name
             got = choose_family("cudnn", target, EVERYTHING, notices=notices)
     assert got == ("triton" if target.device == "cuda" else "torch")
     said = [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()]
-    assert len(said) == 1 and named in said[0]  # once per owner of the record
+    assert len(said) == 1
+    assert named in said[0]  # once per owner of the record
 
 
 def test_triton_without_its_needs_falls_back_to_the_reference(caplog):
@@ -184,3 +185,26 @@ def test_the_torch_backend_runs_every_kernel_in_torch(monkeypatch):
     out, info = sparse_attention(q, k, v, layout, config, return_info=True)
     assert info.kernel == "torch" and isinstance(info.plan, BlockSparsePlan) and isinstance(info.plan.tail,
                                                                                                QuerySummaries)
+
+
+def test_a_family_declared_outside_the_registry_resolves_by_its_place_in_the_order(monkeypatch):
+    """Adding a family is a package declaring a `Family` plus its place in `FAMILIES`: here one
+    declared in the test, implementing the attention only, runs it where its requirement holds;
+    the planner's stages come from the families after it, and where it cannot run the next one
+    does (said once)."""
+    from adaptive_sparse_attention.kernels.vocabulary import Family, Implementation, Requirement
+
+    class Attention:
+        def attend_blocks(self, q, k, v, plan):
+            return registry.FAMILIES["torch"].of("attention").load().attend_blocks(q, k, v, plan)
+
+    only_cpu = Requirement("CPU only", lambda t, h: None if t.device == "cpu" else f"{t.device} is not the CPU")
+    test = Family("test", (Implementation("attention", "test", Attention, (only_cpu,)),), auto="any", compiles=False)
+    monkeypatch.setattr(registry, "FAMILIES", {"test": test, **registry.FAMILIES})
+    cpu = registry.resolve("auto", torch.device("cpu"), torch.float64, host=Host())
+    assert cpu.family == "test"
+    assert isinstance(cpu.attention, Attention)
+    assert all(getattr(cpu, name).family == "torch" for name, _ in registry.ROWS[:-1])
+    with pytest.raises(RuntimeError, match="kernel='test' cannot run: cuda is not the CPU"):
+        registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), strict=True)
+    assert registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), notices=Notices()) == "torch"

@@ -10,7 +10,7 @@ summaries, normalises once and stores rows in model order. Same semantics as the
 
 The package `nvidia-cudnn-frontend` (with `nvidia-cutlass-dsl`) is optional: without it, or on a
 GPU family it is not enabled for, this backend is unavailable; where it runs, `auto` takes it
-(`table.py`).
+(`kernels/registry.py`).
 """
 from __future__ import annotations
 

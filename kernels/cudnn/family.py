@@ -4,10 +4,10 @@ It implements the attention only; the planner's stages run on the next family by
 """
 from __future__ import annotations
 
-from ..custom_op import CudnnAttention
 from ..vocabulary import Family, Host, Implementation, Requirement, Target, dtype_in, head_dim_in
 from .cudnn_attention import BLOCK_SIZE, DTYPES, HEAD_DIMS
 from .cudnn_attention import FAMILIES as GPU_FAMILIES  # sm major versions it is enabled for
+from .op import CudnnAttention
 
 PACKAGE = "nvidia-cudnn-frontend"
 INSTALL = "pip install nvidia-cudnn-frontend"  # brings nvidia-cutlass-dsl, its kernel compiler

@@ -1,7 +1,7 @@
 """Pure-torch references of the planner's kernels: the `torch` row of every planner operation.
 
 Each function has the signature of its Triton twin (`block_stats.py`, `block_scores.py`,
-`block_select.py`, `block_mass.py`), so the table (`table.py`) can give a stage either one.
+`block_select.py`, `block_mass.py`), so the table (`kernels/registry.py`) can give a stage either one.
 They run on any device and dtype, compute in float64 for float64 inputs and float32 otherwise,
 and work a few heads at a time so gathered copies stay a small fraction of Q/K/V.
 """
