@@ -24,9 +24,6 @@ class Notices:
         self.said: set[str] = set()
         self.limit = limit
 
-    def __contains__(self, message: str) -> bool:
-        return message in self.said
-
     def __len__(self) -> int:
         return len(self.said)
 
@@ -34,19 +31,22 @@ class Notices:
         """Forget what was said (it will be said again)."""
         self.said.clear()
 
-    def say(self, message: str, level: int = logging.WARNING) -> bool:
-        """Log `message` at `level` unless this owner said it before; whether it was said now."""
-        if message in self.said:
-            return False
-        if self.limit is None or len(self.said) < self.limit:
-            self.said.add(message)
-        logger().log(level, "%s", message)
-        return True
+    def say(self, message: str, level: int = logging.WARNING) -> None:
+        """Log `message` at `level` unless this owner said it before."""
+        if self._first(message):
+            logger().log(level, "%s", message)
 
     def fallback(self, message: str, instead: str, strict: bool) -> None:
         """`message` says what cannot run: raise RuntimeError in strict mode, else say once what runs `instead`."""
         if strict:
             raise RuntimeError(f"{message} (strict mode)")
-        if message not in self.said:
-            self.said.add(message)
+        if self._first(message):
             logger().warning("%s; %s", message, instead)
+
+    def _first(self, message: str) -> bool:
+        """Whether `message` was not said before; remembers it (within `limit`)."""
+        if message in self.said:
+            return False
+        if self.limit is None or len(self.said) < self.limit:
+            self.said.add(message)
+        return True

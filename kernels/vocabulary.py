@@ -140,9 +140,10 @@ class Operation:
 
 @dataclass(frozen=True)
 class Family:
-    """An implementation family: its implementations (one per operation it runs), where ``auto`` (or a
-    named family's fallback) may take it (on "cuda" only, or on "any" device), and whether its kernels
-    are compiled on first use (then worth preparing ahead of the first sparse step)."""
+    """An implementation family: its implementations (one per operation it runs, the attention
+    always), where ``auto`` (or a named family's fallback) may take it (on "cuda" only, or on "any"
+    device), and whether its kernels are compiled on first use (then worth preparing ahead of the
+    first sparse step)."""
 
     name: str
     implementations: tuple[Implementation, ...]

@@ -4,7 +4,13 @@ Without a GPU, Triton is first imported here under its interpreter (see triton_i
 the kernel tests pass in any order and selection, also after a module that imports the package's
 nodes (and with them Triton) first; the interpreter patches Triton's language once per kernel
 launch (`patch_language_once_per_launch`).
+
+Markers (pytest.ini): a test that uses the `interpreter` fixture is marked `interpreter` here; a
+test marked `comfyui` (`comfyui_harness.needs_comfyui`) is skipped unless COMFYUI_PATH holds a
+ComfyUI checkout.
 """
+import os
+
 import pytest
 import torch
 
@@ -30,3 +36,12 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("Triton interpreter tests run on machines without CUDA (as CI); test_gpu_kernels.py "
                     "checks the compiled kernels here")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_comfyui = os.path.isfile(os.path.join(os.environ.get("COMFYUI_PATH", ""), "main.py"))
+    for item in items:
+        if "interpreter" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.interpreter)
+        if item.get_closest_marker("comfyui") is not None and not has_comfyui:
+            item.add_marker(pytest.mark.skip(reason="set COMFYUI_PATH to a ComfyUI checkout to run these tests"))

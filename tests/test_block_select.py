@@ -46,7 +46,8 @@ def test_matches_the_stable_sort_selection(B, H, J, groups, n_dense, kind):
     dense_hi[:n_dense] = J
     want, _ = select_blocks(scores, dense_hi, groups)
     got = select_blocks_triton(scores, dense_hi, groups)
-    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, want)
 
 
 def test_bad_group_is_named():

@@ -49,7 +49,8 @@ def test_block_sums(dim, dtype, per_head, block_size):
     x, _ = h3_views(B, H, S, dim, dtype, seed=dim + 1)
     sums = block_sums_triton(x, tiling.q_perm, tiling.block_len, block_size)
     ref = block_means(x.double(), tiling.q_perm, tiling) * tiling.block_len.double().view(1, 1, -1, 1)
-    assert sums.dtype == torch.float32 and sums.shape == (B, H, tiling.num_blocks, dim)
+    assert sums.dtype == torch.float32
+    assert sums.shape == (B, H, tiling.num_blocks, dim)
     torch.testing.assert_close(sums.double(), ref, **FP32_TOL)
 
 
@@ -63,7 +64,8 @@ def test_reweight_summaries(dim, dtype, per_head, block_size):
     key, value, bias = block_summaries_triton(k, v, tiling.k_perm, tiling.block_len, block_size, anchor)
     ref_key, ref_value, ref_bias = reweight_summaries(k.double(), v.double(), tiling, anchor.double())
     assert (key.dtype, value.dtype, bias.dtype) == (dtype, dtype, torch.float32)
-    assert key.shape == value.shape == (B, H, tiling.num_blocks, dim) and bias.shape == key.shape[:3]
+    assert key.shape == value.shape == (B, H, tiling.num_blocks, dim)
+    assert bias.shape == key.shape[:3]
     torch.testing.assert_close(key.double(), ref_key, **STORED_TOL[dtype])
     torch.testing.assert_close(value.double(), ref_value, **STORED_TOL[dtype])
     a = anchor.double().unsqueeze(2)

@@ -25,11 +25,13 @@ def test_round_trip_keeps_tensors_layout_and_meta(tmp_path):
     path = str(tmp_path / "cap.safetensors")
     save_capture(path, entries, layout, {"model": "tiny", "sigma": 0.5})
     loaded, layout2, meta = load_capture(path)
-    assert layout2 == layout and meta == {"model": "tiny", "sigma": 0.5}
+    assert layout2 == layout
+    assert meta == {"model": "tiny", "sigma": 0.5}
     assert [(e["layer"], e["step"]) for e in loaded] == [(0, 0), (17, 4)]
     for a, b in zip(entries, loaded):
         for n in "qkv":
-            assert b[n].dtype == a[n].dtype and torch.equal(a[n], b[n])
+            assert b[n].dtype == a[n].dtype
+            assert torch.equal(a[n], b[n])
 
 
 def test_bad_capture_input_raises(tmp_path):
@@ -58,7 +60,8 @@ def test_capture_round_trips_through_evaluate(tmp_path, capsys):
     out = sparse_attention(scene.q, scene.k, scene.v, scene.layout, SparseConfig(topk_ratio=0.2, tiling="cube"))
     direct = output_errors(out, ref, scene.layout)
     assert ours["rel_l2"] == pytest.approx(direct["video"]["rel_l2"], rel=1e-6)
-    assert ours["ctx_rel_l2"] < 1e-5 and 0 < ours["recall"] < 1
+    assert ours["ctx_rel_l2"] < 1e-5
+    assert 0 < ours["recall"] < 1
     assert main(["evaluate", path, "--methods", "dense,ours:cube:none:query", "--ratios", "0.3", "--device", "cpu",
                  "--rows", "8"]) == 0
     assert "| L3s1 | ours:cube:none:query | 0.300 |" in capsys.readouterr().out

@@ -43,7 +43,8 @@ def test_a_damaged_file_is_ignored_with_one_warning_and_rewritten(text, why, tmp
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert read_twice_and_save(path, caplog) == {}
     warned = warnings_of(caplog)
-    assert len(warned) == 1 and why in warned[0], warned
+    assert len(warned) == 1, warned
+    assert why in warned[0], warned
     assert json.loads(path.read_text()) == {"k": "flash"}
 
 
@@ -51,7 +52,8 @@ def test_strings_may_hold_brackets_and_escapes(tmp_path, caplog):
     path = tmp_path / "choices.json"
     entries = {'GPU [x] {y} "z" \\': "flash", "other": "[cudnn]"}
     path.write_text(json.dumps(entries))
-    assert read_twice_and_save(path, caplog) == entries and not warnings_of(caplog)
+    assert read_twice_and_save(path, caplog) == entries
+    assert not warnings_of(caplog)
     assert json.loads(path.read_text()) == {**entries, "k": "flash"}
 
 
@@ -66,14 +68,16 @@ def test_a_fifo_at_the_path_is_never_opened(tmp_path, caplog):
     assert not worker.is_alive(), "reading a FIFO blocked"
     assert result == [{}]
     warned = warnings_of(caplog)
-    assert len(warned) == 1 and "not a regular file" in warned[0]
+    assert len(warned) == 1
+    assert "not a regular file" in warned[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["choices.json"]  # still the FIFO; nothing written
 
 
 def test_a_directory_at_the_path_is_warned_about_once(tmp_path, caplog):
     assert read_twice_and_save(tmp_path, caplog) == {}
     warned = warnings_of(caplog)
-    assert len(warned) == 1 and "is a directory" in warned[0]
+    assert len(warned) == 1
+    assert "is a directory" in warned[0]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -93,7 +97,8 @@ def test_a_read_only_folder_is_warned_about_once_and_read(tmp_path, caplog, monk
             f.save("k2", "flash")
             assert f.read() == {"old": "cudnn"}
         warned = warnings_of(caplog)
-        assert len(warned) == 1 and "cannot be written" in warned[0], warned
+        assert len(warned) == 1, warned
+        assert "cannot be written" in warned[0], warned
         assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
     finally:
         folder.chmod(0o755)

@@ -42,16 +42,20 @@ def test_bench_writes_table_json_and_plots(tiny_presets, tmp_path, capsys):
                  "--device", "cpu", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "cpu-small.json").read_text())
     got = {(r["method"], r["ratio"]) for r in result["rows"]}
-    assert ("dense", None) in got and ("ours:cube:none:block", 0.2) in got and ("ours:cube:reweight:query", 0.1) in got
+    assert ("dense", None) in got
+    assert ("ours:cube:none:block", 0.2) in got
+    assert ("ours:cube:reweight:query", 0.1) in got
     assert ("ours:cube:none:query", 0.1) not in got  # its own ratio list
     assert all(r["speedup"] > 0 and r["ms"] > 0 for r in result["rows"])
     ours = [r for r in result["rows"] if r["method"].startswith("ours")]
     assert all(0 < r["recall"] <= 1 and r["ctx_rel_l2"] < 1e-5 for r in ours)
     assert ("sol:topk", 0.1) in got or methods.unavailable_reason("sol:topk", torch.device("cpu"), 128)
     md = (tmp_path / "cpu-small.md").read_text()
-    assert "| pan | ours:cube:reweight:query | 0.100 |" in md and "command:" in md
+    assert "| pan | ours:cube:reweight:query | 0.100 |" in md
+    assert "command:" in md
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "cpu-small_pareto.png").stat().st_size > 0 and (tmp_path / "cpu-small_recall.png").exists()
+    assert (tmp_path / "cpu-small_pareto.png").stat().st_size > 0
+    assert (tmp_path / "cpu-small_recall.png").exists()
 
 
 def test_method_specs_expand_and_reject():
@@ -87,7 +91,10 @@ def test_acceptance_lines():
             {"case": "cuts", "method": methods.DEFAULT_METHOD, "ratio": 0.1, "rel_l2": 0.2, "recall": 0.8},
             {"case": "cuts", "method": "sol:topk", "ratio": 0.2, "rel_l2": 0.1}]
     lines = [line for line in acceptance(rows) if methods.DEFAULT_METHOD in line]
-    assert "PASS" in lines[0] and "FAIL" in lines[1] and "L2 worse" in lines[1] and "recall < 0.85" in lines[1]
+    assert "PASS" in lines[0]
+    assert "FAIL" in lines[1]
+    assert "L2 worse" in lines[1]
+    assert "recall < 0.85" in lines[1]
 
 
 def test_flex_block_mask_matches_the_plan():
@@ -106,7 +113,8 @@ def test_flex_block_mask_matches_the_plan():
                 dest[0, h, i, idx[0, h, i, : num[0, h, i]].long()] = True
     assert torch.equal(full | partial, kp.allowed_mask().expand_as(full))
     whole = kp.block_len == kp.block_size
-    assert not (full & ~whole).any() and not (partial & whole).any()
+    assert not (full & ~whole).any()
+    assert not (partial & whole).any()
 
 
 def test_time_budget_records_runs_not_made(tiny_presets):
@@ -164,7 +172,8 @@ def import_graph(folder: Path) -> dict[str, set[str]]:
 def test_bench_imports_form_no_cycle(tmp_path):
     bench = Path(__file__).resolve().parents[1] / "bench"
     graph = import_graph(bench)
-    assert "scenes" in graph["planner_timing"] and graph["cli"] >= {"long_clips", "planner_timing"}
+    assert "scenes" in graph["planner_timing"]
+    assert graph["cli"] >= {"long_clips", "planner_timing"}
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
     (tmp_path / "a.py").write_text("def f():\n    from .b import g\n")
     (tmp_path / "b.py").write_text("from . import a\n")

@@ -47,7 +47,8 @@ def test_loader_node_ksampler_runs_sparse_after_warmup(comfy, caplog):
     assert summaries(caplog) == [(1, 3, 4, 12)] * 3
     torch.testing.assert_close(exact, dense, rtol=1e-4, atol=1e-4)  # ratio 1.0 is dense attention
     for out in (approx, cubes):
-        assert torch.isfinite(out).all() and (out - dense).abs().max() > 1e-6
+        assert torch.isfinite(out).all()
+        assert (out - dense).abs().max() > 1e-6
     other = model.clone()
     flux_like = torch.nn.Module()  # another DiT: blocks, but not H3's
     flux_like.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 2)
@@ -134,8 +135,11 @@ def test_capture_node_writes_a_loadable_file(comfy):
     assert [f.name for f in files] == ["tiny_00001_step001.safetensors", "tiny_00001_step002.safetensors"]
     entries, layout, meta = load_capture(str(files[0]))
     assert [(e["layer"], e["step"]) for e in entries] == [(0, 1), (1, 1)]
-    assert entries[0]["q"].shape == (1, 2, layout.total, 32) and layout.total == 7 + 2 * 37 + 448
-    assert meta["total_steps"] == 4 and meta["heads"] == 2 and torch.isfinite(entries[1]["v"]).all()
+    assert entries[0]["q"].shape == (1, 2, layout.total, 32)
+    assert layout.total == 7 + 2 * 37 + 448
+    assert meta["total_steps"] == 4
+    assert meta["heads"] == 2
+    assert torch.isfinite(entries[1]["v"]).all()
 
 
 # --- the headless server ----------------------------------------------------------------------
@@ -373,7 +377,8 @@ def test_workflows_pass_server_validation_except_missing_files(server):
             body = json.loads(err.read())
         problems = [(nid, e["type"], e.get("extra_info", {}).get("input_name"), e.get("details"))
                     for nid, ne in body.get("node_errors", {}).items() for e in ne["errors"]]
-        assert problems and all((kind, name) in missing_files for _, kind, name, _ in problems), (path.name, problems)
+        assert problems, (path.name, problems)
+        assert all((kind, name) in missing_files for _, kind, name, _ in problems), (path.name, problems)
         checked += 1
     assert checked >= 3
 
@@ -419,7 +424,8 @@ def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
         history = run_prompt(url, log_path, prompt, seconds=60)
         assert history["status"]["status_str"] == "error"
         errors = [m[1] for m in history["status"]["messages"] if m[0] == "execution_error"]
-        assert errors and text in errors[0]["exception_message"], errors
+        assert errors, errors
+        assert text in errors[0]["exception_message"], errors
         assert errors[0]["exception_type"] in ("ValueError", "TypeError")
     get_json(url + "/system_stats")
     assert run_prompt(url, log_path, sparse_prompt(topk_ratio=0.5))["status"]["status_str"] == "success"

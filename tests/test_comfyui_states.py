@@ -66,7 +66,8 @@ def test_multigpu_cfg_split_runs_each_device_with_its_own_state(comfy, two_devic
             # cond and uncond ran on the two devices: each device's state counted its own half
             (clone,) = split.get_additional_models_with_key("multigpu")  # the sampler re-clones it
             half = {**WHOLE_RUN, "blocks_dense": 2, "blocks_sparse": 6}
-            assert report_of(clone) == half and report_of(split) == half
+            assert report_of(clone) == half
+            assert report_of(split) == half
     assert not caplog.records
 
 

@@ -36,7 +36,8 @@ def test_bad_values_name_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as err:
         SparseConfig(**{field: value})
     message = str(err.value)
-    assert f"SparseConfig.{field}={value!r}" in message and allowed in message
+    assert f"SparseConfig.{field}={value!r}" in message
+    assert allowed in message
 
 
 def test_dense_layers_from_widget_string():
@@ -66,19 +67,23 @@ def test_every_widget_shows_its_fields_declaration(name):
         assert name not in WIDGETS
         return
     w, rule = WIDGETS[name], declared.rule
-    assert w.tooltip == declared.meaning and w.tooltip
+    assert w.tooltip == declared.meaning
+    assert w.tooltip
     if isinstance(rule, LayerIndices):
         assert (w.kind, w.default) == ("string", ",".join(map(str, declared.default)))
     else:
-        assert w.default == declared.default and type(w.default) is type(declared.default)
+        assert w.default == declared.default
+        assert type(w.default) is type(declared.default)
     if isinstance(rule, (Number, Integer)):
         assert (w.kind, w.min, w.max) == ("float" if isinstance(rule, Number) else "int", rule.lo, rule.hi)
     elif isinstance(rule, Choice) and isinstance(rule.choices[0], int):  # an int widget whose steps walk the choices
-        assert w.kind == "int" and tuple(range(int(w.min), int(w.max) + 1, int(w.step))) == rule.choices
+        assert w.kind == "int"
+        assert tuple(range(int(w.min), int(w.max) + 1, int(w.step))) == rule.choices
     elif isinstance(rule, Choice):
         assert (w.kind, w.options) == ("combo", rule.choices)
     elif not isinstance(rule, LayerIndices):
-        assert isinstance(rule, Flag) and w.kind == "boolean"
+        assert isinstance(rule, Flag)
+        assert w.kind == "boolean"
 
 
 def accepted(name, value):

@@ -59,7 +59,8 @@ def test_ours_first_then_core_node_stops_when_sampling_starts(comfy, core_node):
     from adaptive_sparse_attention.nodes.core_sparse import core_sparse_blocks, double_block_patches
 
     # every block patch is the core node's now (which may or may not call ours)
-    assert len(double_block_patches(ours.model_options)) == 2 and core_sparse_blocks(both.model_options) == [0, 1]
+    assert len(double_block_patches(ours.model_options)) == 2
+    assert core_sparse_blocks(both.model_options) == [0, 1]
     with pytest.raises(ValueError, match=MESSAGE.format("after")):
         sample(nodes, both, steps=2)
     sample(nodes, ours, steps=2)  # our node alone still samples afterwards

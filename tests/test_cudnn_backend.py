@@ -91,7 +91,9 @@ def test_the_kernel_finishing_a_partial_equals_the_reference(case):
     partial = exact_attention_cudnn(q, k, v, plan, forward=emulated_cudnn)
     out, lse = block_sparse_triton(q, q, q, plan, partial=partial)
     ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan)
-    assert out.dtype == q.dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(lse).all()
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-7, atol=1e-4)
 
@@ -103,7 +105,8 @@ def test_a_nan_partial_row_stays_nan_and_a_bad_partial_is_named():
     part_lse[0, 0, lo] = float("nan")
     out, _ = block_sparse_triton(q, q, q, plan, partial=(part_out, part_lse))
     row = int(plan.q_perm[0, 0, lo])
-    assert torch.isnan(out[0, 0, row]).all() and int((~torch.isfinite(out)).any(-1).sum()) == 1
+    assert torch.isnan(out[0, 0, row]).all()
+    assert int((~torch.isfinite(out)).any(-1).sum()) == 1
     with pytest.raises(ValueError, match="partial must be"):
         block_sparse_triton(q, q, q, plan, partial=(part_out[:, :, :-1], part_lse))
 
@@ -113,7 +116,8 @@ def test_key_lists_keep_the_dense_prefix_then_the_picks():
     lo, hi = sparse_span(plan)
     R = plan.q2k_idx.shape[-1]
     index, num = key_lists(plan, (lo, hi), (0, 2), lo + R)
-    assert index.dtype == num.dtype == torch.int32 and index.shape == (1, 2, hi - lo, lo + R)
+    assert index.dtype == num.dtype == torch.int32
+    assert index.shape == (1, 2, hi - lo, lo + R)
     assert torch.equal(num, plan.q2k_num[:, :, lo:hi] + lo)
     assert torch.equal(index[..., :lo], torch.arange(lo, dtype=torch.int32).expand(1, 2, hi - lo, lo))
     assert torch.equal(index[..., lo:], plan.q2k_idx[:, :, lo:hi].int())

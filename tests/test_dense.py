@@ -55,7 +55,8 @@ def test_fastest_rejects_a_wrong_first_kernel_against_the_float32_reference():
     run, time_ms = fake_kernels(outputs, {"cudnn": 1.0, "flash": 3.0, "efficient": 2.0})
     seen, note = notes()
     assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) == "efficient"
-    assert len(seen) == 1 and "cudnn differs from the float32 reference" in seen[0]
+    assert len(seen) == 1
+    assert "cudnn differs from the float32 reference" in seen[0]
 
 
 def test_fastest_skips_candidates_that_raise_or_run_out_of_memory_and_breaks_ties_by_order():
@@ -64,7 +65,8 @@ def test_fastest_skips_candidates_that_raise_or_run_out_of_memory_and_breaks_tie
     run, time_ms = fake_kernels(outputs, {"efficient": 1.0})
     seen, note = notes()
     assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) == "efficient"
-    assert len(seen) == 2 and "OutOfMemoryError" in seen[1]
+    assert len(seen) == 2
+    assert "OutOfMemoryError" in seen[1]
     run, time_ms = fake_kernels({"cudnn": REFERENCE, "flash": REFERENCE, "efficient": REFERENCE}, dict.fromkeys(outputs, 1.0))
     assert dense.fastest(dense.CANDIDATES, run, time_ms, REFERENCE, TOL, note) == "cudnn"
 
@@ -140,7 +142,8 @@ def test_when_no_candidate_runs_nothing_is_saved_and_a_later_process_measures_ag
         assert resolve_with(choices, "k", failing) == (None, False)  # this process keeps SDPA's own choice
     assert not path.exists()
     told = [r for r in caplog.records if "SDPA's own choice" in r.getMessage()]
-    assert len(told) == 1 and told[0].levelname == "WARNING"
+    assert len(told) == 1
+    assert told[0].levelname == "WARNING"
     assert resolve_with(dense.DenseChoices(path), "k", {**failing, "cudnn": REFERENCE}) == ("cudnn", True)
     assert json.loads(path.read_text()) == {"k": "cudnn"}
 
@@ -149,7 +152,8 @@ def test_memory_is_bounded_and_resettable(tmp_path):
     choices = dense.DenseChoices(tmp_path / "choices.json")
     for i in range(dense.MAX_CHOICES + 5):
         choices.remember(f"k{i}", "flash")
-    assert len(choices.choices) == dense.MAX_CHOICES and "k0" not in choices.choices
+    assert len(choices.choices) == dense.MAX_CHOICES
+    assert "k0" not in choices.choices
     choices.reset()
     assert not choices.choices
 
@@ -189,7 +193,8 @@ def test_a_cache_path_that_is_no_file_keeps_choices_in_memory_with_one_warning(w
         for key in ("k1", "k2"):
             assert resolve_with(choices, key, dict.fromkeys(dense.CANDIDATES, REFERENCE)) == ("cudnn", True)
             assert resolve_with(choices, key, {}) == ("cudnn", False)
-    assert len(caplog.records) == 1 and "kept in memory only" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 1
+    assert "kept in memory only" in caplog.records[0].getMessage()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -202,6 +207,7 @@ def test_cpu_runs_sdpa_default(tmp_path):
     assert kernel is None and not (tmp_path / "choices.json").exists()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_choice_is_exact_saved_and_checked_again(dtype, tmp_path):
@@ -249,7 +255,9 @@ def test_override_hands_masked_calls_to_comfyui():
     q = torch.randn(1, 2, 4, 8)
     DenseOverride(dense.DenseChoices())(lambda *a, **kw: calls.append(kw) or q, q, q, q, 2, mask=torch.zeros(4, 4), skip_reshape=True,
                     transformer_options={}, _inside_attn_wrapper=True)
-    assert calls and calls[0]["mask"] is not None and calls[0]["_inside_attn_wrapper"]
+    assert calls
+    assert calls[0]["mask"] is not None
+    assert calls[0]["_inside_attn_wrapper"]
 
 
 @pytest.mark.parametrize("setting,other,expected", [

@@ -20,13 +20,18 @@ from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS, config_from_
 
 def test_graph_puts_our_node_between_loader_and_timer():
     widgets = e2e.node_widgets(e2e.SCALES["h3"], topk_ratio=0.1)
-    assert config_from_widgets(widgets).topk_ratio == 0.1 and set(widgets) == {w.name for w in SPARSE_WIDGETS}
+    assert config_from_widgets(widgets).topk_ratio == 0.1
+    assert set(widgets) == {w.name for w in SPARSE_WIDGETS}
     ours = e2e.graph("m.safetensors", e2e.SCALES["h3"], 243, 19, 3.0, widgets, "a")
     plain = e2e.graph("m.safetensors", e2e.SCALES["h3"], 243, 19, 3.0, None, "b")
-    assert ours["2"]["class_type"] == "AdaptiveSparseAttentionH3" and ours["3"]["inputs"]["model"] == ["2", 0]
-    assert "2" not in plain and plain["3"]["inputs"]["model"] == ["1", 0]
-    assert ours["7"]["inputs"]["cfg"] == 3.0 and ours["6"]["inputs"]["length"] == 243
-    assert "9" not in ours and ours["3"]["inputs"]["around"] == "diffusion_model"
+    assert ours["2"]["class_type"] == "AdaptiveSparseAttentionH3"
+    assert ours["3"]["inputs"]["model"] == ["2", 0]
+    assert "2" not in plain
+    assert plain["3"]["inputs"]["model"] == ["1", 0]
+    assert ours["7"]["inputs"]["cfg"] == 3.0
+    assert ours["6"]["inputs"]["length"] == 243
+    assert "9" not in ours
+    assert ours["3"]["inputs"]["around"] == "diffusion_model"
 
 
 def test_compiled_graph_puts_torch_compile_after_our_node():
@@ -36,7 +41,8 @@ def test_compiled_graph_puts_torch_compile_after_our_node():
     assert ours["9"] == {"class_type": "TorchCompileModel", "inputs": {"model": ["2", 0], "backend": "inductor"}}
     assert plain["9"]["inputs"]["model"] == ["1", 0]
     for prompt in (ours, plain):  # the timer wraps apply_model, outside the compiled diffusion model
-        assert prompt["3"]["inputs"]["model"] == ["9", 0] and prompt["3"]["inputs"]["around"] == "apply_model"
+        assert prompt["3"]["inputs"]["model"] == ["9", 0]
+        assert prompt["3"]["inputs"]["around"] == "apply_model"
 
 
 def test_summary_splits_dense_first_and_steady_calls():
@@ -47,10 +53,12 @@ def test_summary_splits_dense_first_and_steady_calls():
     row = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference * 1.01, reference,
                         [line, "adaptive sparse attention: kernels ready in 3.2 s"])
     assert (row["dense_call_ms"], row["first_sparse_ms"], row["steady_sparse_ms"]) == (900.0, 300.0, 105.0)
-    assert row["rel_l2"] == pytest.approx(0.01) and row["prepare_s"] == 3.2
+    assert row["rel_l2"] == pytest.approx(0.01)
+    assert row["prepare_s"] == 3.2
     assert (row["dense_blocks"], row["sparse_blocks"], row["density"], row["attention_s"]) == (4, 12, 0.25, 1.5)
     plain = e2e.summarise("comfyui", calls, 5.0, None, None, reference, None, [])
-    assert "first_sparse_ms" not in plain and plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
+    assert "first_sparse_ms" not in plain
+    assert plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
     table = e2e.markdown({"blocks": 1, "runs": [dict(plain, clip="10s", frames=39), dict(row, clip="10s", frames=39)]})
     assert "| ours | 10s (39 frames) | 4.0 | 1.25x |" in table
 
@@ -128,15 +136,19 @@ def test_tiny_run_in_real_comfyui(tmp_path: Path):
                           text=True, env=env, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {(r["run"], r["clip"]): r for r in json.loads(out.read_text())["runs"]}
-    assert runs[("ours", "10s")]["calls"] == 4 and runs[("ours-all-dense", "10s")]["density"] == 1.0
-    assert 0 < runs[("ours", "10s")]["rel_l2"] < 0.1 and runs[("ours", "10s")]["sparse_blocks"] == 2
+    assert runs[("ours", "10s")]["calls"] == 4
+    assert runs[("ours-all-dense", "10s")]["density"] == 1.0
+    assert 0 < runs[("ours", "10s")]["rel_l2"] < 0.1
+    assert runs[("ours", "10s")]["sparse_blocks"] == 2
     assert "| comfyui | 10s (39 frames)" in proc.stdout
     assert "ComfyUI launched as default (its attention: " in proc.stdout
     assert json.loads(out.read_text())["launch"] == "default"
     # TorchCompileModel after our node: the same latent, every sparse block counted and measured
     for name in ("ours-compiled", "ours-compiled-warm"):
         row = runs[(name, "10s")]
-        assert row["calls"] == 4 and row["sparse_blocks"] == 2 and row["density"] == runs[("ours", "10s")]["density"]
+        assert row["calls"] == 4
+        assert row["sparse_blocks"] == 2
+        assert row["density"] == runs[("ours", "10s")]["density"]
         assert row["rel_l2"] == pytest.approx(runs[("ours", "10s")]["rel_l2"], rel=1e-3)
     assert runs[("comfyui-compiled-warm", "10s")]["calls"] == 4
 

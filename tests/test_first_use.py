@@ -40,8 +40,11 @@ def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comf
     texts = [e for e in events if e[0] == "text"]
     assert len(texts) == 1, events  # once per layout, not per block or step
     _, node, text = texts[0]
-    assert node == "7" and "preparing the sparse-attention kernels" in text and "prepare" in text
+    assert node == "7"
+    assert "preparing the sparse-attention kernels" in text
+    assert "prepare" in text
     assert events.index(texts[0]) < events.index(("prepare",))  # said before the wait
     logged = [r.getMessage() for r in caplog.records]
-    assert text in logged and any("kernels ready in" in m for m in logged)
+    assert text in logged
+    assert any("kernels ready in" in m for m in logged)
     assert logged.index(text) < next(i for i, m in enumerate(logged) if "kernels ready in" in m)

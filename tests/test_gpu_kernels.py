@@ -42,6 +42,7 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("the compiled kernels need a CUDA GPU", allow_module_level=True)
 triton = pytest.importorskip("triton")
@@ -171,13 +172,16 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
                        block_size=bs, kernel=backend, strict=True)
     out_api, info = sparse_attention(q, k, v, layout, cfg, return_info=True)
     plan = kernel_plan(info)
-    assert info.kernel == backend and plan.block_size == bs and plan.summary_mask().any()  # candidates left out
+    assert info.kernel == backend
+    assert plan.block_size == bs
+    assert plan.summary_mask().any()  # candidates left out
     if empty:
         plan = with_empty_rows(plan, empty_tail=True)
     attention = resolve(backend, DEVICE, dtype, strict=True, head_dim=D, block_size=bs).attention
     out_fast, lse_fast = attention.attend_blocks(q, k, v, plan)
     again, lse_again = attention.attend_blocks(q, k, v, plan)
-    assert torch.equal(out_fast, again) and torch.equal(lse_fast, lse_again)
+    assert torch.equal(out_fast, again)
+    assert torch.equal(lse_fast, lse_again)
     if not empty:
         assert torch.equal(out_fast, out_api)  # the public call runs this kernel on this plan
     q64, k64, v64 = q.double(), k.double(), v.double()
@@ -187,8 +191,10 @@ def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_refere
     torch.testing.assert_close(emu_lse64, lse64, rtol=0, atol=1e-12)
     out_low, lse_low = low_precision_reference(q, k, v, plan, dtype)
 
-    assert out_fast.dtype == dtype and lse_fast.dtype == torch.float32
-    assert torch.isfinite(out_fast).all() and torch.isfinite(lse_fast).all()
+    assert out_fast.dtype == dtype
+    assert lse_fast.dtype == torch.float32
+    assert torch.isfinite(out_fast).all()
+    assert torch.isfinite(lse_fast).all()
     none = lse64 == EMPTY_ROW_LSE
     assert bool(none.any()) == empty
     assert (out_fast[none.unsqueeze(-1).expand_as(out_fast)] == 0).all()
@@ -220,7 +226,8 @@ def test_block_means_kernel_matches_float64_torch(dtype, dim, block_size, per_he
     x, _ = h3_views(B, H, S, dim, dtype, seed=dim, device=DEVICE)
     got = block_means(x, tiling.q_perm, tiling, resolve("triton", DEVICE, torch.float32, strict=True))
     want = block_means(x.double(), tiling.q_perm, tiling)  # float64: the torch path
-    assert got.dtype == torch.float32 and got.shape == (B, H, tiling.num_blocks, dim)
+    assert got.dtype == torch.float32
+    assert got.shape == (B, H, tiling.num_blocks, dim)
     torch.testing.assert_close(got.double(), want, **FP32_TOL)
 
 
@@ -296,7 +303,8 @@ def test_route_blocks_kernels_select_exactly(monkeypatch, scores, B, H, J, D, gr
         assert torch.equal(window, full[:, :, :, 64:])
     want = stable_sort_selection(full, dense_hi, groups)
     R = sum(budget for _, _, budget in groups)
-    assert idx.shape == (B, H, J, R) and torch.equal(idx.to(torch.int32), want)
+    assert idx.shape == (B, H, J, R)
+    assert torch.equal(idx.to(torch.int32), want)
     assert torch.equal(num, ((dense_hi < J).to(torch.int32) * R).view(1, 1, J).expand(B, H, J))
     if scores == "fp32":  # optimal for the float64 scores up to the fp32 error of two scores
         rows = dense_hi < J

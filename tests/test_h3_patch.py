@@ -34,7 +34,8 @@ def test_what_each_upstream_publishes_to_the_blocks(new):
     hook = SparseAttentionHook(config(topk_ratio=0.25))
     out = run_model(model, hook, args, new)
     torch.testing.assert_close(out, reference(model, args, sparse_oracle(config(topk_ratio=0.25))), **TOL)
-    assert hook.tracker.stats.sparse_blocks == 2 and hook.key not in to
+    assert hook.tracker.stats.sparse_blocks == 2
+    assert hook.key not in to
     assert (to.get("block_index"), to.get("minimax_h3_layout")) == ((1, PACKED) if new else (None, None))
     ctx = CallContext(hook, model)  # no payload layout: current upstream's options alone suffice
     assert (hook.layout({"transformer_options": to}, ctx) is not None) == new
@@ -49,7 +50,8 @@ def test_ratio_one_matches_the_dense_block(new):
     out = run_model(model, hook, args, new)
     dense = reference(model, args, lambda block: block.attn)
     torch.testing.assert_close(out, dense, **TOL)
-    assert hook.tracker.stats.sparse_blocks == 2 and hook.tracker.stats.dense_blocks == 0
+    assert hook.tracker.stats.sparse_blocks == 2
+    assert hook.tracker.stats.dense_blocks == 0
 
 
 @pytest.mark.parametrize("new", [True, False], ids=["args-attention", "attn-object-patch"])
@@ -77,7 +79,9 @@ def test_head_subset_calls_and_list_input(new, tiling):
     args["transformer_options"] = options()
     whole = run_model(model, SparseAttentionHook(cfg), args, new)
     torch.testing.assert_close(grouped, whole, **TOL)
-    assert head_groups(3, 2) == [(0, 2), (2, 3)] and head_groups(56, 4)[-1] == (42, 56) and head_groups(4, "x") == [(0, 4)]
+    assert head_groups(3, 2) == [(0, 2), (2, 3)]
+    assert head_groups(56, 4)[-1] == (42, 56)
+    assert head_groups(4, "x") == [(0, 4)]
 
     block = model.blocks[0]
     hook = SparseAttentionHook(cfg)
@@ -99,8 +103,10 @@ def test_warmup_steps_under_cfg_then_sparse():
     assert (s.dense_steps - s.sparse_steps, s.sparse_steps) == ({0, 1}, {2, 3, 4})
     assert (s.dense_blocks, s.sparse_blocks) == (2 * 2, 3 * 2)
     line = hook.tracker.finish()
-    assert "steps 2 dense / 3 sparse" in line and "blocks 4 dense / 6 sparse" in line
-    assert hook.tracker.stats.sparse_blocks == 0 and not hook.tracker.densities  # reset after the run
+    assert "steps 2 dense / 3 sparse" in line
+    assert "blocks 4 dense / 6 sparse" in line
+    assert hook.tracker.stats.sparse_blocks == 0
+    assert not hook.tracker.densities  # reset after the run
 
 
 def test_dense_layers_min_tokens_and_dense_mode(caplog):
@@ -194,7 +200,8 @@ def test_the_nearest_hook_to_the_sampler_wins():
     first, _ = block_hooks(model, inner, {}, {})
     out = run_model(model, outer, args, True, previous=first)
     torch.testing.assert_close(out, reference(model, args, lambda block: block.attn), **TOL)
-    assert inner.tracker.stats.sparse_blocks == 0 and outer.tracker.stats.sparse_blocks == 2
+    assert inner.tracker.stats.sparse_blocks == 0
+    assert outer.tracker.stats.sparse_blocks == 2
 
 
 def test_clones_and_model_copies_run_with_their_own_state():
@@ -208,15 +215,20 @@ def test_clones_and_model_copies_run_with_their_own_state():
     hook = SparseAttentionHook(config())
     run_model(model, hook, args, True)
     twin = hook.on_model_patcher_clone()
-    assert twin.config is hook.config and twin.tracker is not hook.tracker and twin.tracker.parent is hook.tracker
+    assert twin.config is hook.config
+    assert twin.tracker is not hook.tracker
+    assert twin.tracker.parent is hook.tracker
     bind(model, hook)
     copied = copy.deepcopy(model)
     own = bound_hook(copied, hook.key)
-    assert isinstance(own, SparseAttentionHook) and own is not hook and own.tracker.stats.sparse_blocks == 0
+    assert isinstance(own, SparseAttentionHook)
+    assert own is not hook
+    assert own.tracker.stats.sparse_blocks == 0
     with torch.no_grad():
         model.blocks[0].attn.qkv_proj.weight.zero_()  # the original changes; the copy computes with its own
     before = run_model(copied, own, args, True)
-    assert own.tracker.stats.sparse_blocks == 2 and hook.tracker.stats.sparse_blocks == 2
+    assert own.tracker.stats.sparse_blocks == 2
+    assert hook.tracker.stats.sparse_blocks == 2
     torch.testing.assert_close(before, reference(copied, args, sparse_oracle(config())), **TOL)
     own.tracker.finish()
     assert hook.tracker.last_report["blocks_sparse"] == 2  # the copy's report reaches the original's tracker
@@ -239,7 +251,8 @@ def test_layout_discovery_and_bounded_cache():
     video, audio = torch.zeros(1, 24, 4, 16, 16), torch.zeros(1, 32, 2, 3)
     assert h3_model.payload_layout(model, [video, audio], torch.zeros(1, 5, 8), {"layout": PACKED}) is PACKED
     rebuilt = h3_model.payload_layout(model, [video[:, :, :2], audio[..., :2]], torch.zeros(1, 5, 8), {"layout": PACKED})
-    assert rebuilt.signature == (5, 2, 16, 16, 2) and layout_of(rebuilt).total == 5 + 4 + 128
+    assert rebuilt.signature == (5, 2, 16, 16, 2)
+    assert layout_of(rebuilt).total == 5 + 4 + 128
 
 
 def test_model_check():
@@ -298,7 +311,9 @@ def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     run_model(model, hook, args, True)
     assert hook.tracker.stats.sparse_blocks == 0  # a warmup step
     (layout, cfg, dtype, device, head_dim), = prepared  # layer 0 only: layer 1 is always dense
-    assert layout == layout_of(PACKED) and cfg is hook.engine_config and head_dim == model.blocks[0].attn.head_dim
+    assert layout == layout_of(PACKED)
+    assert cfg is hook.engine_config
+    assert head_dim == model.blocks[0].attn.head_dim
     assert cfg.precision == "bf16"  # resolved: the engine never sees "auto"
 
 
@@ -326,7 +341,9 @@ def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_grap
     for step in (0, 5):  # a warmup step (kernels prepared), then a sparse one
         args["transformer_options"] = options(step)
         run_model(model, hook, args, True)
-    assert {kind for kind, _ in seen} == {"sparse", "prepare"} and all(d == 1 for _, d in seen) and not depth
+    assert {kind for kind, _ in seen} == {"sparse", "prepare"}
+    assert all(d == 1 for _, d in seen)
+    assert not depth
 
 
 def test_core_sparse_patches_are_found_by_their_module_or_their_mark():

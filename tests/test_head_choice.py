@@ -43,14 +43,16 @@ def test_snake_tiles_are_a_chunking_of_the_grid(grid, patch, bs):
     members, lengths = snake_tiles(grid, patch, bs)
     n = grid[0] * grid[1] * grid[2]
     want_members, want_lengths = chunk_tiles(n, bs)
-    assert torch.equal(lengths, want_lengths) and torch.equal(members < 0, want_members < 0)
+    assert torch.equal(lengths, want_lengths)
+    assert torch.equal(members < 0, want_members < 0)
     assert torch.equal(members[members >= 0].sort().values, torch.arange(n))
     # every block stays within two neighbouring patches (one where a patch's frames do not run out)
     rest = members.clamp(min=0) % (grid[1] * grid[2])
     h, w = rest // grid[2] // patch[0], rest % grid[2] // patch[1]
     for j in range(len(lengths)):
         live = members[j] >= 0
-        assert (h[j][live].max() - h[j][live].min()) <= 1 and (w[j][live].max() - w[j][live].min()) <= 1
+        assert (h[j][live].max() - h[j][live].min()) <= 1
+        assert (w[j][live].max() - w[j][live].min()) <= 1
 
 
 def loop_log_mass(probes, k, perm, bs):
@@ -141,8 +143,10 @@ def test_every_head_takes_the_candidate_with_the_largest_share():
     for h in range(q.shape[1]):
         best = int(share[:, h].argmax())
         picks.append(best)
-        assert torch.equal(chosen.k_perm[0, h], candidates[best][h]) and torch.equal(chosen.q_perm[0, h], chosen.k_perm[0, h])
-    assert picks[:2] != [0, 0] and picks[2:] == [0, 0]  # heads 0, 1 (local, temporal) take tubes
+        assert torch.equal(chosen.k_perm[0, h], candidates[best][h])
+        assert torch.equal(chosen.q_perm[0, h], chosen.k_perm[0, h])
+    assert picks[:2] != [0, 0]
+    assert picks[2:] == [0, 0]  # heads 0, 1 (local, temporal) take tubes
 
 
 def test_ties_keep_the_tree():
@@ -161,13 +165,15 @@ def test_ties_keep_the_tree():
     candidates = [tree.k_perm[0]] + [t.expand(q.shape[1], -1) for t in tubes]
     share = torch.stack([head_choice.top_share(head_choice.block_log_mass(probes, flat[0], c[:, lo * 64:hi * 64], 64),
                                                region_budget(hi - lo, 0.1)) for c in candidates])
-    assert hi - lo == 36 and torch.equal(share, share[:1].expand_as(share))  # an exact tie, every head
+    assert hi - lo == 36
+    assert torch.equal(share, share[:1].expand_as(share))  # an exact tie, every head
     assert all(not torch.equal(tree.k_perm[0, h], t) for h in range(q.shape[1]) for t in tubes)  # tubes differ
     span = (lo, hi)
     kept = head_choice.choose_tubes(q, flat, tree.k_perm.unsqueeze(0), layout, 64, span, 0.1)
     assert torch.equal(kept[0], tree.k_perm)
     moved = head_choice.choose_tubes(q, k, tree.k_perm.unsqueeze(0), layout, 64, span, 0.1)
-    assert not torch.equal(moved[0, 0, 0], tree.k_perm[0, 0]) and not torch.equal(moved[0, 0, 1], tree.k_perm[0, 1])
+    assert not torch.equal(moved[0, 0, 0], tree.k_perm[0, 0])
+    assert not torch.equal(moved[0, 0, 1], tree.k_perm[0, 1])
 
 
 def test_independent_layouts_follow_the_key_choice():
@@ -196,4 +202,6 @@ def test_choice_raises_recall_on_a_structured_scene():
 def test_probe_rows_lie_in_the_target_video():
     layout = SequenceLayout.from_segments([(0, 10, "text"), (10, 10 + 2 * 12, "video", (2, 3, 4))])
     rows = head_choice.probe_rows(layout)
-    assert rows.min() >= 10 and rows.max() < 34 and math.isclose(float(rows.float().mean()), 22, abs_tol=3)
+    assert rows.min() >= 10
+    assert rows.max() < 34
+    assert math.isclose(float(rows.float().mean()), 22, abs_tol=3)

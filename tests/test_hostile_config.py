@@ -142,7 +142,8 @@ def test_random_strings_for_every_string_widget(widget, check):
             accepted += 1
             if limit is not None:  # bounded, sorted, unique indices
                 got = result[0]
-                assert list(got) == sorted(set(got)) and all(type(i) is int and 0 <= i < limit for i in got)
+                assert list(got) == sorted(set(got))
+                assert all(type(i) is int and 0 <= i < limit for i in got)
         elif "out of range" not in str(err):
             assert f"{field}={show(text)}" in str(err)
     assert accepted > 0  # the generator also produces valid strings
@@ -191,7 +192,9 @@ def test_numbers_from_scripts_are_normalised_and_mistakes_say_why():
 def test_node_validation_answers_with_the_message():
     assert validation_answer(lambda: SparseConfig(dense_layers="0-2,49")) is True
     answer = validation_answer(lambda: SparseConfig(dense_layers="0-99999999999"))
-    assert isinstance(answer, str) and "SparseConfig.dense_layers" in answer and "out of range" in answer
+    assert isinstance(answer, str)
+    assert "SparseConfig.dense_layers" in answer
+    assert "out of range" in answer
     values = {w.name: w.default for w in SPARSE_WIDGETS}
     assert isinstance(config_from_widgets(values), SparseConfig)
     for prefix in ("", " ", "a\x00b", "x" * 201, "new\nline"):

@@ -106,6 +106,7 @@ def test_non_finite_inputs_stay_local_in_the_triton_interpreter(interpreter):
         check_locality(q, k, v, which, where, config(tail, tiling, granularity, "triton", rng), SMALL)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused planner kernels and the compiled kernel need CUDA")
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_non_finite_inputs_stay_local_on_the_gpu(backend):
@@ -135,8 +136,10 @@ def test_fused_summaries_leave_out_non_finite_rows_like_the_reference(interprete
         for got, want in zip(fused, ref):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
         key, _, bias = fused
-        assert torch.isfinite(key).all() and torch.isfinite(bias[:, :, 1:]).all()
-        assert float(bias[0, 0, 0]) == pytest.approx(text_bias) and torch.equal(key[0, 0, 0], torch.zeros(D))
+        assert torch.isfinite(key).all()
+        assert torch.isfinite(bias[:, :, 1:]).all()
+        assert float(bias[0, 0, 0]) == pytest.approx(text_bias)
+        assert torch.equal(key[0, 0, 0], torch.zeros(D))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -148,7 +151,8 @@ def test_empty_batch_or_heads_and_short_sequences_on_every_tiling(backend, inter
             layout = LAYOUT if shape[2] == LAYOUT.total else SHORT
             q = torch.randn(shape)
             out = run(q, q, q, layout, cfg)
-            assert out.shape == q.shape and out.dtype == q.dtype
+            assert out.shape == q.shape
+            assert out.dtype == q.dtype
         # one video block: the budget is the whole region, so sparse attention is dense attention
         # (plus the coarse branch, zero without a gate)
         dtype = torch.float32 if backend == "triton" else torch.float64
@@ -208,7 +212,8 @@ def test_wrong_kinds_of_argument_name_the_argument(monkeypatch):
 def test_mismatched_tensors_say_which_has_what(monkeypatch):
     q = torch.randn(1, 2, SHORT.total, D)
     err = refused_before_planning(monkeypatch, lambda: sparse_attention(q, q.double(), q, SHORT), "q, k, v")
-    assert "q (1, 2, 13, 32) torch.float32 on cpu" in str(err) and "k (1, 2, 13, 32) torch.float64 on cpu" in str(err)
+    assert "q (1, 2, 13, 32) torch.float32 on cpu" in str(err)
+    assert "k (1, 2, 13, 32) torch.float64 on cpu" in str(err)
     err = refused_before_planning(monkeypatch, lambda: sparse_attention(q, q, q.to("meta"), SHORT), "v")
     assert "on meta" in str(err)
 
@@ -251,7 +256,8 @@ def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(inter
     cfg = SparseConfig(kernel="torch", topk_ratio=0.25, tiling="cube", tail="reweight")
     qkv = [torch.randn(1, 2, LAYOUT.total, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     _, info = sparse_attention(*qkv, LAYOUT, cfg, return_info=True)
-    assert info.plan.summary_mask().any() and info.density < 0.7
+    assert info.plan.summary_mask().any()
+    assert info.density < 0.7
 
     def loss(*xs):
         return sparse_attention(*xs, LAYOUT, cfg).square().sum()
@@ -268,4 +274,5 @@ def test_gradients_run_on_the_reference_and_are_refused_up_front_by_triton(inter
         sparse_attention(q32, k.detach().float(), v.detach().float(), SHORT, SparseConfig(kernel="triton"))
     with torch.no_grad():
         out = sparse_attention(q32, q32, q32, SHORT, SparseConfig(kernel="triton"))
-    assert not out.requires_grad and math.isfinite(float(out.abs().sum()))
+    assert not out.requires_grad
+    assert math.isfinite(float(out.abs().sum()))

@@ -26,6 +26,7 @@ ROW_GATHERS = {"block_sums", "block_summaries", "gram", "gram normalised", "feat
                "quantise fp8", "quantise int8"}
 
 
+@pytest.mark.slow  # compiles every kernel for every architecture target: minutes on 2 cores
 def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "tools" / "kernel_targets.py"

@@ -23,8 +23,12 @@ def parts() -> dict:
 
 def test_a_plan_exposes_its_tiling_and_is_frozen():
     plan = BlockSparsePlan(**parts())
-    assert plan.block_size == BS and plan.num_blocks == J and plan.q_perm is plan.tiling.q_perm
-    assert plan.k_perm is plan.tiling.k_perm and plan.block_len is plan.tiling.block_len and plan.tail is None
+    assert plan.block_size == BS
+    assert plan.num_blocks == J
+    assert plan.q_perm is plan.tiling.q_perm
+    assert plan.k_perm is plan.tiling.k_perm
+    assert plan.block_len is plan.tiling.block_len
+    assert plan.tail is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.dense_hi = plan.dense_hi  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -82,9 +86,12 @@ def test_a_malformed_tiling_names_its_field(kwargs, named):
 def test_the_plan_prints_short_and_names_its_groups():
     plan = BlockSparsePlan(**parts())
     text = repr(plan)
-    assert "tensor(" not in text and len(text) < 200
-    assert f"J={J}" in text and "[1:3] top 2" in text
-    assert plan.groups == (RoutingGroup(1, 3, 2),) and plan.groups[0].budget == 2
+    assert "tensor(" not in text
+    assert len(text) < 200
+    assert f"J={J}" in text
+    assert "[1:3] top 2" in text
+    assert plan.groups == (RoutingGroup(1, 3, 2),)
+    assert plan.groups[0].budget == 2
 
 
 def test_density_counts_the_exact_pairs():
@@ -92,7 +99,8 @@ def test_density_counts_the_exact_pairs():
     n = plan.block_len.double()
     allowed = plan.allowed_mask().double()  # [B, H, J, J]
     want = float((allowed * n.view(-1, 1) * n.view(1, -1)).sum((-1, -2)).mean() / n.sum() ** 2)
-    assert plan.density() == pytest.approx(want, rel=1e-12) and 0 < want < 1
+    assert plan.density() == pytest.approx(want, rel=1e-12)
+    assert 0 < want < 1
 
 
 @pytest.mark.parametrize("tail", ["none", "query", "block"])
@@ -104,8 +112,11 @@ def test_flatten_and_unflatten_give_the_same_plan(tail):
         base["tail"] = BlockSummaries(torch.zeros(B, H, J), torch.zeros(B, H, J, D))
     plan = BlockSparsePlan(**base)
     tensors, block_size, groups, kind = plan.flatten()
-    assert kind == tail and all(isinstance(t, torch.Tensor) for t in tensors)
+    assert kind == tail
+    assert all(isinstance(t, torch.Tensor) for t in tensors)
     again = BlockSparsePlan.unflatten(tensors, block_size, groups, kind)
-    assert again.groups == plan.groups and again.block_size == plan.block_size and type(again.tail) is type(plan.tail)
+    assert again.groups == plan.groups
+    assert again.block_size == plan.block_size
+    assert type(again.tail) is type(plan.tail)
     for a, b in zip(again.flatten()[0], tensors):
         assert a is b

@@ -71,7 +71,8 @@ def test_marked_call_runs_the_rank_heads_like_one_gpu():
     scaled, _ = call(processor, q, k, v, marked(processor), softmax_scale=DIM ** -0.5)  # H3's own scale is accepted
     torch.testing.assert_close(scaled, out, rtol=0, atol=0)
     s = processor.tracker.stats
-    assert (s.sparse_blocks, s.dense_blocks) == (2, 0) and len(processor.tracker.densities) == 1
+    assert (s.sparse_blocks, s.dense_blocks) == (2, 0)
+    assert len(processor.tracker.densities) == 1
 
 
 def test_unmarked_calls_are_raylight_dense_attention_unchanged():
@@ -80,7 +81,8 @@ def test_unmarked_calls_are_raylight_dense_attention_unchanged():
     # a model call's own options hold the CallContext under the same key: not a mark
     for options in ({}, {processor.key: CallContext(processor, None)}):
         out, seen = call(processor, q, k, v, options)
-        assert seen == [ring_keywords(None)] and bool((out == 7.0).all())
+        assert seen == [ring_keywords(None)]
+        assert bool((out == 7.0).all())
 
 
 @pytest.mark.parametrize("keywords,message", [
@@ -95,7 +97,8 @@ def test_unsupported_xfuser_calls_say_why_and_strict_raises(keywords, message, c
     processor = RaylightSparseAttention(config(), HEADS, DEGREE)
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
         out, seen = call(processor, q, k, v, marked(processor, layer=5), **keywords)
-    assert len(seen) == 1 and bool((out == 7.0).all())
+    assert len(seen) == 1
+    assert bool((out == 7.0).all())
     assert any("layer 5 runs dense: " in r.getMessage() for r in caplog.records)
     assert any(re.search(message, r.getMessage()) for r in caplog.records)
     assert processor.tracker.stats.dense_blocks == 1
@@ -128,11 +131,13 @@ def test_decide_uses_the_whole_sequence_and_checks_the_shard(caplog):
     # min_tokens counts the whole sequence (267 rows), not the rank's 134
     processor = RaylightSparseAttention(config(min_tokens=200), HEADS, DEGREE)
     step, layout = decide(processor, attn, block_call(134))
-    assert step == 3 and layout == layout_of(PACKED)
+    assert step == 3
+    assert layout == layout_of(PACKED)
     assert decide(RaylightSparseAttention(config(min_tokens=268), HEADS, DEGREE), attn, block_call(134)) is None
     fidelity = RaylightSparseAttention(config(warmup_mode="fidelity"), HEADS, DEGREE)
     assert decide(fidelity, attn, block_call(134, step=0)) is None
-    assert fidelity.tracker.stats.dense_blocks == 1 and not fidelity.tracker.notices  # warmup is no failure
+    assert fidelity.tracker.stats.dense_blocks == 1
+    assert not fidelity.tracker.notices  # warmup is no failure
 
     strict = RaylightSparseAttention(config(strict=True), HEADS, DEGREE)
     with pytest.raises(RuntimeError, match=r"block input of shape \(100, 32\) is not 1/2 of the layout's 267 rows "
@@ -240,7 +245,8 @@ def test_worker_patch_on_a_real_model_patcher(monkeypatch):
     patched = patch_worker_model(patcher, config())
     options = patched.model_options["transformer_options"]
     processor = options[INNER_ATTENTION_KEY]
-    assert isinstance(processor, RaylightSparseAttention) and (processor.heads, processor.degree) == (HEADS, 2)
+    assert isinstance(processor, RaylightSparseAttention)
+    assert (processor.heads, processor.degree) == (HEADS, 2)
     assert INNER_ATTENTION_KEY not in patcher.model_options["transformer_options"]  # the input is untouched
     marks = options["patches_replace"]["dit"]
     assert sorted(marks) == [("double_block", 0), ("double_block", 1)]

@@ -14,7 +14,8 @@ def test_setup_block_has_the_demo_and_the_test_command_each_in_its_own_venv():
     assert [lines[i].split()[1] for i in comments] == ["main", "tests"]
     for i in comments:
         command = lines[i + 1]
-        assert command.startswith("python3 -m venv ") and " -m pip install " in command
+        assert command.startswith("python3 -m venv ")
+        assert " -m pip install " in command
     assert lines[comments[0] + 1].endswith("-m adaptive_sparse_attention demo")
     assert lines[comments[1] + 1].endswith("-m pytest tests")
 
@@ -29,7 +30,8 @@ def test_quoted_benchmark_sections_exist():
 
 
 def test_links_stay_inside_the_repository():
-    assert "../" not in README and not re.search(r"\bissues? \d+", README, re.I)
+    assert "../" not in README
+    assert not re.search(r"\bissues? \d+", README, re.I)
     for target in re.findall(r"\]\(([^)#]+)\)", README):
         if not target.startswith(("http://", "https://")):
             assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"

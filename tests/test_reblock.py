@@ -28,7 +28,8 @@ def check_tiling(t, layout, bs, B, H):
     expected_len = torch.cat([chunk_tiles(seg.length, bs)[1] for seg in layout.regions()])
     assert t.block_len.tolist() == expected_len.tolist()  # full blocks, edge block last per region
     for perm in (t.q_perm, t.k_perm):
-        assert perm.shape == (B, H, J * bs) and perm.dtype == torch.int32
+        assert perm.shape == (B, H, J * bs)
+        assert perm.dtype == torch.int32
         blocks = perm.view(B, H, J, bs)
         valid = torch.arange(bs) < t.block_len.view(J, 1)
         assert ((blocks >= 0) == valid).all()  # valid rows first, exactly block_len of them
@@ -96,7 +97,8 @@ def test_same_inputs_give_the_same_bits_and_heads_differ():
     for mode in MODES:
         a = reblock_tiling(q, k, layout, 16, mode)
         b = reblock_tiling(q.clone(), k.clone(), layout, 16, mode)
-        assert torch.equal(a.q_perm, b.q_perm) and torch.equal(a.k_perm, b.k_perm)
+        assert torch.equal(a.q_perm, b.q_perm)
+        assert torch.equal(a.k_perm, b.k_perm)
     target = slice(a.region_blocks[-1][0] * 16, None)
     assert not torch.equal(a.k_perm[0, 0, target], a.k_perm[0, 1, target])  # data-dependent, per head
     assert not torch.equal(a.q_perm[..., target], a.k_perm[..., target])  # independent: own query layout

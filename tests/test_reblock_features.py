@@ -37,7 +37,8 @@ def test_fused_features_match_torch(monkeypatch, dtype, D, N, tol):
     x[1, 7, 3] = float("inf")  # a non-finite row must not reach the split
     want = reblock_metric.metric_features(x, other)
     got = reblock_metric.metric_features(x, other, resolve("triton", torch.device("cpu"), torch.float32, strict=True))
-    assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape == (2, N, reblock_metric.FEATURE_DIMS)
+    assert got.dtype == want.dtype == torch.float16
+    assert got.shape == want.shape == (2, N, reblock_metric.FEATURE_DIMS)
     assert torch.isfinite(got).all()
     lo, hi = torch.minimum(got, want), torch.maximum(got, want)
     adjacent = torch.nextafter(lo, hi) == hi  # one fp16 step apart: a value at a rounding boundary

@@ -83,7 +83,8 @@ def test_directions_match_torch(m, r, dtype):
     assert torch.equal(reblock_reference.landmark_features(z, rows, landmarks), marks)
     got = reblock_split.split_directions_triton(z, rows, landmarks, reblock_reference.SQUARINGS, reblock_reference.REFINE_STEPS)
     want = reblock_reference.split_directions(marks).squeeze(-1)
-    assert got.shape == want.shape and got.dtype == torch.float32
+    assert got.shape == want.shape
+    assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 

@@ -134,7 +134,9 @@ def test_selected_summaries_are_never_double_counted():
     lay = awkward_layout()
     q, k, v = qkv(lay, heads=1, seed=6)
     kp = build_plan(q, k, v, lay, SparseConfig(topk_ratio=1.0, tiling="cube", tail="mean", kernel="torch"))
-    assert kp.tail is not None and (kp.q2k_num > 0).any() and not kp.summary_mask().any()
+    assert kp.tail is not None
+    assert (kp.q2k_num > 0).any()
+    assert not kp.summary_mask().any()
     assert (block_sparse_reference(q, k, v, kp)[0] - dense(q, k, v)).abs().max() < TOL
     summaries_only = dataclasses.replace(kp, q2k_idx=kp.q2k_idx[..., :0], q2k_num=torch.zeros_like(kp.q2k_num))
     assert (block_sparse_reference(q, k, v, summaries_only)[0] - dense(q, k, v)).abs().max() > 1e-3
@@ -151,7 +153,8 @@ def test_permuting_tokens_and_unpermuting_the_output_changes_nothing():
     moved = dataclasses.replace(plan, tiling=dataclasses.replace(plan.tiling, q_perm=relabel(plan.q_perm),
                                                                  k_perm=relabel(plan.k_perm)))
     out2, lse2 = block_sparse_reference(q[:, :, pi], k[:, :, pi], v[:, :, pi], moved)
-    assert (out2 - out[:, :, pi]).abs().max() < 1e-13 and (lse2 - lse[:, :, pi]).abs().max() < 1e-12
+    assert (out2 - out[:, :, pi]).abs().max() < 1e-13
+    assert (lse2 - lse[:, :, pi]).abs().max() < 1e-12
 
 
 def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
@@ -165,8 +168,10 @@ def test_an_empty_allowed_set_yields_zeros_and_a_finite_lse():
     out, lse = block_sparse_reference(q, k, v, kp)
     rows = torch.cat([kp.q_perm[0, 0].view(J, -1)[i] for i in range(J) if empty[i]])
     rows = rows[rows >= 0].long()
-    assert (out[:, :, rows] == 0).all() and (lse[:, :, rows] == EMPTY_ROW_LSE).all()
-    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    assert (out[:, :, rows] == 0).all()
+    assert (lse[:, :, rows] == EMPTY_ROW_LSE).all()
+    assert torch.isfinite(lse).all()
+    assert torch.isfinite(out).all()
 
 
 def test_sparse_attention_is_deterministic_and_keeps_dtype():
@@ -174,7 +179,8 @@ def test_sparse_attention_is_deterministic_and_keeps_dtype():
     q, k, v = (x.float() for x in qkv(lay, seed=10))
     cfg = SparseConfig(topk_ratio=0.2, tiling="cube", kernel="torch")
     a, b = sparse_attention(q, k, v, lay, cfg), sparse_attention(q, k, v, lay, cfg)
-    assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert a.dtype == torch.float32
+    assert torch.equal(a, b)
 
 
 def test_info_reports_density_budgets_and_plan():
@@ -183,7 +189,8 @@ def test_info_reports_density_budgets_and_plan():
     out, info = sparse_attention(q, k, v, lay, SparseConfig(topk_ratio=0.25, tiling="cube", kernel="torch",
                                                             sparse_scope="joint-video"), return_info=True)
     assert info.budgets == {"ref_video[37:127]": 1, "video[180:390]": 2}
-    assert 0 < info.density < 1 and info.kernel == "torch"
+    assert 0 < info.density < 1
+    assert info.kernel == "torch"
     assert info.plan.q2k_idx.dtype == torch.int16  # J < 2**15: the half-width table
 
 

@@ -24,12 +24,16 @@ VERSION_RANGE = re.compile(r"^(>=|==|~=|>)\s*\d+\.\d+\.\d+(,\s*(<|<=)\s*\d+\.\d+
 
 def test_pyproject_has_the_registry_fields():
     project, comfy = PYPROJECT["project"], PYPROJECT["tool"]["comfy"]
-    assert re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", project["name"]) and "comfyui" not in project["name"]
+    assert re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", project["name"])
+    assert "comfyui" not in project["name"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"])
     from adaptive_sparse_attention import __version__
     assert project["version"] == __version__  # the cache keys carry the package's version
-    assert project["license"] == "GPL-3.0-only" and all((REPO / f).is_file() for f in project["license-files"])
-    assert comfy["PublisherId"] and comfy["DisplayName"] and "workflows" in comfy["includes"]
+    assert project["license"] == "GPL-3.0-only"
+    assert all((REPO / f).is_file() for f in project["license-files"])
+    assert comfy["PublisherId"]
+    assert comfy["DisplayName"]
+    assert "workflows" in comfy["includes"]
     assert VERSION_RANGE.match(comfy["requires-comfyui"]), comfy["requires-comfyui"]
     assert "Environment :: GPU :: NVIDIA CUDA" in project["classifiers"]
 
@@ -37,7 +41,8 @@ def test_pyproject_has_the_registry_fields():
 def test_search_aliases_name_the_methods_users_look_for():
     assert {"sparse attention", "sol", "vsa", "spark"} <= set(SPARSE_SEARCH_ALIASES)
     for aliases in (SPARSE_SEARCH_ALIASES, CAPTURE_SEARCH_ALIASES):
-        assert len(set(aliases)) == len(aliases) and all(a == a.strip().lower() and a for a in aliases)
+        assert len(set(aliases)) == len(aliases)
+        assert all(a == a.strip().lower() and a for a in aliases)
 
 
 @needs_comfyui

@@ -8,7 +8,9 @@ from adaptive_sparse_attention.nodes.report import format_report, spans
 
 
 def test_spans():
-    assert spans([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and spans([3]) == "3" and spans([]) == "none"
+    assert spans([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert spans([3]) == "3"
+    assert spans([]) == "none"
 
 
 def test_report_of_a_run_and_its_text():
@@ -36,7 +38,9 @@ def test_report_of_a_run_and_its_text():
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
                       "dense_kernels": {"SDPA cuDNN": 3}}
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
-    assert tracker.last_report is report and tracker.stats.sparse_blocks == 0 and not tracker.timed
+    assert tracker.last_report is report
+    assert tracker.stats.sparse_blocks == 0
+    assert not tracker.timed
     text = format_report(report)
     assert text.splitlines() == [
         "Sparse steps (0-based): 1-3; dense-only steps: 0",
@@ -56,7 +60,8 @@ def test_report_says_when_nothing_ran_sparse():
     tracker.note_block(0, sparse=False, layer=0, reason="warmup_mode='dense'")
     tracker.finish()
     text = format_report(tracker.last_report)
-    assert text.startswith("The sparse path did not run") and "warmup_mode='dense': 1 block calls" in text
+    assert text.startswith("The sparse path did not run")
+    assert "warmup_mode='dense': 1 block calls" in text
     assert "estimated time saved: not measured" in text
     assert format_report(None).startswith("No sampling run")
 
@@ -75,7 +80,10 @@ def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
         args["transformer_options"] = options(step)
         outs.append(run_model(model, hook, args, True))
         assert len(hook.tracker.timed) == (0 if step == 3 else 1)  # first call measures density, next is timed
-    assert outs[0].equal(outs[1]) and outs[1].equal(outs[2])  # the timed call returns the same output
+    assert outs[0].equal(outs[1])
+    assert outs[1].equal(outs[2])  # the timed call returns the same output
     s = hook.tracker.stats
-    assert s.timed_sparse_ms > 0 and s.timed_dense_ms > 0
-    assert hook.tracker.finish() and hook.tracker.last_report["est_saved_s"] is not None
+    assert s.timed_sparse_ms > 0
+    assert s.timed_dense_ms > 0
+    assert hook.tracker.finish()
+    assert hook.tracker.last_report["est_saved_s"] is not None

@@ -23,7 +23,8 @@ def test_budgets():
     assert region_budget(256, 1 - 0.75) == 64  # 256 blocks, 75% dropped
     assert region_budget(30, 0.1) == 3  # 0.1 * 30 must not round up to 4
     assert region_budget(7, 0.1) == 1  # at least one block
-    assert region_budget(4, 1.0) == 4 and region_budget(1134, 0.1) == 114
+    assert region_budget(4, 1.0) == 4
+    assert region_budget(1134, 0.1) == 114
 
 
 def test_A_selects_B_and_D():
@@ -32,7 +33,8 @@ def test_A_selects_B_and_D():
     mask = torch.zeros(1, 4, dtype=torch.bool).scatter_(1, picked, True)
     assert mask.int().tolist() == [[0, 1, 0, 1]]
     idx, num = index_table(mask)
-    assert idx.tolist() == [[1, 3, -1, -1]] and num.tolist() == [2]
+    assert idx.tolist() == [[1, 3, -1, -1]]
+    assert num.tolist() == [2]
 
 
 def test_ties_break_toward_the_lower_block_index():
@@ -65,7 +67,8 @@ def test_scopes_context_exact_and_one_budget_per_key_region(scope):
     assert [(lo, hi) for lo, hi, _ in plan.groups] == groups
     for i in range(J):
         if i not in sparse_rows:
-            assert kp.dense_hi[i] == J and (kp.q2k_num[..., i] == 0).all()  # dense query block
+            assert kp.dense_hi[i] == J
+            assert (kp.q2k_num[..., i] == 0).all()  # dense query block
             continue
         assert kp.dense_hi[i] == (tgt[0] if scope == "target-video" else ctx_hi)  # context keys always exact
         for b, h in ((0, 0), (0, 1)):
@@ -100,10 +103,12 @@ def test_route_plan_is_built_once_per_shape_and_ratio():
     tiling = cube_tiling(lay, 64)
     first, groups = route_plan(tiling, "joint-video", 0.2, lay.cache)
     again, groups_again = route_plan(cube_tiling(lay, 64), "joint-video", 0.2, lay.cache)
-    assert again is first and groups_again == groups
+    assert again is first
+    assert groups_again == groups
     other, _ = route_plan(tiling, "joint-video", 0.3, lay.cache)
     assert other is not first
     assert route_plan(tiling, "joint-video", 0.2)[0] is not first  # without the layout's cache: built anew
     lay.cache.clear()
     assert route_plan(tiling, "joint-video", 0.2, lay.cache)[0] is not first
-    assert isinstance(groups, tuple) and all(type(g).__name__ == "RoutingGroup" for g in groups)  # immutable, shared
+    assert isinstance(groups, tuple)
+    assert all(type(g).__name__ == "RoutingGroup" for g in groups)  # immutable, shared

@@ -19,7 +19,8 @@ def test_deterministic_per_seed(name):
     for t in ("q", "k", "v"):
         assert torch.equal(getattr(a, t), getattr(b, t))
         assert not torch.equal(getattr(a, t), getattr(c, t))
-    assert a.q.shape == (1, TINY.heads, TINY.total, TINY.head_dim) and a.layout.total == TINY.total
+    assert a.q.shape == (1, TINY.heads, TINY.total, TINY.head_dim)
+    assert a.layout.total == TINY.total
 
 
 def test_q_and_k_are_rms_normalised_per_head():
@@ -35,7 +36,8 @@ def test_q_and_k_are_rms_normalised_per_head():
 def test_bf16_generation_matches_fp32():
     a = make_scene("pan", TINY, seed=1)
     b = make_scene("pan", TINY, seed=1, dtype=torch.bfloat16)
-    assert b.q.dtype == torch.bfloat16 and torch.equal(b.q, a.q.to(torch.bfloat16))
+    assert b.q.dtype == torch.bfloat16
+    assert torch.equal(b.q, a.q.to(torch.bfloat16))
 
 
 def test_bad_arguments_raise():
@@ -66,4 +68,5 @@ def test_calibration_at_cpu_small():
     assert 0.16 <= context_mass <= 0.26, context_mass
     assert 0.62 <= recall <= 0.76, recall
     gauss_mass, gauss_recall = video_stats(make_scene("gaussian", "cpu-small", seed=0))
-    assert gauss_recall < 0.25 and gauss_mass < 0.1
+    assert gauss_recall < 0.25
+    assert gauss_mass < 0.1

@@ -107,14 +107,18 @@ def test_a_run_ends_when_the_sigma_goes_up(caplog):
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
         for i in range(2):  # interrupted after two steps
             tracker.note_block(tracker.step_of({"sigmas": sched[i:i + 1], "sample_sigmas": sched})[0], sparse=False)
-        assert tracker.end_call() is None and tracker.last_report["steps_dense"] == [0, 1]  # not at sigma 0 yet
+        assert tracker.end_call() is None
+        assert tracker.last_report["steps_dense"] == [0, 1]  # not at sigma 0 yet
         for i in range(4):
             tracker.note_block(tracker.step_of({"sigmas": sched[i:i + 1], "sample_sigmas": sched})[0], sparse=i > 0)
         line = tracker.end_call()
-    assert tracker.last_report["steps_dense"] == [0] and tracker.last_report["steps_sparse"] == [1, 2, 3]
-    assert "steps 1 dense / 3 sparse" in line and tracker.end_call() is None  # logged once
+    assert tracker.last_report["steps_dense"] == [0]
+    assert tracker.last_report["steps_sparse"] == [1, 2, 3]
+    assert "steps 1 dense / 3 sparse" in line
+    assert tracker.end_call() is None  # logged once
     logged = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()]
-    assert logged[1:] == [line] and "steps 2 dense / 0 sparse" in logged[0]  # the interrupted run, at the rerun
+    assert logged[1:] == [line]
+    assert "steps 2 dense / 0 sparse" in logged[0]  # the interrupted run, at the rerun
 
 
 def calls(tracker: RunTracker, sched: torch.Tensor, cfg_pairs: bool = True) -> list[tuple]:
@@ -139,7 +143,8 @@ def test_cfg_pairs_count_once_and_a_new_schedule_is_a_new_run(caplog):
     summaries = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()]
     assert summaries == ["t: steps 2 dense / 4 sparse; blocks 4 dense / 8 sparse; mean density 0.250 in sparse "
                          "blocks (0.500 over all blocks); sparse attention time 0.00 s; precision bf16"]
-    assert tracker.stats.dense_blocks == 0 and len(tracker.notices) == 0  # fresh run state
+    assert tracker.stats.dense_blocks == 0
+    assert len(tracker.notices) == 0  # fresh run state
 
 
 def test_log_once_per_run_and_reset(caplog):
@@ -166,6 +171,7 @@ def test_timers_accumulate_without_growing():
     x = torch.zeros(4)
     for _ in range(50):
         tracker.stop_timer(tracker.start_timer(x))
-    assert tracker.stats.attention_ms > 0 and tracker._pending == []
+    assert tracker.stats.attention_ms > 0
+    assert tracker._pending == []
     tracker.finish()
     assert tracker.stats.attention_ms == 0

@@ -24,18 +24,22 @@ def test_each_job_is_bounded_and_the_cache_resets():
     assert cache.get("route_plan", 0, lambda: "rebuilt") == "rebuilt"  # the oldest went first
     cache.notices.say("said")
     cache.clear()
-    assert len(cache) == 0 and not cache.notices
+    assert len(cache) == 0
+    assert not cache.notices
     with pytest.raises(ValueError, match="job='tilings' is not allowed"):
         cache.get("tilings", 0, lambda: 0)
 
 
 def test_the_layout_owns_what_a_call_builds():
     a, b = SequenceLayout.from_segments(SEGMENTS), SequenceLayout.from_segments(SEGMENTS)
-    assert a == b and hash(a) == hash(b) and a.cache is not b.cache  # the cache is not part of the value
+    assert a == b
+    assert hash(a) == hash(b)
+    assert a.cache is not b.cache  # the cache is not part of the value
     q, k, v = (torch.randn(1, 2, a.total, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
     config = SparseConfig(kernel="torch", min_tokens=0, topk_ratio=0.3)
     out = sparse_attention(q, k, v, a, config)
-    assert {"kernels", "reblock_static", "route_plan", "tube_statics"} <= set(a.cache.jobs) and len(b.cache) == 0
+    assert {"kernels", "reblock_static", "route_plan", "tube_statics"} <= set(a.cache.jobs)
+    assert len(b.cache) == 0
     again = sparse_attention(q, k, v, a, config)
     assert torch.equal(out, again)
     a.cache.clear()

@@ -76,7 +76,9 @@ def test_torch_stream_equals_the_full_matrix_selection(monkeypatch, one_tile_chu
     want_idx, want_num = select_blocks(pooled_scores(q, k), dense_hi, groups)
     windows = recorded_windows(monkeypatch)
     idx, num = route_blocks(q, k, dense_hi, groups)
-    assert idx.dtype == torch.int16 and torch.equal(idx, want_idx) and torch.equal(num, want_num)
+    assert idx.dtype == torch.int16
+    assert torch.equal(idx, want_idx)
+    assert torch.equal(num, want_num)
     lo = groups[0][0] // 64 * 64
     assert windows == [(B, H, min(64, J - i0), groups[-1][1] - lo) for i0 in range(0, J, 64)]  # never J x J
 
@@ -90,7 +92,8 @@ def test_scoring_only_the_sparse_rows_selects_the_same(monkeypatch, one_tile_chu
     want_idx, want_num = select_blocks(pooled_scores(q, k), dense_hi, groups)
     windows = recorded_windows(monkeypatch)
     idx, num = route_blocks(q, k, dense_hi, groups, sparse_rows=(n_dense, J))
-    assert torch.equal(idx, want_idx) and torch.equal(num, want_num)
+    assert torch.equal(idx, want_idx)
+    assert torch.equal(num, want_num)
     assert [w[2] for w in windows] == [min(64, J - i0) for i0 in range(n_dense // 64 * 64, J, 64)]
     for bad in ((-1, J), (5, J + 1), (6, 5)):
         with pytest.raises(ValueError, match="sparse_rows"):
@@ -148,12 +151,14 @@ def test_quantised_scores_approximate_the_pooled_scores(fmt, tol):
     assert float((approx - exact).abs().max() / exact.std()) < tol
     h = indexer.hadamard(128)
     torch.testing.assert_close(h @ h, torch.eye(128), rtol=0, atol=1e-6)
-    assert torch.equal(h, h.T) and set(torch.unique(h * 128 ** 0.5).round().tolist()) == {-1.0, 1.0}
+    assert torch.equal(h, h.T)
+    assert set(torch.unique(h * 128 ** 0.5).round().tolist()) == {-1.0, 1.0}
 
 
 def test_zero_means_quantise_to_zero_codes():
     codes, scale = indexer.quantise(torch.zeros(3, 32), "int8")
-    assert (codes == 0).all() and (scale == 1).all()
+    assert (codes == 0).all()
+    assert (scale == 1).all()
     with pytest.raises(ValueError, match="fmt='int4'"):
         indexer.quantise(torch.zeros(3, 32), "int4")
 

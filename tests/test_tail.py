@@ -20,19 +20,27 @@ def chunk_tiling(n: int, block: int) -> Tiling:
 
 
 def test_two_token_block():
+    """The seed's worked example: keys (-2, 2), values (0, 1), anchor 1, head dim 1.
+
+    The anchor weighs the keys by softmax(k) = (e^-2, e^2) / (e^-2 + e^2), so the summary key is
+    the weighted key 2 tanh 2, the value the weighted value e^2 / (e^-2 + e^2) = sigmoid(4), and the
+    bias makes exp(key + bias) the block's true mass e^-2 + e^2 = 2 cosh 2 at the anchor."""
     k = torch.tensor([-2.0, 2.0], dtype=torch.float64).view(1, 1, 2, 1)
     v = torch.tensor([0.0, 1.0], dtype=torch.float64).view(1, 1, 2, 1)
     anchor = torch.ones(1, 1, 1, dtype=torch.float64)
     key, value, bias = reweight_summaries(k, v, chunk_tiling(2, 2), anchor)
-    true_mass = math.exp(-2) + math.exp(2)
-    assert true_mass == pytest.approx(7.524391, abs=5e-7)
+    assert key.item() == pytest.approx(2 * math.tanh(2), rel=1e-12)
+    assert value.item() == pytest.approx(1 / (1 + math.exp(-4)), rel=1e-12)
+    assert bias.item() == pytest.approx(math.log(2 * math.cosh(2)) - 2 * math.tanh(2), rel=1e-12)
+    # the source document's printed values (six decimals)
     assert key.item() == pytest.approx(1.928055, abs=5e-7)
     assert value.item() == pytest.approx(0.982014, abs=5e-7)
     assert bias.item() == pytest.approx(0.090095, abs=5e-7)
-    assert math.exp(key.item() + bias.item()) == pytest.approx(true_mass, rel=1e-12)  # virtual logit 2.018150
+    assert math.exp(key.item() + bias.item()) == pytest.approx(math.exp(-2) + math.exp(2), rel=1e-12)
     # the mean summary keeps the count (+log 2) but still misses the Jensen gap: mass 2, value 0.5
     mk, mv, mb = mean_summaries(k, v, chunk_tiling(2, 2))
-    assert math.exp(mk.item() + mb.item()) == pytest.approx(2.0) and mv.item() == pytest.approx(0.5)
+    assert math.exp(mk.item() + mb.item()) == pytest.approx(2.0)
+    assert mv.item() == pytest.approx(0.5)
 
 
 def _mixed(tail: str) -> float:
@@ -63,4 +71,8 @@ def test_mixed_exact_and_reweight_summaries_reproduce_dense_at_the_anchor():
 
 
 def test_mean_summaries_do_not_reproduce_dense_at_the_anchor():
-    assert _mixed("mean") == pytest.approx(0.240925, abs=5e-6)
+    """Plain means lose the Jensen gap, so the error at the anchor stays of the order of the values
+    (they are standard normal), far above float64 rounding and the reweighted tail's error."""
+    mean, reweight = _mixed("mean"), _mixed("reweight")
+    assert mean > 1e-2
+    assert mean > 1e6 * max(reweight, 1e-18)

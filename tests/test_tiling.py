@@ -21,7 +21,8 @@ def test_edge_tiles_of_grid_534_carry_true_lengths():
     # ceil(5/4) * ceil(3/2) * ceil(4/2) = 2 * 2 * 2 = 8 tiles
     assert lengths.tolist() == [16, 16, 8, 8, 4, 4, 2, 2]
     for row, n in zip(members, lengths):
-        assert (row[:n] >= 0).all() and (row[n:] == -1).all()  # valid members first
+        assert (row[:n] >= 0).all()
+        assert (row[n:] == -1).all()  # valid members first
     valid = members[members >= 0]
     assert sorted(valid.tolist()) == list(range(60))
     # the last tile: t=4, y=2, x=2..3 -> 4*12 + 2*4 + 2, +1

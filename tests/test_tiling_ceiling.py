@@ -83,7 +83,10 @@ def test_cube_shapes_are_tiles_of_the_block_volume():
     members = tube.k_perm.view(-1, 64)[tube.region_blocks[-1][0]]
     rows = members[members >= 0] - 10  # the first tube: 5 frames (the grid has 5) x 2 x 2
     t, y, x = rows // 42, rows % 42 // 7, rows % 7
-    assert rows.numel() == 20 and t.unique().numel() == 5 and y.max() <= 1 and x.max() <= 1
+    assert rows.numel() == 20
+    assert t.unique().numel() == 5
+    assert y.max() <= 1
+    assert x.max() <= 1
     shipped = tiling_ceiling.cube_shape_tiling(lay, (4, 4, 4))
     assert torch.equal(shipped.k_perm, cube_tiling(lay, 64).k_perm)
     for bad in ((4, 4, 8), (64, 1), (0, 8, 8)):

@@ -141,6 +141,7 @@ def region_block_lengths(block_size):
     return torch.tensor(lengths, dtype=torch.int32)
 
 
+@pytest.mark.slow  # the largest interpreter cases: up to a minute each on 2 cores
 @pytest.mark.parametrize("heads,shared,blocks,bs,dim,dtype,gran", [
     (9, False, "regions", 32, 32, torch.float32, "query"),
     (11, True, "regions", 32, 32, torch.float16, "block"),

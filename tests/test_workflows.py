@@ -35,11 +35,13 @@ def test_graph_is_consistent(path):
     wf = load(path)
     assert {"nodes", "links", "last_node_id", "last_link_id", "version"} <= set(wf)
     nodes = {n["id"]: n for n in wf["nodes"]}
-    assert len(nodes) == len(wf["nodes"]) and max(nodes) <= wf["last_node_id"]
+    assert len(nodes) == len(wf["nodes"])
+    assert max(nodes) <= wf["last_node_id"]
     assert all(lk[0] <= wf["last_link_id"] for lk in wf["links"])
     for link_id, src, src_slot, dst, dst_slot, kind in wf["links"]:
         out, inp = nodes[src]["outputs"][src_slot], nodes[dst]["inputs"][dst_slot]
-        assert link_id in out["links"] and inp["link"] == link_id, f"{path.name}: link {link_id} is not wired both ways"
+        assert link_id in out["links"], f"{path.name}: link {link_id} is not wired both ways"
+        assert inp["link"] == link_id, f"{path.name}: link {link_id} is not wired both ways"
         assert out["type"] == inp["type"] == kind, f"{path.name}: link {link_id} joins {out['type']} to {inp['type']}"
     linked = {lk[0] for lk in wf["links"]}
     for node in wf["nodes"]:
@@ -64,7 +66,9 @@ def test_our_nodes_match_the_schema(path):
         if node["type"] == SPARSE_NODE_ID:
             assert isinstance(config_from_widgets(values), SparseConfig)
             model_in = [i for i in node["inputs"] if i["name"] == "model"]
-            assert model_in and model_in[0]["type"] == "MODEL" and model_in[0]["link"] is not None
+            assert model_in
+            assert model_in[0]["type"] == "MODEL"
+            assert model_in[0]["link"] is not None
         else:
             capture_selection(values["layers"], values["steps"])
 
@@ -95,7 +99,8 @@ def test_widget_spec_mirrors_sparse_config():
     for w in SPARSE_WIDGETS:
         default = getattr(defaults, w.name)
         assert (",".join(map(str, default)) if w.name == "dense_layers" else default) == w.default
-        assert w.tooltip and w.accepts(w.default)
+        assert w.tooltip
+        assert w.accepts(w.default)
     assert [w.name for w in SPARSE_WIDGETS if not w.advanced] == ["topk_ratio", "warmup_mode", "sparse_scope",
                                                                   "tail_granularity", "precision"]
     with pytest.raises(ValueError, match="missing widget values"):
@@ -114,7 +119,9 @@ def test_install_check_reports_and_requirements_leave_pins_alone():
     root = WORKFLOWS[0].parent.parent
     done = subprocess.run([sys.executable, str(root / "install.py")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "torch" in done.stdout and "left as it is" in done.stdout and "comfy-kitchen" in done.stdout
+    assert "torch" in done.stdout
+    assert "left as it is" in done.stdout
+    assert "comfy-kitchen" in done.stdout
     assert "nvidia-cudnn-frontend" in done.stdout
     import importlib.util
 
@@ -139,14 +146,17 @@ def test_notes_name_every_model_file_and_its_folder(path):
     """The canvas says which file each loader expects and where it goes (extra.note is never shown)."""
     wf = load(path)
     notes = notes_of(wf)
-    assert notes and all(isinstance(t, str) and t.strip() for t in notes), f"{path.name} has no note on the canvas"
+    assert notes, f"{path.name} has no note on the canvas"
+    assert all(isinstance(t, str) and t.strip() for t in notes), f"{path.name} has no note on the canvas"
     loaders = [n for n in wf["nodes"] if n["type"] in LOADER_FOLDERS]
     assert {n["type"] for n in loaders} == set(LOADER_FOLDERS), path.name
     for node in loaders:
         name, folder = node["widgets_values"][0], LOADER_FOLDERS[node["type"]]
         assert any(name in t and folder in t for t in notes), f"{path.name}: no note says {name} goes in {folder}"
     text = "\n".join(notes)
-    assert "Adaptive Sparse Attention" in text and "topk_ratio" in text and REPORT_NODE_NAME in text
+    assert "Adaptive Sparse Attention" in text
+    assert "topk_ratio" in text
+    assert REPORT_NODE_NAME in text
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
@@ -154,7 +164,8 @@ def test_every_part_sits_in_a_titled_group(path):
     """Groups with titles frame the parts; every node (notes too) lies inside one."""
     wf = load(path)
     groups = wf["groups"]
-    assert groups and all(g["title"].strip() and len(g["bounding"]) == 4 for g in groups)
+    assert groups
+    assert all(g["title"].strip() and len(g["bounding"]) == 4 for g in groups)
 
     def inside(node, group):
         gx, gy, gw, gh = group["bounding"]
@@ -175,7 +186,8 @@ def test_report_node_follows_the_sampler(path):
     into = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
     slots = {i["name"]: k for k, i in enumerate(reports[0]["inputs"])}
     src, src_slot = into[(reports[0]["id"], slots["samples"])]
-    assert nodes[src]["type"] in SAMPLERS and nodes[src]["outputs"][src_slot]["type"] == "LATENT", path.name
+    assert nodes[src]["type"] in SAMPLERS, path.name
+    assert nodes[src]["outputs"][src_slot]["type"] == "LATENT", path.name
     src, _ = into[(reports[0]["id"], slots["model"])]
     assert nodes[src]["type"] == SPARSE_NODE_ID, f"{path.name}: the report's model comes from {nodes[src]['type']}"
     model_users = {nodes[dst]["type"] for (dst, _), (s, _) in into.items() if s == src}
