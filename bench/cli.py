@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ratios", type=_floats, default=_floats(ratios), help=f"top-k ratios (default {ratios})")
         p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
         p.add_argument("--kernel", "--backend", dest="kernel", default="auto", choices=("auto", *registry.FAMILIES),
-                       help="kernel family of ours (SparseConfig.kernel; --backend is its old name): auto = the first that runs of cuDNN-frontend (optional package, sm90), "
+                       help="kernel family of ours (SparseConfig.kernel; --backend is its old name): auto = the "
+                            "first that runs of cuDNN-frontend (optional package, sm90), "
                             "Triton on CUDA, else the torch reference")
         p.add_argument("--seed", type=int, default=0)
 
