@@ -1,4 +1,4 @@
-"""Optional backend: the exact keys on NVIDIA cuDNN-frontend's block-sparse kernel (CuTe DSL).
+"""Optional kernel family: the exact keys on NVIDIA cuDNN-frontend's block-sparse kernel (CuTe DSL).
 
 cuDNN's kernel reads K/V blocks as contiguous rows, so a call packs Q/K/V into tiled order a few
 heads at a time (bounded extra memory; one fused gather, `tiled_pack.py`) and gives it the key list of every query block: the
@@ -9,7 +9,7 @@ from cuDNN's normalised rows and log-sum-exp (`block_sparse_triton(partial=...)`
 summaries, normalises once and stores rows in model order. Same semantics as the reference.
 
 The package `nvidia-cudnn-frontend` (with `nvidia-cutlass-dsl`) is optional: without it, or on a
-GPU family it is not enabled for, this backend is unavailable; where it runs, `auto` takes it
+GPU architecture it is not enabled for, it is unavailable; where it runs, `auto` takes it
 (`kernels/registry.py`).
 """
 from __future__ import annotations

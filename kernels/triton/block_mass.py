@@ -12,7 +12,7 @@ one program per row with a radix select (`radix_select.top_k_mask_pair`), in pla
 TopK, log-sum-exp and exponentials of the same [3, heads, probes, blocks] tensor (each a pass
 over it).
 
-Importing this module imports Triton: the backend imports it only on demand.
+Importing this module imports Triton: `family.py` imports it only when a call resolves to it.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ tiles, so every score is bit for bit the one the full matrix holds. The 8-bit ke
 quantised block means (`backend/indexer.py`): int8 codes with exact int32 accumulation, or fp8
 e4m3 codes with fp32 accumulation, then the per-row scales.
 
-Importing this module imports Triton: the backend imports it only on demand.
+Importing this module imports Triton: `family.py` imports it only when a call resolves to it.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ select (`radix_select.top_k_mask_pair`: exact, ties toward the lower index, no s
 written in ascending order at their prefix-sum positions, so the selection is exactly that of
 the stable sort (tested against it).
 
-Importing this module imports Triton: the backend imports it only on demand.
+Importing this module imports Triton: `family.py` imports it only when a call resolves to it.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ kernel builds a block's tail summary in one pass over its K and V rows:
 - without: mean key and value (non-finite entries 0) and bias log(n), as `backend/tail.mean_summaries`.
 
 The torch code in `backend/` stays the reference (CPU, float64). Importing this module imports
-Triton: the backend imports it only on demand.
+Triton: `family.py` imports it only when a call resolves to it.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ norm over its first D columns, a division and a NaN clean-up, bound by moving th
 Here one program per tile of rows does both
 products in fp32 accumulators and writes only the r feature columns, in half precision.
 
-Importing this module imports Triton: the backend imports it only on demand.
+Importing this module imports Triton: `family.py` imports it only when a call resolves to it.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ the few keys inside the bracket. Same rank rule as the torch split (tested again
 interpreter, where both round the projection alike; on the GPU the kernel's fused
 multiply-adds may round differently).
 
-Importing this module imports Triton: the backend imports it only on demand.
+Importing this module imports Triton: `family.py` imports it only when a call resolves to it.
 """
 from __future__ import annotations
 
