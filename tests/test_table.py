@@ -6,6 +6,8 @@ Availability is decided from a `Host` (which packages import, the interpreter) a
 """
 import importlib.util
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,20 @@ def test_a_family_declared_outside_the_registry_resolves_by_its_place_in_the_ord
     with pytest.raises(RuntimeError, match="kernel='test' cannot run: cuda is not the CPU"):
         registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), strict=True)
     assert registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), notices=Notices()) == "torch"
+
+
+def test_the_table_imports_no_kernel_module_until_a_call_resolves_to_it(tmp_path):
+    """The families' rows name their kernels with ordinary imports inside `load`: importing the
+    package, rendering the table and resolving the torch family import neither Triton nor a
+    Triton kernel module (Triton decorates a kernel when its module is first imported)."""
+    script = ("import sys, torch\n"
+              "from adaptive_sparse_attention.kernels import registry as r\n"
+              "r.render(r.Target('cuda', (9, 0)), r.current_host())\n"
+              "r.resolve('torch', torch.device('cpu'), torch.float32)\n"
+              "kernel_modules = ('attention', 'block_stats', 'block_scores', 'block_select', 'block_mass',\n"
+              "                  'reblock_features', 'reblock_split', 'radix_select', 'tiled_pack')\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'\n"
+              "             or m.rsplit('.', 1)[-1] in kernel_modules and '.kernels.triton.' in m))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
