@@ -36,12 +36,13 @@ class Notices:
         if self._first(message):
             logger().log(level, "%s", message)
 
-    def fallback(self, message: str, instead: str, strict: bool) -> None:
-        """`message` says what cannot run: raise RuntimeError in strict mode, else say once what runs `instead`."""
+    def fallback(self, message: str, instead: str | None, strict: bool) -> None:
+        """`message` says what cannot run: raise RuntimeError in strict mode, else say it once, with
+        what runs `instead` (None: the message says it)."""
         if strict:
             raise RuntimeError(f"{message} (strict mode)")
         if self._first(message):
-            logger().warning("%s; %s", message, instead)
+            logger().warning("%s", message if instead is None else f"{message}; {instead}")
 
     def _first(self, message: str) -> bool:
         """Whether `message` was not said before; remembers it (within `limit`)."""

@@ -119,10 +119,7 @@ class SparseAttentionHook(BlockHook):
 
     def refuse(self, layer: int, problem: str) -> None:
         """A call that cannot run sparse: strict raises, otherwise the reason is logged once per run."""
-        message = f"layer {layer} runs dense: {problem}"
-        if self.config.strict:
-            raise RuntimeError(f"{self.title} (strict): {message}")
-        self.tracker.log_once(message)
+        self.tracker.notices.fallback(f"{self.title}: layer {layer} runs dense: {problem}", None, self.config.strict)
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when `choose` lets this call run sparse, else None (the call is counted

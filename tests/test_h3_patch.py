@@ -130,7 +130,7 @@ def test_strict_errors_and_logged_fallbacks(caplog, monkeypatch):
     model = model_of(True, seed=10, head_dim=48)  # head_dim 48 is not a kernel head size
     args = block_args(model.blocks[0], PACKED, seed=11, new=True)
     args["transformer_options"] = options()
-    with pytest.raises(RuntimeError, match=r"\(strict\).*head_dim=48"):
+    with pytest.raises(RuntimeError, match=r"runs dense: .*head_dim=48.*\(strict mode\)"):
         run_model(model, SparseAttentionHook(config(strict=True)), args, True)
     hook = SparseAttentionHook(config())
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):

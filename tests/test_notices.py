@@ -29,7 +29,8 @@ def test_fallback_raises_in_strict_mode_and_otherwise_says_what_runs_instead_onc
     with caplog.at_level(logging.WARNING, logger=NAME):
         notices.fallback("x cannot run", "running y", strict=False)
         notices.fallback("x cannot run", "running y", strict=False)
-    assert said(caplog) == ["x cannot run; running y"]
+        notices.fallback("layer 3 runs dense: why", None, strict=False)  # the message says what runs
+    assert said(caplog) == ["x cannot run; running y", "layer 3 runs dense: why"]
 
 
 def test_a_bounded_record_keeps_at_most_its_limit_and_still_says_the_rest(caplog):
