@@ -133,7 +133,7 @@ def render_markdown(result: dict) -> str:
             f"- hardware: {env['hardware']} ({env['device']}); torch {env['torch']}"
             + (f", triton {env['triton']}" if "triton" in env else "")
             + (f", comfy-kitchen {env['comfy-kitchen']}" if "comfy-kitchen" in env else "")
-            + f"; kernel backend of ours: {result['backend']}",
+            + f"; kernel family of ours: {result['backend']}",
             f"- dense reference: SDPA ({', '.join(sorted({r['note'] for r in result['rows'] if r.get('note')})) or '-'}); "
             f"quality columns are target-video rows, ctx rel L2 the worst context group",
             f"- date: {env['date']}; seed {result['seed']}", ""]
