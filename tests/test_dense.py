@@ -204,7 +204,8 @@ def test_cpu_runs_sdpa_default(tmp_path):
     assert choices.choice(q, q, q) is None
     out, kernel = choices.attention(q, q, q)
     torch.testing.assert_close(out.double(), exact_attention(q, q, q), rtol=0, atol=1e-6)
-    assert kernel is None and not (tmp_path / "choices.json").exists()
+    assert kernel is None
+    assert not (tmp_path / "choices.json").exists()
 
 
 @pytest.mark.gpu
@@ -292,7 +293,8 @@ def test_tolerance_of_each_precision():
     unit = dense.rounding_error(torch.bfloat16)
     assert unit == pytest.approx(3.19e-3, rel=1e-2)
     bf16, eight = dense.tolerance(torch.bfloat16), dense.tolerance(torch.bfloat16, "8-bit")
-    assert 2.3e-3 < bf16 < 1.3e-2 and 1.7e-2 < eight < 0.1
+    assert 2.3e-3 < bf16 < 1.3e-2
+    assert 1.7e-2 < eight < 0.1
     assert dense.tolerance(torch.bfloat16, "bf16", sdpa_error=2.3e-3) == bf16  # below the floor: the floor
     assert dense.tolerance(torch.bfloat16, "bf16", sdpa_error=4e-3) == pytest.approx(3 * 4e-3)
     assert dense.tolerance(torch.bfloat16, "bf16", sdpa_error=1.0) == pytest.approx(6 * unit)  # at most 2 units
@@ -361,9 +363,12 @@ def test_the_host_attention_runs_when_it_is_fastest_and_meets_the_bound(host_ms,
     assert choices.label(kernel, host) == ("ComfyUI's attention comfy.ldm.modules.attention.attention_pytorch"
                                            if expected == "host" else "SDPA's own choice")
     measured = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dense kernels measured")]
-    assert len(measured) == 1 and "attention_pytorch" in measured[0] and "SDPA's own choice 2 ms" in measured[0]
+    assert len(measured) == 1
+    assert "attention_pytorch" in measured[0]
+    assert "SDPA's own choice 2 ms" in measured[0]
     calls = timer.host_calls
-    assert choices.attention(q, k, v, host)[1] == expected and timer.host_calls == calls + (expected == "host")
+    assert choices.attention(q, k, v, host)[1] == expected
+    assert timer.host_calls == calls + (expected == "host")
 
 
 def test_a_host_attention_with_wrong_values_is_refused_with_a_clear_report(caplog):
@@ -374,9 +379,11 @@ def test_a_host_attention_with_wrong_values_is_refused_with_a_clear_report(caplo
     choices = dense.DenseChoices(timer=timer)
     with caplog.at_level("INFO", logger="adaptive_sparse_attention"):
         out, kernel = choices.attention(q, k, v, host)
-    assert kernel == "sdpa" and torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert kernel == "sdpa"
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     refused = [r for r in caplog.records if "differs from the float32 reference" in r.getMessage()]
-    assert len(refused) == 1 and refused[0].levelname == "WARNING"
+    assert len(refused) == 1
+    assert refused[0].levelname == "WARNING"
     assert re.fullmatch(r"dense kernel ComfyUI's attention comfy\.ldm\.modules\.attention\.attention_pytorch differs "
                         r"from the float32 reference \(relative L2 2\.0\de-02, more than the 1\.2e-03 allowed\): "
                         r"skipped", refused[0].getMessage()), refused[0].getMessage()
@@ -388,9 +395,11 @@ def test_an_8bit_host_attention_is_a_candidate_of_8bit_runs_only():
     timer = StubTimer(0.5, 2.0)
     host = host_of(perturbed_host(timer, 1.015), "comfy.ldm.modules.attention.attention_comfy_kitchen_int8", True)
     choices = dense.DenseChoices(timer=timer)
-    assert choices.attention(q, k, v, host, "bf16")[1] == "sdpa" and timer.host_calls == 0
+    assert choices.attention(q, k, v, host, "bf16")[1] == "sdpa"
+    assert timer.host_calls == 0
     out, kernel = choices.attention(q, k, v, host, "8-bit")  # 1.5e-2 off: within the 8-bit bound (3.2e-2)
-    assert kernel == "host" and torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v) * 1.015)
+    assert kernel == "host"
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v) * 1.015)
     assert choices.key(q, k, v, host, "8-bit") != choices.key(q, k, v, host, "bf16")
 
 
@@ -405,7 +414,8 @@ def test_another_launch_attention_is_measured_again(tmp_path):
     assert choices.attention(q, k, v, sage, "8-bit")[1] == "host"
     timer.host_ms = 3.0
     assert choices.attention(q, k, v, pytorch, "8-bit")[1] == "sdpa"
-    assert len(choices.choices) == 2 and not (tmp_path / "choices.json").exists()  # CPU timings are not saved
+    assert len(choices.choices) == 2  # CPU timings are not saved
+    assert not (tmp_path / "choices.json").exists()
 
 
 def test_override_calls_comfyui_attention_with_its_own_arguments_and_never_recurses():
@@ -436,9 +446,40 @@ def test_override_calls_comfyui_attention_with_its_own_arguments_and_never_recur
     override = DenseOverride(dense.DenseChoices(timer=timer), precision="8-bit")
     to = {"optimized_attention_override": override}
     out = wrapped_pytorch(q, k, v, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to)
-    assert out.shape == q.shape and len(depth) == 1
+    assert out.shape == q.shape
+    assert len(depth) == 1
     out = override(sage_like, q, k, v, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to,
                    _inside_attn_wrapper=True)
     assert received and all(kw["_inside_attn_wrapper"] is True and kw["transformer_options"] is to and
                             kw["skip_reshape"] and kw["skip_output_reshape"] for kw in received)
     assert len(depth) == 1  # never reached the override again
+
+
+def test_a_host_attention_that_reenters_the_override_is_refused_not_deadlocked(caplog):
+    """A third-party attention function that calls ComfyUI's attention again without passing
+    `_inside_attn_wrapper` reaches the override while it is measuring that very function: the inner call
+    raises a clear error (instead of waiting on the lock the measurement holds), the candidate is
+    skipped with a warning that says why, and the call runs on the next kernel."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    override = DenseOverride(dense.DenseChoices(timer=StubTimer(1.0, 2.0)))
+    to = {"optimized_attention_override": override}
+    inner_errors = []
+
+    def drops_the_marker(q, k, v, heads, **kwargs):  # re-enters the override, without _inside_attn_wrapper
+        kwargs.pop("_inside_attn_wrapper", None)
+        try:
+            return override(drops_the_marker, q, k, v, heads, **kwargs)
+        except dense.ReentryError as err:
+            inner_errors.append(err)
+            raise
+
+    with caplog.at_level("INFO", logger="adaptive_sparse_attention"):
+        out = override(drops_the_marker, q, k, v, 2, skip_reshape=True, skip_output_reshape=True,
+                       transformer_options=to, _inside_attn_wrapper=True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+    assert inner_errors
+    assert "_inside_attn_wrapper" in str(inner_errors[0])
+    skipped = [r for r in caplog.records if "cannot run here (ReentryError" in r.getMessage()]
+    assert len(skipped) == 1
+    assert skipped[0].levelname == "WARNING"

@@ -57,6 +57,10 @@ MAX_CHOICES = 64  # shape buckets kept in memory; a model uses a handful
 _UNKNOWN = object()  # no choice in memory yet
 
 
+class ReentryError(RuntimeError):
+    """A candidate re-entered the dense choice that is measuring it (it would wait on its own lock)."""
+
+
 @dataclass(frozen=True)
 class HostAttention:
     """The attention function the host application would run for a call (ComfyUI's as launched, or
@@ -215,7 +219,8 @@ def agrees(name: str, run: Callable[[str], torch.Tensor], reference: torch.Tenso
     try:
         err = relative_l2(run(name), reference)
     except Exception as exc:  # out of memory, or a kernel that does not take these inputs
-        note(f"dense kernel {label(name)} cannot run here ({describe(exc)}): skipped")
+        note(f"dense kernel {label(name)} cannot run here ({describe(exc)}): skipped",
+             logging.WARNING if isinstance(exc, ReentryError) else logging.INFO)
         return False
     if not err <= tol:
         note(f"dense kernel {label(name)} differs from the float32 reference (relative L2 {err:.2e}, more than "
@@ -287,6 +292,7 @@ class DenseChoices:
         self.choices: dict[str, str | None] = {}
         self.devices: dict[int | None, str] = {}  # device index -> device_key (+ whether FlashAttention-4 runs)
         self.notices = Notices(limit=MAX_CHOICES)  # what was logged, once per object
+        self.measuring: int | None = None  # the thread measuring a first use, while it does
 
     @property
     def path(self) -> Path:
@@ -329,9 +335,20 @@ class DenseChoices:
         return self.devices[device.index]
 
     def lookup(self, key: str, first_use: Callable[[], str | None]) -> str | None:
-        """The choice in memory for `key` (read without a lock), else `first_use()`."""
+        """The choice in memory for `key` (read without a lock), else `first_use()`.
+
+        Raises:
+            ReentryError: a candidate being measured by this thread asks for a choice (it would wait on
+                the lock its own measurement holds).
+        """
         choice = self.choices.get(key, _UNKNOWN)
-        return first_use() if choice is _UNKNOWN else choice
+        if choice is not _UNKNOWN:
+            return choice
+        if self.measuring == threading.get_ident():
+            raise ReentryError(f"a candidate called the dense attention again while it was being measured, for {key} "
+                               "(a host attention function that calls ComfyUI's attention without passing "
+                               "_inside_attn_wrapper): it cannot be a candidate")
+        return first_use()
 
     def resolve(self, key: str, allowed: Sequence[str], check: Callable[[str], bool],
                 measure: Callable[[], str | None], label: Callable[[str], str] = str,
@@ -355,22 +372,31 @@ class DenseChoices:
             choice = self.choices.get(key, _UNKNOWN)
             if choice is not _UNKNOWN:
                 return choice
-            saved = self.file.read().get(key) if persist else None
-            if saved is not None and saved in allowed and check(saved):
-                return self.remember(key, saved)
-            if saved is not None:
-                self.note(f"the saved dense kernel {saved!r} for {key} does not run or match here: measuring again")
-            choice = measure()
-            if choice is None:
-                self.note(f"dense attention for {key} runs on SDPA's own choice: no candidate kernel ran and "
-                          "matched here; a later process measures again", logging.WARNING)
-            elif persist:
-                log.info("dense attention for %s runs on %s (measured once, saved in %s)", key, label(choice),
-                         self.path)
-                self.file.save(key, choice)
-            else:
-                log.info("dense attention for %s runs on %s (measured in this process)", key, label(choice))
-            return self.remember(key, choice)
+            self.measuring = threading.get_ident()
+            try:
+                return self._first_use(key, allowed, check, measure, label, persist)
+            finally:
+                self.measuring = None
+
+    def _first_use(self, key: str, allowed: Sequence[str], check: Callable[[str], bool],
+                   measure: Callable[[], str | None], label: Callable[[str], str], persist: bool) -> str | None:
+        """`resolve` under the lock, once no choice is in memory for `key`."""
+        saved = self.file.read().get(key) if persist else None
+        if saved is not None and saved in allowed and check(saved):
+            return self.remember(key, saved)
+        if saved is not None:
+            self.note(f"the saved dense kernel {saved!r} for {key} does not run or match here: measuring again")
+        choice = measure()
+        if choice is None:
+            self.note(f"dense attention for {key} runs on SDPA's own choice: no candidate kernel ran and "
+                      "matched here; a later process measures again", logging.WARNING)
+        elif persist:
+            log.info("dense attention for %s runs on %s (measured once, saved in %s)", key, label(choice),
+                     self.path)
+            self.file.save(key, choice)
+        else:
+            log.info("dense attention for %s runs on %s (measured in this process)", key, label(choice))
+        return self.remember(key, choice)
 
     def remember(self, key: str, choice: str | None) -> str | None:
         """Keep `choice` in memory, dropping the oldest beyond MAX_CHOICES."""
