@@ -76,9 +76,11 @@ def test_lora_on_attention_projections_matches_the_dense_model_with_it(lora_node
     torch.testing.assert_close(out, dense_lora, rtol=1e-4, atol=1e-4)
     (_, _, dense_blocks, sparse_blocks), = summaries(caplog)
     if "topk_ratio" in exact:  # every block on the sparse path, Q/K/V from the node's own producer
-        assert sparse_blocks == 4 * TINY["num_layers"] * CALLS and dense_blocks == 0
+        assert sparse_blocks == 4 * TINY["num_layers"] * CALLS
+        assert dense_blocks == 0
     else:
-        assert sparse_blocks == 0 and dense_blocks == 4 * TINY["num_layers"] * CALLS
+        assert sparse_blocks == 0
+        assert dense_blocks == 4 * TINY["num_layers"] * CALLS
 
 
 def easycache(model):
@@ -113,11 +115,13 @@ def test_easycache_composes_before_and_after_the_node(comfy, caplog, order):
         out = sample(nodes, patched, steps=8)
     torch.testing.assert_close(exact, cached_dense, rtol=1e-4, atol=1e-4)
     assert skipped(caplog) == ["EasyCache - skipped 3/8 steps (1.60x speedup)."]
-    assert torch.isfinite(out).all() and (out - cached_dense).abs().max() > 0  # the sparse steps did run sparse
+    assert torch.isfinite(out).all()  # the sparse steps did run sparse
+    assert (out - cached_dense).abs().max() > 0
     # the 5 steps EasyCache runs reach the node: warmup 0.25 of 8 steps (steps 0-1) dense, 3 of steps 2-7 sparse
     (hook,) = [h for h in hooks_of(patched) if isinstance(h, SparseAttentionHook)]
     report = hook.tracker.last_report
-    assert report["steps_dense"] == [0, 1] and len(report["steps_sparse"]) == 3
+    assert report["steps_dense"] == [0, 1]
+    assert len(report["steps_sparse"]) == 3
     assert set(report["steps_sparse"]) <= set(range(2, 8))
     if order == "node-then-easycache":  # the node's wrapper sees every step, the last one too: summary at the end
         assert summaries(caplog) == [(2, 3, 2 * TINY["num_layers"] * CALLS, 3 * TINY["num_layers"] * CALLS)]
@@ -152,7 +156,8 @@ def test_comfyuis_selected_attention_runs_only_the_dense_blocks_it_is_given(comf
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
         sample(nodes, sparse(model, dense_attention=dense_attention, tiling="cube"))
     (dense_steps, sparse_steps, dense_blocks, sparse_blocks), = summaries(caplog)
-    assert (dense_steps, sparse_steps) == (1, 3) and sparse_blocks > 0
+    assert (dense_steps, sparse_steps) == (1, 3)
+    assert sparse_blocks > 0
     blocks = [rows for rows in calls if rows == SEQUENCE]  # the DiT blocks (the text refiner's calls are shorter)
     if dense_attention == "comfyui":  # every dense block, and no sparse one
         assert len(blocks) == dense_blocks
@@ -180,7 +185,8 @@ def test_another_nodes_attention_override_keeps_the_dense_blocks(comfy, caplog):
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
         sample(nodes, sparse(model, dense_attention="fastest", tiling="cube"))
     (_, _, dense_blocks, sparse_blocks), = summaries(caplog)
-    assert sparse_blocks > 0 and calls.count(SEQUENCE) == dense_blocks > 0
+    assert sparse_blocks > 0
+    assert calls.count(SEQUENCE) == dense_blocks > 0
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "another node's optimized_attention_override runs the dense blocks" in logged
     assert "applies to dense blocks only; sparse blocks run adaptive sparse attention" in logged

@@ -83,7 +83,8 @@ def test_comfyui_attention_runs_the_dense_steps_when_it_is_the_fastest(comfy, mo
     assert any("precision bf16 (auto: ComfyUI runs some_launch.attention_standin" in m for m in said), said
     assert any(m.startswith("dense kernels measured") and launch.identity in m for m in said), said
     summary = [m for m in said if "dense attention on" in m]
-    assert summary and ("ComfyUI's attention" in summary[-1]) is chosen
+    assert summary
+    assert ("ComfyUI's attention" in summary[-1]) is chosen
 
 
 def test_an_8bit_launch_runs_its_attention_under_auto_and_not_under_bf16(comfy, monkeypatch):
@@ -96,11 +97,14 @@ def test_an_8bit_launch_runs_its_attention_under_auto_and_not_under_bf16(comfy, 
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
     plain = sample(nodes, model)
     auto, report = dense_run(nodes, model)
-    assert report["precision"] == "8-bit" and "--use-sage-attention" in report["precision_reason"]
-    assert torch.equal(auto, plain) and report["dense_kernels"] == {f"ComfyUI's attention {launch.identity}": 16}
+    assert report["precision"] == "8-bit"
+    assert "--use-sage-attention" in report["precision_reason"]
+    assert torch.equal(auto, plain)
+    assert report["dense_kernels"] == {f"ComfyUI's attention {launch.identity}": 16}
     launch.calls.clear()
     bf16, report = dense_run(nodes, model, precision="bf16")
-    assert report["precision"] == "bf16" and report["precision_reason"] == "precision=bf16 on the node"
+    assert report["precision"] == "bf16"
+    assert report["precision_reason"] == "precision=bf16 on the node"
     assert report["dense_kernels"] == {"SDPA's own choice": 16}
     # the stand-in still runs where ComfyUI calls it outside the DiT blocks (the text refiner), never for them
     assert not any("optimized_attention_override" in kw.get("transformer_options", {}) for kw in launch.calls)

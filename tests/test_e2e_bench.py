@@ -92,7 +92,8 @@ def test_launch_modes_set_comfyuis_flags_and_refuse_a_missing_package(monkeypatc
     monkeypatch.setattr(e2e, "launch_unavailable_reason", lambda launch: None)  # as on a GPU machine with both
     monkeypatch.delitem(sys.modules, "comfy.ldm.modules.attention", raising=False)
     e2e.set_launch(args, "sage")
-    assert args.use_sage_attention and not args.use_ck_attention
+    assert args.use_sage_attention
+    assert not args.use_ck_attention
     monkeypatch.setitem(sys.modules, "comfy.ldm.modules.attention", object())  # imported already: too late
     with pytest.raises(RuntimeError, match="imported already"):
         e2e.set_launch(SimpleNamespace(), "ck")
@@ -189,8 +190,12 @@ def test_tiny_int8_convrot_run_in_real_comfyui(tmp_path: Path):
                           capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["weights"] == "int8_convrot" and [r["run"] for r in result["runs"]] == ["comfyui", "ours"]
+    assert result["weights"] == "int8_convrot"
+    assert [r["run"] for r in result["runs"]] == ["comfyui", "ours"]
     assert 0 < result["runs"][1]["rel_l2"] < 0.1
     qkv = result["qkv"]["10s"]
-    assert qkv["format"] == "int8_tensorwise" and qkv["rows"] > 0 and qkv["comfyui_qkv_proj_ms"] > 0
-    assert "| 10s |" in proc.stdout and "int8_tensorwise" in proc.stdout
+    assert qkv["format"] == "int8_tensorwise"
+    assert qkv["rows"] > 0
+    assert qkv["comfyui_qkv_proj_ms"] > 0
+    assert "| 10s |" in proc.stdout
+    assert "int8_tensorwise" in proc.stdout

@@ -93,7 +93,8 @@ def test_pre_pass_codes_equal_the_torch_quantisation(pv, shared):
     got = quantise_blocks_triton(q, k, v, plan.q_perm, plan.k_perm, key_mean(k), value_max(v), bs, 1, 4, pv)
     for field in dataclasses.fields(ref):
         want, have = getattr(ref, field.name)[:, 1:4], getattr(got, field.name)
-        assert want.shape == have.shape and want.dtype == have.dtype, field.name
+        assert want.shape == have.shape, field.name
+        assert want.dtype == have.dtype, field.name
         if field.name == "q_shift":
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
         else:
@@ -123,7 +124,8 @@ def test_quantisation_error_is_half_a_step(pv):
     bound = torch.maximum(vt.abs() * (0 if pv == "int8" else 2 ** -4), half_step) * 1.0001  # e4m3: 3 mantissa bits
     assert ((v_deq - vt).abs() <= bound).all()
     pad = (plan.q_perm < 0).expand(B, H, -1)
-    assert (c.q_codes[pad] == 0).all() and c.q_codes.shape == (B, H, J * bs, D)
+    assert (c.q_codes[pad] == 0).all()
+    assert c.q_codes.shape == (B, H, J * bs, D)
 
 
 @pytest.mark.parametrize("family,gran,heads,shared,bs,dim,regions", [
@@ -146,7 +148,9 @@ def test_kernel_matches_the_same_quantisation(family, gran, heads, shared, bs, d
     out, lse = block_sparse_triton(q, k, v, plan, config=cfg, precision="8-bit")
     ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan, eight_bit=cfg)
     exact, _ = block_sparse_reference(q.double(), k.double(), v.double(), plan)
-    assert out.dtype == q.dtype and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(lse).all()
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=ATOL)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-7, atol=LSE_TOL)
     assert 0 < (ref - exact).norm() / exact.norm() < REL_L2
@@ -203,7 +207,8 @@ def test_public_entry_point_and_custom_op_run_8_bit():
     compiled = torch.compile(lambda a, b, c: TritonAttention().attend_blocks(a, b, c, plan, precision="8-bit"),
                              fullgraph=True, backend="aot_eager")
     got, got_lse = compiled(q, k, v)
-    assert torch.equal(got, eager) and torch.equal(got_lse, eager_lse)
+    assert torch.equal(got, eager)
+    assert torch.equal(got_lse, eager_lse)
 
 
 def test_8_bit_is_resolved_away_from_cudnn_and_bad_requests_raise():

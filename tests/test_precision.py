@@ -63,7 +63,9 @@ def test_eight_bit_functions_are_told_by_identity(ident, eight):
     ("attention_pytorch", "bf16", "not 8-bit"), ("attention_flash", "bf16", "not 8-bit")])
 def test_auto_follows_comfyui_launch(bound, expected, says):
     precision, why = resolve_precision("auto", comfy_function(bound), None)
-    assert precision == expected and says in why and f"{ATTENTION}.{bound}" in why
+    assert precision == expected
+    assert says in why
+    assert f"{ATTENTION}.{bound}" in why
 
 
 def test_auto_follows_another_nodes_override_and_explicit_settings_win():
@@ -107,12 +109,15 @@ def launched(monkeypatch):
     ("8-bit", "attention_pytorch", "8-bit")])
 def test_the_engine_and_the_dense_override_get_the_resolved_precision(launched, setting, bound, expected):
     hook = SparseAttentionHook(SparseConfig(precision=setting))
-    assert hook.engine_config.precision in ("bf16", "8-bit") and hook.config.precision == setting
+    assert hook.engine_config.precision in ("bf16", "8-bit")
+    assert hook.config.precision == setting
     hook.on_pre_run(Patcher(launched(bound)))
     assert hook.engine_config.precision == hook.dense_override.precision == expected
-    assert hook.tracker.precision[0] == expected and hook.config.precision == setting  # auto stays auto
+    assert hook.tracker.precision[0] == expected  # auto stays auto
+    assert hook.config.precision == setting
     twin = hook.on_model_patcher_clone()  # a clone resolves its own precision
-    assert twin.config.precision == setting and twin.dense_override is not hook.dense_override
+    assert twin.config.precision == setting
+    assert twin.dense_override is not hook.dense_override
 
 
 def test_our_own_override_is_not_another_nodes(launched):

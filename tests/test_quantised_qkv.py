@@ -54,7 +54,8 @@ def test_producer_asks_a_projection_once_per_group_and_calls_it_per_chunk():
     projection = CountingProjection(w)
     got = producer.produce_qkv(x, projection, None, 3, 8, scale, scale, 1e-6, None, (1, 3), chunk_rows=10)
     want = producer.produce_qkv(x, w, None, 3, 8, scale, scale, 1e-6, None, (1, 3), chunk_rows=23)
-    assert projection.groups == [(1, 3)] and projection.rows == [10, 10, 3]
+    assert projection.groups == [(1, 3)]
+    assert projection.rows == [10, 10, 3]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="bias must be None when weight is a Projection"):
@@ -64,7 +65,8 @@ def test_producer_asks_a_projection_once_per_group_and_calls_it_per_chunk():
 def test_weight_formats_and_refusals():
     assert checkpoints.WEIGHTS == ("bf16", "int8_convrot", "fp8", "nvfp4")
     cpu = torch.device("cpu")
-    assert checkpoints.unsupported("bf16", cpu) is None and checkpoints.unsupported("int8_convrot", cpu) is None
+    assert checkpoints.unsupported("bf16", cpu) is None
+    assert checkpoints.unsupported("int8_convrot", cpu) is None
     assert "fp8 matmuls need sm89 or newer; the CPU has none" in checkpoints.unsupported("fp8", cpu)
     assert "nvfp4 matmuls need sm100 or newer" in checkpoints.unsupported("nvfp4", cpu)
     assert "allowed: bf16, int8_convrot, fp8, nvfp4" in checkpoints.unsupported("int4", cpu)
@@ -217,7 +219,8 @@ def test_head_rows_of_a_quantised_weight_are_its_rows(comfy, layout, kwargs, hea
     for heads in ((0, 1), (1, 3), (2, 3)):
         index = producer.head_rows(torch.arange(w.shape[0]), 3, head_dim, heads)
         part = quantised_rows(w, index)
-        assert isinstance(part, QuantizedTensor) and part._layout_cls == layout
+        assert isinstance(part, QuantizedTensor)
+        assert part._layout_cls == layout
         assert torch.equal(part.dequantize(), whole[index]), heads
 
 
@@ -257,7 +260,8 @@ def test_weight_patches_on_a_quantised_checkpoint_compose(comfy, quantised, comp
     ours = sparse(lora, topk_ratio=1.0, warmup_ratio=0.0)
     ours.model_options.setdefault("transformer_options", {})["minimax_head_chunks"] = 2
     error = float((sample(nodes, ours) - dense).norm() / dense.norm())
-    assert moved > 1e-3 and error < 1e-5  # the patch matters; ours follows it
+    assert moved > 1e-3  # the patch matters; ours follows it
+    assert error < 1e-5
 
 
 @needs_comfyui

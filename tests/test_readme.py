@@ -54,7 +54,9 @@ def test_sections_for_a_home_setup():
     share separated), VRAM, what they already run, models and the minimum ComfyUI, troubleshooting."""
     gpu = section("What to expect on your GPU")
     rtx = section("RTX 30, 40 and 50 series: a projection, not a measurement")
-    assert "not a measurement" in gpu and "Projection" in rtx and "not measured" in rtx
+    assert "not a measurement" in gpu
+    assert "Projection" in rtx
+    assert "not measured" in rtx
     assert "1.44x" in section("What part of the H200's gain is Hopper's own")
     assert "not measured" in section("VRAM").lower()
     for title in ("SageAttention, `--use-sage-attention`, `--use-ck-attention`", "EasyCache, TeaCache, MagCache",
@@ -63,7 +65,8 @@ def test_sections_for_a_home_setup():
         assert section(title).strip(), title
     assert "not tested" in section("Quantised and GGUF checkpoints").lower()
     install = section("Install into ComfyUI")
-    assert "ComfyUI 0.30.0 or later" in install and r"python_embeded\python.exe" in install
+    assert "ComfyUI 0.30.0 or later" in install
+    assert r"python_embeded\python.exe" in install
     assert "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/" in section("Bundled workflows and model files")
     trouble = section("Troubleshooting")
     for case in ("Out of memory", "Triton is missing or fails to compile", "The output looks worse",
@@ -75,4 +78,5 @@ def test_minimum_comfyui_matches_the_registry_metadata():
     import tomllib
 
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["comfy"]
-    assert meta["requires-comfyui"] == ">=0.30.0" and "ComfyUI 0.30.0 or later" in README
+    assert meta["requires-comfyui"] == ">=0.30.0"
+    assert "ComfyUI 0.30.0 or later" in README

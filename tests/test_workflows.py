@@ -206,11 +206,14 @@ def test_every_loader_carries_its_download(path):
     for node in loaders:
         name = node["widgets_values"][0]
         models = node.get("properties", {}).get("models")
-        assert models and len(models) == 1, f"{path.name} node {node['id']}: no models entry"
+        assert models, f"{path.name} node {node['id']}: no models entry"
+        assert len(models) == 1, f"{path.name} node {node['id']}: no models entry"
         (entry,) = models
         url = urlparse(entry["url"])
-        assert url.scheme == "https" and url.netloc == "huggingface.co", entry["url"]
-        assert entry["name"] == name and url.path.rsplit("/", 1)[1] == name, (entry, name)
+        assert url.scheme == "https", entry["url"]
+        assert url.netloc == "huggingface.co", entry["url"]
+        assert entry["name"] == name, (entry, name)
+        assert url.path.rsplit("/", 1)[1] == name, (entry, name)
         assert LOADER_FOLDERS[node["type"]] == f"models/{entry['directory']}/", entry
 
 
@@ -246,4 +249,6 @@ def test_a_workflow_saved_before_the_precision_widget_keeps_its_values(path):
     old = node["widgets_values"][:len(BEFORE_PRECISION)]
     filled = old + [w.default for w in SPARSE_WIDGETS[len(old):]]
     config = config_from_widgets(dict(zip((w.name for w in SPARSE_WIDGETS), filled)))
-    assert config.precision == "auto" and config.topk_ratio == old[0] and config.routing_scores == old[-1]
+    assert config.precision == "auto"
+    assert config.topk_ratio == old[0]
+    assert config.routing_scores == old[-1]
