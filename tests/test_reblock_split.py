@@ -26,6 +26,7 @@ with interpreter_env():
 
 from adaptive_sparse_attention.backend.reblock_partition import partition
 from adaptive_sparse_attention.backend.reblock_schedule import build_schedule
+from adaptive_sparse_attention.kernels import reblock_rule
 from adaptive_sparse_attention.kernels.reference import reblock_reference
 from adaptive_sparse_attention.kernels.registry import resolve
 
@@ -81,7 +82,7 @@ def test_directions_match_torch(m, r, dtype):
     rows = torch.zeros(2, 3, m + 7, dtype=torch.int32)
     rows.scatter_(2, landmarks.expand(2, 3, m), ids.to(torch.int32).expand(2, 3, m))
     assert torch.equal(reblock_reference.landmark_features(z, rows, landmarks), marks)
-    got = reblock_split.split_directions_triton(z, rows, landmarks, reblock_reference.SQUARINGS, reblock_reference.REFINE_STEPS)
+    got = reblock_split.split_directions_triton(z, rows, landmarks, reblock_rule.SQUARINGS, reblock_rule.REFINE_STEPS)
     want = reblock_reference.split_directions(marks).squeeze(-1)
     assert got.shape == want.shape
     assert got.dtype == torch.float32

@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
+from ..reblock_rule import REFINE_STEPS, SQUARINGS
 from .planner_reference import accum_dtype
 
-SQUARINGS = 4  # split direction: a column of (C / tr C) ** (2 ** SQUARINGS) ...
-REFINE_STEPS = 3  # ... refined by balanced 2-means steps on the landmarks
 TINY = 1e-30
 
 

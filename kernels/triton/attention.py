@@ -303,8 +303,8 @@ def _block_sparse_fwd(
             tv = tl.load(TailV + (t_row + c[:, None]) * HEAD_DIM + offs_d[None, :],
                          mask=cin[:, None], other=0.0).to(DOT_DTYPE)
             # the bias (natural log) in the units of an unscaled logit
-            s = tl.dot(q, tk, input_precision=PRECISION) \
-                + tl.where(keep, bias * (LOG2E / qk_scale), float("-inf"))[None, :]
+            s = (tl.dot(q, tk, input_precision=PRECISION)
+                 + tl.where(keep, bias * (LOG2E / qk_scale), float("-inf"))[None, :])
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, qk_scale, tv, DOT_DTYPE, PRECISION)
 
     if BLOCK_TAIL:
@@ -358,8 +358,8 @@ def _checked_partial(partial: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
     out, lse = partial
     B, H, _, D = q.shape
     L = plan.num_blocks * plan.block_size
-    if out.shape != (B, H, L, D) or lse.shape != (B, H, L) or lse.dtype != torch.float32 \
-            or out.device != q.device or lse.device != q.device:
+    if (out.shape != (B, H, L, D) or lse.shape != (B, H, L) or lse.dtype != torch.float32
+            or out.device != q.device or lse.device != q.device):
         raise ValueError(f"block_sparse_triton: partial must be (out [{B}, {H}, {L}, {D}], lse fp32 [{B}, {H}, {L}]) "
                          f"on {q.device}, got {tuple(out.shape)} {out.dtype}, {tuple(lse.shape)} {lse.dtype}")
     return out.contiguous(), lse.contiguous()

@@ -70,8 +70,8 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
     scores, dense_hi = scores.contiguous(), dense_hi.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty(B, H, J, R, dtype=torch.int32, device=scores.device)
-    elif out.shape != (B, H, J, R) or out.dtype not in (torch.int16, torch.int32) or not out.is_contiguous() \
-            or (out.dtype == torch.int16 and J >= 2 ** 15):
+    elif (out.shape != (B, H, J, R) or out.dtype not in (torch.int16, torch.int32) or not out.is_contiguous()
+            or (out.dtype == torch.int16 and J >= 2 ** 15)):
         raise ValueError(f"select_blocks_triton: out must be contiguous int16 (J < 2**15) or int32 "
                          f"[{B}, {H}, {J}, {R}], got {out.dtype} {tuple(out.shape)}")
     col0 = 0

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.reblock_reference import REFINE_STEPS, SQUARINGS
+from ..reblock_rule import REFINE_STEPS, SQUARINGS
 from .radix_select import float_key, kth_largest_key, kth_largest_key_in_memory, top_k_mask
 
 CHUNK = 8192  # slots one program holds in registers (32 per thread at 8 warps)
