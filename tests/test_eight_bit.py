@@ -189,6 +189,7 @@ def test_smoothing_undoes_a_key_offset():
     assert err(shifted) < 1.2 * err(base) < REL_L2
 
 
+@pytest.mark.slow  # the planner, the custom op and torch.compile under the interpreter
 def test_public_entry_point_and_custom_op_run_8_bit():
     """`SparseConfig(precision="8-bit")` reaches the kernel through the planner, the table and the custom
     op (torch.compile included); the torch backend runs the same quantised reference."""
