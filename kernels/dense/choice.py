@@ -2,9 +2,9 @@
 
 ComfyUI's SDPA wrapper fixes one backend priority for every GPU (FlashAttention first), and a user
 may have launched ComfyUI with a faster attention (comfy-kitchen INT8, Sage, flash-attn, ...). Here
-the candidates (SDPA's cuDNN, FlashAttention and memory-efficient backends, FlashAttention-4 where
-installed on sm90/sm100, and the host's own attention function, `HostAttention`: ComfyUI's as
-launched) are checked against a float32 softmax attention and timed once per GPU, dtype, head size,
+the candidates (SDPA's cuDNN, FlashAttention and memory-efficient backends, the dense kernels
+families offer where they run, `registry.DENSE_KERNELS`: FlashAttention-4 on sm90/sm100, and the
+host's own attention function, `HostAttention`: ComfyUI's as launched) are checked against a float32 softmax attention and timed once per GPU, dtype, head size,
 head count, key-length bucket, precision and host function on a slice of the real queries; the
 fastest one that meets the precision's bound (`tolerance`) is kept, so a dense step is never slower
 than the host's own attention. `DenseChoices` owns the choices: in memory (bounded) and in a small
@@ -290,7 +290,7 @@ class DenseChoices:
         self.timer = timer
         self.lock = threading.Lock()
         self.choices: dict[str, str | None] = {}
-        self.devices: dict[int | None, str] = {}  # device index -> device_key (+ whether FlashAttention-4 runs)
+        self.devices: dict[int | None, str] = {}  # device index -> device_key (+ the offered dense kernels that run)
         self.notices = Notices(limit=MAX_CHOICES)  # what was logged, once per object
         self.measuring: int | None = None  # the thread measuring a first use, while it does
 
@@ -311,7 +311,7 @@ class DenseChoices:
 
     def key(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None = None,
             precision: str = "bf16") -> str:
-        """What the choice depends on: `device_key` (and whether FlashAttention-4 runs there), dtype,
+        """What the choice depends on: `device_key` (and which offered dense kernels run there), dtype,
         head size, heads, key-length bucket, whether the rows are too wide for the memory-efficient
         kernel, the precision and the host's attention function."""
         device = self.devices.get(q.device.index)
@@ -408,8 +408,9 @@ class DenseChoices:
     def candidates(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None,
                    precision: str) -> tuple[str, ...]:
         """The kernels these inputs may run on in a run of `precision`, in order of preference for equal
-        times: SDPA's backends (SDPA's own choice on the CPU), FlashAttention-4 where it runs, then the
-        host's function (unless it is 8-bit in a bf16 run: said once)."""
+        times: SDPA's backends (SDPA's own choice on the CPU), the dense kernels families offer
+        (`registry.DENSE_KERNELS`) where they run, then the host's function (unless it is 8-bit in a
+        bf16 run: said once)."""
         names = candidates(q, k, v) if q.is_cuda else (DEFAULT,)
         for dense in DENSE_KERNELS:
             reason = dense.unavailable(q)
