@@ -9,7 +9,7 @@ fails loudly instead of silently running something else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
 from ..kernels.registry import FAMILIES
@@ -116,8 +116,12 @@ class SparseConfig:
         "ComfyUI's own attention among the candidates. Sparse steps at 8-bit: INT8 Q.K^T after smoothing K, FP8 "
         "(INT8 before RTX 40xx) P.V, fp32 softmax statistics and accumulation over the selected video key blocks; "
         "context keys, summaries and routing keep their precision.")
+    backend: InitVar[str | None] = None  # the old name of `kernel`: refused with a message that says so
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, backend: str | None) -> None:
+        if backend is not None:
+            raise ValueError(f"SparseConfig.backend={backend!r}: the field is now called kernel "
+                             f"(SparseConfig(kernel={backend!r})); allowed: {', '.join(map(repr, KERNELS))}")
         for name, declared in settings().items():
             object.__setattr__(self, name, declared.rule.check(f"SparseConfig.{name}", getattr(self, name)))
 
@@ -130,7 +134,7 @@ class SparseConfig:
     def replace(self, **changes: Any) -> "SparseConfig":
         """A copy with some fields changed (validated again)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        unknown = set(changes) - set(values)
+        unknown = set(changes) - set(values) - {"backend"}  # the old name: the constructor says what it became
         if unknown:
             raise ValueError(f"SparseConfig has no field(s) {sorted(unknown)}; fields are {sorted(values)}")
         values.update(changes)

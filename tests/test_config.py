@@ -57,6 +57,19 @@ def test_replace_validates_and_rejects_unknown_fields():
         cfg.replace(ratio=0.1)
 
 
+@pytest.mark.parametrize("make", [lambda: SparseConfig(backend="triton"), lambda: SparseConfig().replace(backend="triton")],
+                         ids=["constructor", "replace"])
+def test_the_old_field_name_backend_says_what_it_became(make):
+    """`backend` (the kernel family's old name) is refused with the new name, the value and what is allowed,
+    not a bare TypeError; it is no field, so settings(), the widgets and saved workflows do not see it."""
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value) == ("SparseConfig.backend='triton': the field is now called kernel "
+                              "(SparseConfig(kernel='triton')); allowed: 'auto', 'cudnn', 'triton', 'torch'")
+    assert "backend" not in settings()
+    assert SparseConfig(kernel="triton").kernel == "triton"
+
+
 WIDGETS = {w.name: w for w in SPARSE_WIDGETS}
 
 
