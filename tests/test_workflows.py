@@ -2,6 +2,7 @@
 canvas (what each part does, which model file goes in which folder) and the report node after the sampler."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def test_widget_spec_mirrors_sparse_config():
     """Every SparseConfig field but the kernel is a widget, with SparseConfig's default."""
     defaults = SparseConfig()
     names = [w.name for w in SPARSE_WIDGETS]
-    assert sorted(names) == sorted(f for f in SparseConfig.__dataclass_fields__ if f != "kernel")
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(SparseConfig) if f.name != "kernel")
     for w in SPARSE_WIDGETS:
         default = getattr(defaults, w.name)
         assert (",".join(map(str, default)) if w.name == "dense_layers" else default) == w.default
