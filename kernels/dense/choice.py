@@ -4,10 +4,11 @@ ComfyUI's SDPA wrapper fixes one backend priority for every GPU (FlashAttention 
 may have launched ComfyUI with a faster attention (comfy-kitchen INT8, Sage, flash-attn, ...). Here
 the candidates (SDPA's cuDNN, FlashAttention and memory-efficient backends, the dense kernels
 families offer where they run, `registry.DENSE_KERNELS`: FlashAttention-4 on sm90/sm100, and the
-host's own attention function, `HostAttention`: ComfyUI's as launched) are checked against a float32 softmax attention and timed once per GPU, dtype, head size,
-head count, key-length bucket, precision and host function on a slice of the real queries; the
-fastest one that meets the precision's bound (`tolerance`) is kept, so a dense step is never slower
-than the host's own attention. `DenseChoices` owns the choices: in memory (bounded) and in a small
+host's own attention function, `HostAttention`: ComfyUI's as launched) are checked against a
+float32 softmax attention and timed once per GPU, dtype, head size, head count, key-length bucket,
+precision and host function on a slice of the real queries; the fastest one that meets the
+precision's bound (`tolerance`) is kept, so a dense step is never slower than the host's own
+attention. `DenseChoices` owns the choices: in memory (bounded) and in a small
 JSON file (`ChoiceFile`), so later processes on the machine take the same kernel (the same output
 bits) after one check that it still runs here. On the CPU SDPA's own choice runs unless a host
 function is given (then the two are measured); where no candidate runs, SDPA's own choice runs

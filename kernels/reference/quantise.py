@@ -49,7 +49,7 @@ def quantise_p(p: torch.Tensor, pv: str) -> torch.Tensor:
 
 def quantise_blocks_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, pv: str,
                           mean: torch.Tensor | None = None) -> QuantisedBlocks:
-    """The 8-bit Q, K, V of every head (see the module).
+    """The 8-bit Q, K, V of every head (the scheme: `kernels/eight_bit.py`).
 
     Args:
         q, k, v: [B, H, S, D] in model order (any float dtype; quantised from their fp32 values).
