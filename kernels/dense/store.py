@@ -1,6 +1,6 @@
 """`ChoiceFile`: a small JSON map of str -> str that several processes read and extend safely.
 
-The measured dense-kernel choices outlive a process in such a file. Whatever is at the path is
+The measured dense- and sparse-kernel choices outlive a process in such files. Whatever is at the path is
 untrusted: a file that is not a regular file (a FIFO, a directory, a device), too large, not JSON,
 nested, or not a flat map of strings is ignored with one warning, and a FIFO is never opened
 (opening one for reading blocks until a writer appears). Writes merge with what other processes
@@ -78,7 +78,7 @@ class ChoiceFile:
         """Log `message` as a warning the first time a problem of this `kind` occurs, else at debug level."""
         level = logging.DEBUG if kind in self.warned else logging.WARNING
         self.warned.add(kind)
-        log.log(level, "dense-kernel choice file %s: %s", self.path, message)
+        log.log(level, "kernel choice file %s: %s", self.path, message)
 
     def unusable(self) -> str | None:
         """Why the path cannot hold the file (a folder, a device, a FIFO), or None."""
