@@ -9,7 +9,7 @@ import torch
 
 from ..kernels.plan import BlockSparsePlan
 from ..kernels.registry import Kernels
-from ..kernels.sparse_choice.choice import SparseChoices
+from ..kernels.sparse_choice.choice import SparseChoices, label
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .planner import build_plan, call_kernels
@@ -104,7 +104,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         timings: synchronise the device to report plan and kernel milliseconds in the info.
         choices: the measured sparse-kernel choices ``kernel="auto"`` runs (`attend`); None: the
             layout's own, kept in memory only.
-        ran: receives, per call, the attention kernel that ran and the choice's summary (for a report).
+        ran: receives, per call, the report's name of the attention kernel that ran and the measured
+            choice's summary ("" where nothing was measured).
     Returns:
         The output [B, H, S, D] (same order and dtype as q), and the info with `return_info`.
     """
@@ -148,7 +149,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparseP
                                                (kernels.family, kernels.attention), config.strict,
                                                layout.cache.notices)
     if ran is not None:
-        ran(name, summary)
+        ran(label(name, config.exact_precision), summary)
     return out, name
 
 

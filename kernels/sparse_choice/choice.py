@@ -257,6 +257,15 @@ class SparseChoices:
         return out, lse, name, choice.summary
 
 
+def label(name: str, precision: str = "bf16") -> str:
+    """How reports name the attention kernel `name` (a `SPARSE_KERNELS` row, or a family run at `precision`)."""
+    row = next((r for r in SPARSE_KERNELS if r.name == name), None) or next(
+        (r for r in SPARSE_KERNELS if r.attention.family == name and r.precision == precision), None)
+    if row is not None:
+        return row.label
+    return "the torch reference" if name == "torch" else f"kernel={name!r} ({precision})"
+
+
 def named(name: str) -> SparseKernel:
     """The `SPARSE_KERNELS` row called `name`."""
     return next(row for row in SPARSE_KERNELS if row.name == name)
