@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..kernels.plan import BlockSparsePlan
 from ..kernels.registry import Kernels
-from ..kernels.sparse_choice.choice import SparseChoices, label
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .planner import build_plan, call_kernels
 from .tail import coarse_branch
+
+if TYPE_CHECKING:  # imported when a call runs: its decorators import torch._dynamo (and with it Triton)
+    from ..kernels.sparse_choice.choice import SparseChoices
 
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -139,6 +141,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparseP
     Returns:
         (out [B, H, S, D] in q's dtype, the kernel that ran).
     """
+    from ..kernels.sparse_choice.choice import SparseChoices, label
+
     if config.kernel != "auto":
         out, _ = kernels.attention.attend_blocks(q, k, v, plan, precision=config.exact_precision)
         name, summary = kernels.family, ""
