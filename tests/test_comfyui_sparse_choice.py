@@ -39,11 +39,18 @@ def sparse_run(nodes, model, **changes):
     return sample(nodes, patched), hooks_of(patched)[0].tracker.last_report
 
 
+@pytest.fixture(scope="module")
+def reference(comfy):
+    """The run on the torch reference kernel (`kernel="torch"`): bit for bit what the "exact" stand-in returns."""
+    _, nodes = comfy
+    return sparse_run(nodes, nodes.UNETLoader().load_unet(CKPT, "default")[0], kernel="torch")[0]
+
+
 @pytest.mark.parametrize("fast", ["exact", "scaled"])
-def test_the_fastest_stand_in_runs_the_sparse_steps_and_its_bits_are_returned(comfy, monkeypatch, caplog, fast):
+def test_the_fastest_stand_in_runs_the_sparse_steps_and_its_bits_are_returned(comfy, reference, monkeypatch, caplog,
+                                                                             fast):
     _, nodes = comfy
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
-    reference, _ = sparse_run(nodes, model, kernel="torch")  # the torch reference, bit for bit what "exact" returns
     exact, scaled = StandIn("exact", 1.0), StandIn("scaled", CLOSE)
     declare(monkeypatch, [exact, scaled], {"exact": 1.0 if fast == "exact" else 3.0, "scaled": 2.0})
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
@@ -60,10 +67,9 @@ def test_the_fastest_stand_in_runs_the_sparse_steps_and_its_bits_are_returned(co
     assert any("sparse attention on stand-in " + fast in r.getMessage() for r in caplog.records)  # the run's summary
 
 
-def test_a_raising_and_a_wrong_stand_in_are_skipped_with_a_warning_naming_them(comfy, monkeypatch, caplog):
+def test_a_raising_and_a_wrong_stand_in_are_skipped_with_a_warning_naming_them(comfy, reference, monkeypatch, caplog):
     _, nodes = comfy
     model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
-    reference, _ = sparse_run(nodes, model, kernel="torch")
     standins = [StandIn("raising", 1.0, fails_from=1), StandIn("wrong", 1.1), StandIn("exact", 1.0)]
     timer = declare(monkeypatch, standins, {"raising": 1.0, "wrong": 1.0, "exact": 2.0})
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):

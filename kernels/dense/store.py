@@ -38,6 +38,18 @@ MAX_ENTRIES = 512  # the oldest entries beyond this are dropped when saving
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
+def choice_path(env: str, user_dir: str | os.PathLike | None, user_name: str, cache_name: str) -> Path:
+    """Where a choice file lives: the environment variable `env` if set, else `user_name` in the pack's
+    folder of `user_dir` (ComfyUI's user directory), else `cache_name` in the pack's folder of the user's
+    cache folder (``XDG_CACHE_HOME`` or ``~/.cache``)."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    if user_dir is not None:
+        return Path(user_dir) / "adaptive_sparse_attention" / user_name
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "adaptive_sparse_attention" / cache_name
+
+
 def flat_strings(text: str) -> dict[str, str]:
     """The JSON object `text` if it is one flat map of strings to strings.
 

@@ -34,7 +34,7 @@ from ...notices import Notices, logger
 from ...timer import median_ms
 from ...version import __version__
 from ..dense.choice import describe, device_key, tolerance
-from ..dense.store import ChoiceFile
+from ..dense.store import ChoiceFile, choice_path
 from ..plan import BlockSparsePlan, QuerySummaries
 from ..registry import SPARSE_KERNELS, current_host
 from ..vocabulary import SparseKernel, Target
@@ -60,12 +60,7 @@ def default_cache_path(user_dir: str | os.PathLike | None = None) -> Path:
     """Where the measured sparse choices are saved: ``ADAPTIVE_SPARSE_SPARSE_CACHE`` if set, else
     ``<user_dir>/adaptive_sparse_attention/sparse_choices.json`` (ComfyUI's user directory), else
     ``adaptive_sparse_attention/sparse_kernels.json`` in the user's cache folder."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    if user_dir is not None:
-        return Path(user_dir) / "adaptive_sparse_attention" / "sparse_choices.json"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "adaptive_sparse_attention" / "sparse_kernels.json"
+    return choice_path(CACHE_ENV, user_dir, "sparse_choices.json", "sparse_kernels.json")
 
 
 def shape_class(q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
@@ -105,12 +100,6 @@ class SparseChoices:
     def path(self) -> Path:
         """The JSON file of saved choices."""
         return self.file.path
-
-    def reset(self) -> None:
-        """Forget the choices in memory (the file keeps them) and the messages already logged."""
-        with self.lock:
-            self.choices.clear()
-            self.notices.clear()
 
     def key(self, q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
         """The stored key of a call: the GPU and build (`dense.choice.device_key`), then `shape_class`."""
