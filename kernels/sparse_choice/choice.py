@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import threading
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -236,7 +237,7 @@ class SparseChoices:
             except Exception as exc:
                 rest = tuple(n for n in self.choices.get(key, choice).ranking if n != name)
                 self.remember(key, replace(choice, ranking=rest))
-                message = f"sparse kernel {kernel.label} raised {describe(exc)}"
+                message = f"sparse kernel {kernel.label} raised {describe(exc)} ({origin(exc)})"
                 if strict:
                     raise RuntimeError(f"{message} (strict mode)") from exc
                 notices.say(f"{message}; it is skipped for this shape in this process and the call runs on "
@@ -244,6 +245,16 @@ class SparseChoices:
         name, attention = fallback
         out, lse = attention.attend_blocks(q, k, v, plan, precision=precision)
         return out, lse, name, choice.summary
+
+
+def origin(exc: BaseException) -> str:
+    """Where `exc` was raised: the innermost frame's file, line and function (what a report of a failure
+    inside another package, such as issue 46's, needs first)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    last = frames[-1]
+    return f"raised at {last.filename}:{last.lineno} in {last.name}"
 
 
 def label(name: str, precision: str = "bf16") -> str:
