@@ -1,5 +1,6 @@
-"""The README: the set-up block CI reads, the BENCHMARKS.md sections it quotes, links that resolve in
-the repository."""
+"""The README: the set-up block CI reads (under "From source"), every figure citing a BENCHMARKS.md
+section that exists with the date of its run, links that resolve in the repository, the sections a
+ComfyUI user looks for."""
 import re
 from pathlib import Path
 
@@ -32,6 +33,8 @@ FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:TFLOP/s|TFLOPS|TOPS|GB/s
 def benchmark_sections(text: str) -> dict[str, str]:
     """BENCHMARKS.md's sections: heading (without the `#`s) -> the heading and its text up to the next
     heading of the same or a higher level."""
+    text = re.sub(r"^```.*?^```", lambda m: re.sub(r"^#", " ", m.group(0), flags=re.M), text,
+                  flags=re.M | re.S)  # comment lines in code blocks are no headings
     heads = list(re.finditer(r"^(#+) (.+)$", text, re.M))
     sections = {}
     for i, head in enumerate(heads):
@@ -56,7 +59,8 @@ def citation_errors(text: str, sections: dict[str, str]) -> list[str]:
 
 def units(text: str) -> list[tuple[str, str]]:
     """The README cut into (unit, the text that may cite for it): a unit is a paragraph, a list item or a
-    table; a table and the paragraph right above it (its caption) cite for each other. Code blocks and
+    table; a table and the paragraph right above it (its caption) cite for each other, except a table
+    with a "BENCHMARKS.md" column, each of whose rows is a unit that cites for itself. Code blocks and
     inline code are left out (commands, not figures); a heading is a unit of its own."""
     text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
     text = re.sub(r"`[^`\n]*`", "`code`", text)
@@ -76,6 +80,10 @@ def units(text: str) -> list[tuple[str, str]]:
 
     out = []
     for i, block in enumerate(blocks):
+        header = block.split("\n", 1)[0]
+        if block.startswith("|") and "BENCHMARKS.md" in header:  # a column of sections: each row cites its own
+            out += [(row, row) for row in block.split("\n")[2:]]
+            continue
         pair = [i - 1, i] if captioned(i) else [i, i + 1] if i + 1 < len(blocks) and captioned(i + 1) else [i]
         out.append((block, "\n".join(blocks[j] for j in pair)))
     return out
@@ -93,8 +101,9 @@ SECTIONS = benchmark_sections((ROOT / "BENCHMARKS.md").read_text(encoding="utf-8
 def test_every_readme_figure_cites_a_benchmark_section_with_its_date():
     """The rule: every paragraph, list item or table of the README that holds a figure (a number with
     x, ms, s, GiB, GB, TFLOP/s or %) names a BENCHMARKS.md section as `"<title>", <date>` (a table may
-    name it in the paragraph right above it); every such title starts a heading of BENCHMARKS.md and
-    its date occurs in that section."""
+    name it in the paragraph right above it; in a table with a "BENCHMARKS.md" column, every row with a
+    figure names its own); every such title starts a heading of BENCHMARKS.md and its date occurs in
+    that section."""
     assert not uncited_figures(README), uncited_figures(README)
     cited = CITATION.findall(re.sub(r"\s+", " ", README))
     assert len(cited) >= 5
@@ -114,6 +123,10 @@ def test_the_figure_rule_fails_on_made_up_or_missing_citations():
     assert not uncited_figures('Measured (BENCHMARKS.md, "End to end in real ComfyUI", 2026-12-01):\n\n'
                                "| run | s |\n|---|---|\n| ours | 37.1 s |\n")
     assert not uncited_figures("1344x768 frames, `--clips 5s,10s`, 56 heads x 128.\n")
+    cited_row = '| ours | 37.1 s | "End to end in real ComfyUI", 2026-12-01 |\n'
+    table = "| run | s | BENCHMARKS.md section |\n|---|---|---|\n" + cited_row
+    assert not uncited_figures(table)
+    assert uncited_figures(table + "| a new row | 9.9 s | |\n")
     assert uncited_figures("- one item, cited (BENCHMARKS.md, \"End to end in real ComfyUI\", 2026-12-01)\n"
                            "- another with 2.16x and no citation\n")
 
