@@ -17,9 +17,9 @@ ln -s "$repo" "$pkg/adaptive_sparse_attention"
 export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
 
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_ci.sh: torch sees no CUDA GPU')" || exit 2
-cd "$repo/tests" || exit 2
-python3 -m pytest . -q -rfE -p no:cacheprovider > "$out/gpu_ci_full.log" 2>&1; full=$?
-python3 -m pytest . -m gpu -q -rfE -p no:cacheprovider > "$out/gpu_ci_gpu.log" 2>&1; gpu=$?
+cd "$repo" || exit 2
+python3 -m pytest tests -q -rfE -p no:cacheprovider > "$out/gpu_ci_full.log" 2>&1; full=$?
+python3 -m pytest tests -m gpu -q -rfE -p no:cacheprovider > "$out/gpu_ci_gpu.log" 2>&1; gpu=$?
 
 counts() { grep -E '^=* ?[0-9]+ (passed|failed|skipped|error|deselected)' "$1" | tail -n 1 | tr -d '='; }
 {
