@@ -75,10 +75,12 @@ def compiled_kernels_only() -> Iterator[None]:
         yield
         return
     found = interpreted_kernels()
-    assert not found, f"interpreted Triton functions before this test (imported under TRITON_INTERPRET=1): {found}"
+    assert not found, f"{len(found)} interpreted Triton functions before this test (imported under " \
+                      f"TRITON_INTERPRET=1), among them {found[:3]}"
     yield
     found = interpreted_kernels()
-    assert not found, f"this test left interpreted Triton functions (imported under TRITON_INTERPRET=1): {found}"
+    assert not found, f"this test left {len(found)} interpreted Triton functions (imported under " \
+                      f"TRITON_INTERPRET=1), among them {found[:3]}"
     assert os.environ.get("TRITON_INTERPRET") != "1", "this test left TRITON_INTERPRET=1 set"
 
 
