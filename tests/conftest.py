@@ -12,11 +12,12 @@ Interpreter tests (the `interpreter` fixture) skip where CUDA is available; thei
 test_block_select, test_block_stats -> test_gpu_kernels.py (route_blocks' exact selection, block
 means, tail summaries) and test_streaming_routing.py (compiled there); test_triton_kernel,
 test_cudnn_backend -> test_gpu_kernels.py's attention cases (cudnn where installed);
-test_hostile_inputs' interpreter cases -> test_non_finite_inputs_stay_local_on_the_gpu;
-test_reblock_features, test_reblock_split -> the same GPU test (reblock tilings planned on the GPU)
-and tools/reblock_device_check.py; test_eight_bit -> tools/eight_bit_check.py; test_head_choice's
-kernel cases, test_no_recompile (it records interpreted launches) and test_first_use -> none in
-this suite (tools/kernel_targets.py compiles every kernel for the GPU families, test_kernel_targets).
+test_hostile_inputs' interpreter cases -> test_non_finite_inputs_stay_local_on_the_gpu, which also
+runs the reblock kernels on the GPU (not compared there: test_reblock_features and
+test_reblock_split's comparison on the GPU is tools/reblock_device_check.py, outside the suite);
+test_eight_bit -> tools/eight_bit_check.py (outside the suite); test_head_choice's kernel cases,
+test_no_recompile (it records interpreted launches) and test_first_use -> none (test_kernel_targets
+compiles every kernel for the GPU families).
 Tests that use the `triton_device` fixture run on both: compiled on CUDA tensors, or interpreted.
 
 Markers (pytest.ini): a test that uses the `interpreter` fixture is marked `interpreter` here (and
