@@ -8,17 +8,20 @@ launching the same kernel with the same specialisation loads it from there inste
 So at the first warmup step of a layout whose kernels compile, `WarmStart` starts
 ``install.py prepare --shape SPEC`` with ComfyUI's own Python (`sys.executable`) and environment
 (hence the same caches); it runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
-and head size, which launches exactly the kernels the sparse steps launch. The first sparse step
-waits for what is left of the child (progress on the running node), then prepares in this process,
-which now loads from the cache. A child that fails or runs past its budget is said once, and this
-process compiles the kernels itself, as it does without the child.
+and head size, which launches exactly the kernels the sparse steps launch. The first warmup step
+after the child ended prepares in this process, which now loads them from the cache; a sparse step
+that comes first waits for what is left of the child (progress on the running node). A child that
+fails or runs past its budget is said once, and this process compiles the kernels itself, as it
+does without the child.
 
-One child per shape class (`prepared_key`) per owner (a node's patched model and its clones), at
-most MAX_JOBS; children are always reaped, and killed when their owner goes or the process exits.
+One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
+MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
+The child holds a CUDA context (about half a GiB of GPU memory) while it runs.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,15 +43,24 @@ from ..notices import Notices, logger
 log = logger()
 PACK_DIR = Path(__file__).resolve().parent.parent
 CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute)
-MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shape classes
+MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shapes
 POLL_S = 0.1  # how often a wait looks at the child
 PROGRESS_S = 2.0  # how often a wait shows its progress
 
 
-def prepared_key(config: SparseConfig, dtype: torch.dtype, device: torch.device, head_dim: int) -> tuple:
-    """The shape class whose kernels one child compiles: what `prepare_kernels` keys a layout's
-    preparation by (the kernel-deciding config fields, dtype, device, head size)."""
-    return (kernel_fields(config), dtype, str(device), head_dim)
+def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+            head_dim: int) -> tuple:
+    """The run shape one child prepares: what `prepare_kernels` keys a layout's preparation by (the
+    kernel-deciding config fields, dtype, device, head size), and the layout. Per layout, not per
+    class: a clip length whose row-width buckets (radix-select rows, reblock levels) are new compiles
+    those kernels, 1.2-1.3 s on an H200, which the child takes off the first call too."""
+    return (kernel_fields(config), dtype, str(device), head_dim, layout.signature())
+
+
+def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+             head_dim: int) -> bool:
+    """Whether this process prepared the layout's kernels already (`prepare_kernels`' record, same key)."""
+    return layout.cache.has("prepared", (kernel_fields(config), dtype, str(device), head_dim))
 
 
 def shape_spec(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
@@ -134,18 +146,21 @@ class WarmStart:
         self.finalizer = weakref.finalize(self, stop_all, self.jobs)  # also at interpreter exit
 
     def start(self, key: tuple, spec: str) -> bool:
-        """Start the child compiling shape class `key` (`spec` for its command), unless one was started.
+        """Start the child preparing run shape `key` (`spec` for its command), unless one was started.
 
         Returns:
-            Whether a child for `key` runs or compiled them (False when it failed, when the owner holds
-            `limit` running children or the child could not start: this process then compiles itself).
+            Whether a child for `key` is still running, so the caller leaves the preparation to it for
+            now. False once it ended (the caller then prepares: loading what the child compiled from the
+            cache, or compiling itself after a failure, which is said once), when the owner holds `limit`
+            running children or when the child could not start (said once).
         """
         with self.lock:
             job = self.jobs.get(key)
             if job is not None:
-                if job.poll() is not None:
-                    self.report(job, 0.0)
-                return job.problem is None
+                if job.poll() is None:
+                    return True
+                self.report(job, 0.0)
+                return False
             for old in [k for k, job in self.jobs.items() if job.poll() is not None]:
                 if len(self.jobs) < self.limit:
                     break
@@ -155,7 +170,8 @@ class WarmStart:
             output = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
             try:
                 process = subprocess.Popen(self.command(spec), stdout=output, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, cwd=str(PACK_DIR))
+                                           stdin=subprocess.DEVNULL, cwd=str(PACK_DIR),
+                                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
             except OSError as err:
                 output.close()
                 self.notices.say(f"adaptive sparse attention: the child process that would compile the kernels "
@@ -177,12 +193,15 @@ class WarmStart:
         if job is None:
             return None
         start = shown = time.perf_counter()
+        if job.poll() is None:
+            log.info("adaptive sparse attention: the first sparse step waits for the child process compiling the "
+                     "kernels (pid %d, running for %.0f s)", job.process.pid, start - job.started)
         while job.poll() is None:
             time.sleep(POLL_S)
             now = time.perf_counter()
             if progress is not None and now - shown >= PROGRESS_S:
                 shown = now
-                last = job.last_line()
+                last = job.last_line()[:160]
                 progress(f"adaptive sparse attention: waiting for the sparse-attention kernels compiling in a child "
                          f"process: {now - job.started:.0f} s since it started" + (f" ({last})" if last else ""))
         waited = time.perf_counter() - start
@@ -210,22 +229,24 @@ class WarmStart:
 
 def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                         device: torch.device, head_dim: int) -> bool:
-    """At a warmup step: start the child for this shape class when its kernels compile on this GPU and
-    this layout is not prepared yet. Returns whether a child runs for it."""
+    """At a warmup step: start the child for this run shape when its kernels compile on this GPU and
+    this layout is not prepared yet. Returns whether the child is still running (the warmup step then
+    leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads
+    what the child compiled from Triton's cache and compiles what only a process's memory keeps
+    (cuDNN-frontend's kernels), while the steps are still dense."""
     if device.type != "cuda" or not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return False
-    key = prepared_key(config, dtype, device, head_dim)
-    if layout.cache.has("prepared", key):
+    if prepared(layout, config, dtype, device, head_dim):
         return False
-    return warm.start(key, shape_spec(layout, config, dtype, device, head_dim))
+    return warm.start(job_key(layout, config, dtype, device, head_dim),
+                      shape_spec(layout, config, dtype, device, head_dim))
 
 
 def wait_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                        device: torch.device, head_dim: int, progress: Callable[[str], None] | None = None
                        ) -> float | None:
-    """Before a sparse step of a layout not prepared yet: wait for what is left of its shape class's
-    child, if any (`WarmStart.wait`: seconds waited, or None)."""
-    key = prepared_key(config, dtype, device, head_dim)
-    if not warm.jobs or layout.cache.has("prepared", key):
+    """Before a sparse step of a layout not prepared yet: wait for what is left of its child, if any
+    (`WarmStart.wait`: seconds waited, or None)."""
+    if not warm.jobs or prepared(layout, config, dtype, device, head_dim):
         return None
-    return warm.wait(key, progress)
+    return warm.wait(job_key(layout, config, dtype, device, head_dim), progress)

@@ -14,7 +14,7 @@ import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.nodes import warm_start
-from adaptive_sparse_attention.nodes.warm_start import (WarmStart, prepare_command, prepared_key, shape_spec,
+from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, prepare_command, shape_spec,
                                                         start_during_warmup, wait_before_sparse)
 
 LAYOUT = [(0, 64, "text"), (64, 64 + 4 * 8 * 8, "video", (4, 8, 8))]
@@ -40,6 +40,16 @@ def test_the_first_sparse_step_waits_only_for_what_is_left():
     assert child_s >= 2.0
     assert waited is not None and waited <= child_s - dense_steps + 0.3
     assert warm.wait(("shape",)) < 0.05  # later sparse steps do not wait
+    assert warm.start(("shape",), "{}") is False  # ended: a warmup step now prepares here, from the cache
+
+
+def test_warmup_steps_leave_the_preparation_to_a_running_child():
+    warm = WarmStart(stand_in(sleeping(1.0)))
+    assert warm.start(("shape",), "{}")  # started: this warmup step does not prepare
+    assert warm.start(("shape",), "{}")  # still running: nor does the next
+    warm.jobs[("shape",)].process.wait()
+    assert warm.start(("shape",), "{}") is False  # ended: the next warmup step prepares (loads from the cache)
+    assert len(warm.jobs) == 1
 
 
 def test_a_child_done_before_the_first_sparse_step_costs_no_wait(caplog):
@@ -122,7 +132,7 @@ def test_the_real_child_command_prepares_a_shape():
     spec = shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64)
     warm = WarmStart()
     assert warm.command is prepare_command
-    key = prepared_key(config, torch.bfloat16, torch.device("cpu"), 64)
+    key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64)
     assert warm.start(key, spec)
     assert warm.wait(key) is not None, warm.jobs[key].last_line()
     assert warm.jobs[key].last_line() == "prepare --shape: nothing compiles for this shape"
@@ -150,3 +160,23 @@ def test_no_child_where_nothing_compiles_or_without_a_gpu():
     assert warm.jobs == {}
     assert wait_before_sparse(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"),
                               64) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_child_fills_tritons_cache_for_the_run_shape(tmp_path, monkeypatch):
+    """On a GPU, with an empty Triton cache: the real child compiles the run shape's kernels into it."""
+    pytest.importorskip("triton")
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))  # the child inherits this process's environment
+    layout = SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + 8 * 24 * 42, "video", (8, 24, 42))])
+    config, device = SparseConfig(kernel="triton", precision="bf16"), torch.device("cuda")
+    warm = WarmStart()
+    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)
+    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)  # one child for the shape
+    assert len(warm.jobs) == 1
+    waited = wait_before_sparse(warm, layout, config, torch.bfloat16, device, 128)
+    job = next(iter(warm.jobs.values()))
+    assert waited is not None, job.last_line()
+    assert job.last_line().startswith("prepare --shape: ready in")
+    assert any(cache.rglob("*.cubin"))
