@@ -12,6 +12,7 @@ warmup steps when Triton's cache is cold); it measures nothing.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import time
@@ -82,6 +83,7 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
 
 
 SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "device")
+SHAPE_BUDGET_S = 600  # a --shape run still going after this exits with 1 (no parent need be there to stop it)
 
 
 def prepare_shape(spec: str, echo=print) -> float | None:
@@ -132,7 +134,11 @@ def run(args: argparse.Namespace) -> int:
     """The `prepare` command."""
     if args.shape:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        prepare_shape(args.shape)
+        faulthandler.dump_traceback_later(SHAPE_BUDGET_S, exit=True)
+        try:
+            prepare_shape(args.shape)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         return 0
     clips = [c for c in args.clips.split(",") if c]
     unknown = [c for c in clips if c not in CLIPS]

@@ -42,7 +42,8 @@ from ..notices import Notices, logger
 
 log = logger()
 PACK_DIR = Path(__file__).resolve().parent.parent
-CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute)
+CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute;
+# the child also exits by itself then: bench.prepare.SHAPE_BUDGET_S)
 MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shapes
 POLL_S = 0.1  # how often a wait looks at the child
 PROGRESS_S = 2.0  # how often a wait shows its progress
