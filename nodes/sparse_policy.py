@@ -24,6 +24,7 @@ from .block_hook import BlockHook, CallContext, log
 from .precision import launch_attention, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
+from .warm_start import WarmStart, start_during_warmup, wait_before_sparse
 
 DEVICES = ("cuda", "cpu")
 
@@ -34,11 +35,12 @@ class SparseAttentionHook(BlockHook):
     kind = "sparse"
 
     def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None,
-                 sparse_choices: SparseChoices | None = None):
+                 sparse_choices: SparseChoices | None = None, warm_start: WarmStart | None = None):
         self.config = config
         self.dense_choices = dense_choices if dense_choices is not None else DenseChoices(comfy_cache_path())
         self.sparse_choices = (sparse_choices if sparse_choices is not None else
                                SparseChoices(sparse_cache_path(comfy_user_dir())))  # `kernel="auto"`'s measured choice
+        self.warm_start = warm_start if warm_start is not None else WarmStart()  # shared by the clones, as the choices
         self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
 
@@ -114,7 +116,7 @@ class SparseAttentionHook(BlockHook):
         problem = self.unsupported(attn, shape, dtype, device, layout)
         if reason is not None:
             if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
-                self.prepare(attn, dtype, device, layout)  # a warmup step of a sparse layer
+                self.prepare(attn, dtype, device, layout, warmup=True)  # a warmup step of a sparse layer
             return reason
         if problem is not None:
             self.refuse(layer, problem)
@@ -147,11 +149,18 @@ class SparseAttentionHook(BlockHook):
             self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                   "only; sparse blocks run adaptive sparse attention")
 
-    def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
+    def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout,
+                warmup: bool = False) -> None:
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
-        compiles any), announced in the console and as progress text on the running node."""
+        compiles any), announced in the console and as progress text on the running node. At a warmup
+        step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
+        first sparse step waits for what is left of it, then loads them from Triton's cache."""
+        config, head_dim = self.engine_config, attn.head_dim
         with outside_allocation_graph():
-            prepare_kernels(layout, self.engine_config, dtype, device, attn.head_dim, announce=progress_text)
+            if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
+                return
+            wait_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, progress_text)
+            prepare_kernels(layout, config, dtype, device, head_dim, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
