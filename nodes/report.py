@@ -42,6 +42,10 @@ def format_report(report: dict | None) -> str:
     if report.get("dense_kernels"):
         lines.append("Dense attention (our override) ran on: " + "; ".join(
             f"{name} ({n} calls)" for name, n in sorted(report["dense_kernels"].items())))
+    if report.get("sparse_kernels"):
+        lines.append("Sparse attention ran on: " + "; ".join(
+            f"{name} ({n} calls)" for name, n in sorted(report["sparse_kernels"].items())))
+    lines += [f"Sparse kernel choice: {summary}" for summary in report.get("sparse_choices", [])]
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
     if report["dense_reasons"]:

@@ -16,6 +16,7 @@ from ..notices import Notices, logger
 from .schedule import denoising_step
 
 log = logger()
+MAX_SUMMARIES = 8  # measured sparse choices named in one run's report (a run uses one or two shape classes)
 
 
 @dataclass
@@ -33,6 +34,8 @@ class RunStats:
     timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
     timed_dense_ms: float = 0.0
     dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
+    sparse_kernels: dict[str, int] = field(default_factory=dict)  # sparse attention kernel -> calls
+    sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
 
 
 class RunTracker:
@@ -94,6 +97,15 @@ class RunTracker:
         with self.lock:
             kernels = self.stats.dense_kernels
             kernels[name] = kernels.get(name, 0) + 1
+
+    def note_sparse_kernel(self, label: str, summary: str) -> None:
+        """Count one sparse attention call on the kernel named `label`, with its measured choice's
+        `summary` ("" where nothing was measured)."""
+        with self.lock:
+            s = self.stats
+            s.sparse_kernels[label] = s.sparse_kernels.get(label, 0) + 1
+            if summary and summary not in s.sparse_choices and len(s.sparse_choices) < MAX_SUMMARIES:
+                s.sparse_choices.append(summary)
 
     def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
                    reason: str | None = None) -> None:
@@ -174,6 +186,8 @@ class RunTracker:
                 f"{s.attention_ms / 1e3:.2f} s; precision {self.precision[0]}")
         if s.dense_kernels:
             line += "; dense attention on " + ", ".join(sorted(s.dense_kernels))
+        if s.sparse_kernels:
+            line += "; sparse attention on " + ", ".join(sorted(s.sparse_kernels))
         return line
 
     def report(self) -> dict:
@@ -193,7 +207,8 @@ class RunTracker:
                 "mean_density": self.mean_density(), "attention_s": attention_s,
                 "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
-                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels)}
+                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
+                "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices)}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

@@ -14,6 +14,8 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.sparse_choice.choice import SparseChoices
+from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
                             unwrap_input)
 from .model_patches import install
@@ -33,9 +35,11 @@ class SparseAttentionHook(BlockHook):
     kind = "sparse"
 
     def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None,
-                 warm_start: WarmStart | None = None):
+                 sparse_choices: SparseChoices | None = None, warm_start: WarmStart | None = None):
         self.config = config
         self.dense_choices = dense_choices if dense_choices is not None else DenseChoices(comfy_cache_path())
+        self.sparse_choices = (sparse_choices if sparse_choices is not None else
+                               SparseChoices(sparse_cache_path(comfy_user_dir())))  # `kernel="auto"`'s measured choice
         self.warm_start = warm_start if warm_start is not None else WarmStart()  # shared by the clones, as the choices
         self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
@@ -183,16 +187,19 @@ class SparseAttentionHook(BlockHook):
         density = tracker.densities.get(key)
         timed = key in tracker.timed
 
+        kernel = dict(choices=self.sparse_choices, ran=tracker.note_sparse_kernel)
+
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
             nonlocal density
             if density is None:  # measured once per shape and run: it needs a host sync
-                o, info = sparse_attention(q, k, v, layout, self.engine_config, return_info=True, coarse_gate=g)
+                o, info = sparse_attention(q, k, v, layout, self.engine_config, return_info=True, coarse_gate=g,
+                                           **kernel)
                 density = tracker.densities.setdefault(key, info.density)
             elif not timed:  # the next call (kernels compiled): vs dense
-                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.engine_config, g)
+                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.engine_config, g, **kernel)
                 tracker.note_timing(key, sparse_ms, dense_ms)
             else:
-                o = sparse_attention(q, k, v, layout, self.engine_config, coarse_gate=g)
+                o = sparse_attention(q, k, v, layout, self.engine_config, coarse_gate=g, **kernel)
             return o
 
         out = self.output(attn, x, rope_freqs, transformer_options, run)
@@ -241,11 +248,13 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
 
 
 def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-                        config: SparseConfig, gate: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
+                        config: SparseConfig, gate: torch.Tensor | None, **kernel: Any
+                        ) -> tuple[torch.Tensor, float, float]:
     """One sparse call timed against torch's dense SDPA on the same tensors (for the run report).
 
     Dense attention runs on the first head only and is scaled by the number of heads, to keep the
-    extra cost to one head's attention. Synchronises the device three times.
+    extra cost to one head's attention. Synchronises the device three times. `kernel`: `sparse_attention`'s
+    ``choices`` and ``ran``.
     Returns (sparse output, sparse ms, dense ms for all heads of q).
     """
     def now() -> float:
@@ -254,7 +263,7 @@ def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
         return time.perf_counter()
 
     t0 = now()
-    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate)
+    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate, **kernel)
     t1 = now()
     torch.nn.functional.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])
     t2 = now()
@@ -278,15 +287,19 @@ def gate_notice(diffusion_model: Any, config: SparseConfig) -> str | None:
     return None
 
 
+def comfy_user_dir() -> str | None:
+    """ComfyUI's user directory when ComfyUI is loaded, else None."""
+    try:
+        import folder_paths
+        return folder_paths.get_user_directory()
+    except (ImportError, AttributeError):
+        return None
+
+
 def comfy_cache_path() -> Path:
     """Where the measured dense-kernel choices are saved: under ComfyUI's user directory when ComfyUI
     is loaded (``ADAPTIVE_SPARSE_DENSE_CACHE`` still overrides), else the pack's default."""
-    try:
-        import folder_paths
-        user_dir = folder_paths.get_user_directory()
-    except (ImportError, AttributeError):
-        user_dir = None
-    return default_cache_path(user_dir)
+    return default_cache_path(comfy_user_dir())
 
 
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
