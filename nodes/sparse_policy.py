@@ -14,8 +14,7 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
-from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
-                            unwrap_input)
+from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
 from .model_patches import install
 from .dense_override import DenseOverride
 from .block_hook import BlockHook, CallContext, log
@@ -225,8 +224,7 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
     layer = getattr(attn, "to_gate_compress", None)
     if config.tail != "coarse" or layer is None:
         return None
-    with linear_weights(layer, x) as (weight, bias):
-        g = torch.nn.functional.linear(x, weight, bias)
+    g = layer(x)  # the layer's own forward: any op class (GGUF, quantised, LoRA) computes it as the model does
     return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
 
 
