@@ -16,12 +16,11 @@ from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
-from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
-                            unwrap_input)
+from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
 from .model_patches import install
 from .dense_override import DenseOverride
 from .block_hook import BlockHook, CallContext, log
-from .precision import launch_attention, resolve_precision
+from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
 from .warm_start import WarmStart, start_during_warmup, wait_before_sparse
@@ -63,13 +62,14 @@ class SparseAttentionHook(BlockHook):
     def on_pre_run(self, patcher: Any) -> None:
         """Start of a sampler call: the warmup sigma of the sampled model's sampling (`warmup_sigma`)
         and the precision, which `auto` takes from the attention ComfyUI runs for this model (its
-        launch's, or another node's override installed on it)."""
+        launch's, ModelAttentionBackend's choice, or another node's override installed on it)."""
         super().on_pre_run(patcher)
         sampling = patcher.get_model_object("model_sampling")
         self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
         override = patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
         if isinstance(override, DenseOverride):
             override = None
+        self.dense_override.chosen = model_choice(override)  # ModelAttentionBackend's, followed as a launch's
         self.set_precision(*resolve_precision(self.config.precision,
                                               launch_attention(patcher.get_model_object("diffusion_model")),
                                               override))
@@ -145,7 +145,8 @@ class SparseAttentionHook(BlockHook):
 
     def note_other_override(self, transformer_options: dict) -> None:
         """Say once per run that another node's attention override does not reach the sparse blocks."""
-        if transformer_options.get("optimized_attention_override") is not None:
+        override = transformer_options.get("optimized_attention_override")
+        if override is not None and model_choice(override) is None:
             self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                   "only; sparse blocks run adaptive sparse attention")
 
@@ -164,11 +165,14 @@ class SparseAttentionHook(BlockHook):
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
-        unless another node's override already decides the dense attention."""
+        unless another node's override already decides the dense attention. ModelAttentionBackend's
+        choice is followed as ComfyUI's launch attention is: a candidate within the run's precision."""
         to = args.get("transformer_options", {})
-        if self.config.dense_attention != "fastest" or isinstance(to.get("optimized_attention_override"), DenseOverride):
+        override = to.get("optimized_attention_override")
+        if self.config.dense_attention != "fastest" or isinstance(override, DenseOverride):
             return args
-        if to.get("optimized_attention_override") is not None:
+        if override is not None and (self.dense_override.chosen is None
+                                     or model_choice(override) is not self.dense_override.chosen):
             self.tracker.log_once("another node's optimized_attention_override runs the dense blocks "
                                   "(dense_attention='fastest' does not replace it)")
             return args
@@ -242,8 +246,7 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
     layer = getattr(attn, "to_gate_compress", None)
     if config.tail != "coarse" or layer is None:
         return None
-    with linear_weights(layer, x) as (weight, bias):
-        g = torch.nn.functional.linear(x, weight, bias)
+    g = layer(x)  # the layer's own forward: any op class (GGUF, quantised, LoRA) computes it as the model does
     return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
 
 
