@@ -19,6 +19,8 @@ from .comfy_weights import (head_groups, linear_weights, on_device, outside_allo
 from .model_patches import install
 from .dense_override import DenseOverride
 from .block_hook import BlockHook, CallContext, log
+from .core_sparse import (core_sparse_blocks, core_sparse_message, core_sparse_order, fasth3_message, gated_blocks,
+                          refuse_core_sparse)
 from .precision import launch_attention, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
@@ -44,6 +46,7 @@ class SparseAttentionHook(BlockHook):
         self.notices = list(self.notices)
         self.dense_override = DenseOverride(self.dense_choices, self.tracker.note_dense_kernel)
         self.warmup_sigma: float | None = None
+        self.left_to: str | None = None  # why this sampler call leaves every block's attention to ComfyUI
         self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
 
     def set_precision(self, precision: str, reason: str) -> None:
@@ -66,6 +69,53 @@ class SparseAttentionHook(BlockHook):
         self.set_precision(*resolve_precision(self.config.precision,
                                               launch_attention(patcher.get_model_object("diffusion_model")),
                                               override))
+        self.left_to = self.leave_reason(patcher)
+
+    @property
+    def leaves_attention(self) -> bool:
+        """Whether this sampler call leaves every block's attention to ComfyUI (`leave_reason`)."""
+        return self.left_to is not None
+
+    def check_core_sparse(self, model_options: dict, order: str) -> None:
+        """ComfyUI's core sparse node on the model: strict refuses it; otherwise this node leaves the
+        attention to it (`leave_reason`), said once at WARNING and in the report."""
+        if self.config.strict:
+            refuse_core_sparse(model_options, self.title, order)
+        elif order == "before" and core_sparse_blocks(model_options):
+            self.announce(core_sparse_message(self.title, order, len(core_sparse_blocks(model_options))))
+
+    def announce(self, message: str) -> None:
+        """Say `message` at WARNING and keep it for the report, here and in the hooks this one was
+        cloned from (the model the report node reads), unless this model said it already."""
+        if message in self.notices:
+            return
+        log.warning("%s", message)
+        hook = self
+        while hook is not None:
+            if message not in hook.notices:
+                hook.notices.append(message)
+            hook = hook.parent
+
+    def leave_reason(self, patcher: Any) -> str | None:
+        """Why this sampler call leaves every block's attention to ComfyUI, or None: ComfyUI's core
+        sparse node is on the model (it runs the attention), or the checkpoint is a FastH3 one
+        (trained for VSA's pattern; tail='coarse' runs ours with its gate). Logged once per run."""
+        order = core_sparse_order(patcher.model_options)
+        diffusion_model = patcher.get_model_object("diffusion_model")
+        if order is not None:
+            message = core_sparse_message(self.title, order, len(core_sparse_blocks(patcher.model_options)))
+            reason = "left to ComfyUI's 'Model Sparse Attention' node, which runs these blocks"
+        elif self.config.tail != "coarse" and gated_blocks(diffusion_model):
+            message = fasth3_message(self.title, gated_blocks(diffusion_model), len(diffusion_model.blocks))
+            reason = ("FastH3 checkpoint (to_gate_compress, trained for VSA's pattern): left to ComfyUI's attention; "
+                      "ComfyUI's 'Model Sparse Attention' node with vsa runs its pattern")
+        else:
+            return None
+        if message in self.notices:  # said at WARNING when the node was applied or in an earlier run
+            self.tracker.log_once(message.removeprefix(f"{self.title}: "), logging.INFO)
+        else:
+            self.announce(message)
+        return reason
 
     def replaced(self, earlier: BlockHook) -> None:
         """Say in the log and in the report that this node's settings replace an earlier node's."""
@@ -124,6 +174,9 @@ class SparseAttentionHook(BlockHook):
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
         dense with its reason)."""
+        if self.left_to is not None:
+            self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=self.left_to)
+            return None
         to = args.get("transformer_options", {})
         x = args["img"]
         precision, why = self.tracker.precision
@@ -152,6 +205,8 @@ class SparseAttentionHook(BlockHook):
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
         unless another node's override already decides the dense attention."""
         to = args.get("transformer_options", {})
+        if self.left_to is not None:  # the attention ComfyUI (or the core sparse node) sets, untouched
+            return args
         if self.config.dense_attention != "fastest" or isinstance(to.get("optimized_attention_override"), DenseOverride):
             return args
         if to.get("optimized_attention_override") is not None:
@@ -282,8 +337,20 @@ def comfy_cache_path() -> Path:
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
     """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
     hook = SparseAttentionHook(config)
+    diffusion_model = model_patcher.get_model_object("diffusion_model")
+    gated = gated_blocks(diffusion_model)
+    if gated and config.tail != "coarse":
+        message = fasth3_message(hook.title, gated, len(diffusion_model.blocks))
+        if config.strict:
+            raise ValueError(f"{message}. strict=True refuses to run this node on it")
+        hook.announce(message)
+    elif gated:
+        hook.announce(f"{hook.title}: tail='coarse' on a distilled FastH3 checkpoint runs this node's tiling "
+                      f"({config.tiling}) with the checkpoint's coarse gate; the weights were trained for VSA's "
+                      "pattern (4x4x4-token cubes, 10% kept), which ComfyUI's core 'Model Sparse Attention' node "
+                      "runs with method vsa")
     patched = install(model_patcher, hook)
-    notice = gate_notice(model_patcher.get_model_object("diffusion_model"), config)
+    notice = gate_notice(diffusion_model, config)
     if notice is not None:
         log.warning("%s: %s", hook.title, notice)
         hook.notices.append(notice)
