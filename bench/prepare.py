@@ -1,5 +1,8 @@
 """Prepare a machine ahead of the first run: compile the kernels and measure the dense-kernel choice.
 
+The command also measures from which clip length sparse attention pays on this GPU (bench/pays_from.py),
+which the node names when a run is too small for it.
+
 The first sparse use on a machine compiles the Triton kernels, and the first dense block of a
 shape measures which exact dense kernel is fastest. Both results persist (Triton's disk cache,
 the dense-choice file), so doing them here, once, takes the wait out of the first sampler run.
@@ -109,5 +112,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"prepare: compiling the sparse-attention kernels for {torch.cuda.get_device_name(device)} and measuring "
           f"the dense kernel for {', '.join(clips)}; this takes about a minute the first time on a machine")
-    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), DenseChoices(default_cache_path(user_dir)))
+    choices = DenseChoices(default_cache_path(user_dir))
+    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), choices)
+    from ..kernels.dense.pays_from import describe
+    from .pays_from import ladder, measure
+
+    value, _ = measure(ladder(), device, DTYPES[args.dtype], SparseConfig(), choices)
+    print(f"prepare: {describe(value)}; saved in {choices.path}")
     return 0

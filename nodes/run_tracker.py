@@ -33,6 +33,7 @@ class RunStats:
     timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
     timed_dense_ms: float = 0.0
     dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
+    notes: list[str] = field(default_factory=list)  # what the run's report says besides its counters
 
 
 class RunTracker:
@@ -88,6 +89,14 @@ class RunTracker:
         """Log a message (a warning by default) once per run (a reason that holds for every block is
         not repeated per block)."""
         self.notices.say(f"{self.name}: {message}", level)
+
+    def say_in_report(self, message: str, level: int = logging.WARNING) -> None:
+        """Log `message` (at `level`) once per run and keep it in the run's report."""
+        with self.lock:
+            if message in self.stats.notes:
+                return
+            self.stats.notes.append(message)
+        self.log_once(message, level)
 
     def note_dense_kernel(self, name: str) -> None:
         """Count one attention call of our dense override on kernel `name`."""
@@ -193,7 +202,7 @@ class RunTracker:
                 "mean_density": self.mean_density(), "attention_s": attention_s,
                 "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
-                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels)}
+                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels), "notes": list(s.notes)}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

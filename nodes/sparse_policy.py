@@ -14,6 +14,7 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.dense.pays_from import describe, pays_at, saved
 from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
                             unwrap_input)
 from .model_patches import install
@@ -47,6 +48,9 @@ class SparseAttentionHook(BlockHook):
         self.dense_override = DenseOverride(self.dense_choices, self.tracker.note_dense_kernel)
         self.warmup_sigma: float | None = None
         self.left_to: str | None = None  # why this sampler call leaves every block's attention to ComfyUI
+        self.pays_from: dict[tuple, str | None] = {}  # (device, dtype) -> the measured crossover (`saved`)
+        # size messages said at WARNING, shared with the clones of this model (later runs say them at INFO)
+        self.said: set[str] = parent.said if isinstance(parent, SparseAttentionHook) else set()
         self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
 
     def set_precision(self, precision: str, reason: str) -> None:
@@ -157,6 +161,8 @@ class SparseAttentionHook(BlockHook):
         """
         reason = schedule_reason(self.config, layer, warmup, shape[0])
         problem = self.unsupported(attn, shape, dtype, device, layout)
+        if problem is None and layer not in self.config.dense_layers and self.config.warmup_mode != "dense":
+            self.note_size(shape[0], dtype, device)
         if reason is not None:
             if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
                 self.prepare(attn, dtype, device, layout)  # a warmup step of a sparse layer
@@ -166,6 +172,30 @@ class SparseAttentionHook(BlockHook):
             return problem
         self.prepare(attn, dtype, device, layout)  # strict raises here when Triton is asked for and missing
         return None
+
+    def note_size(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Say once per run, at WARNING and in the report, when `tokens` is too small for sparse attention
+        to pay: below min_tokens (it runs dense), or below the crossover `prepare` measured on this GPU
+        (it runs sparse, slower than dense); either with that crossover, or that it is not measured."""
+        key = (str(device), dtype)
+        if key not in self.pays_from:
+            self.pays_from[key] = saved(self.dense_choices, device, dtype, self.config)
+        value = self.pays_from[key]
+        pays = pays_at(value, tokens)
+        if tokens < self.config.min_tokens:
+            hint = f"; lower min_tokens to {int(value):,} to run it sparse" if pays else ""
+            message = (f"{tokens:,} tokens is below min_tokens={self.config.min_tokens:,}, so attention runs dense at "
+                       f"this size; {describe(value)}{hint}")
+        elif pays is False:
+            raise_to = f" (raise min_tokens to {int(value):,} to run such sizes dense)" if value.isdigit() else ""
+            message = f"{tokens:,} tokens is too small for sparse attention to pay; {describe(value)}{raise_to}"
+        else:
+            return
+        if len(self.said) >= 64:  # bounded: a model sampled at many sizes says them at WARNING again
+            self.said.clear()
+        first = message not in self.said
+        self.said.add(message)
+        self.tracker.say_in_report(message, logging.WARNING if first else logging.INFO)
 
     def refuse(self, layer: int, problem: str) -> None:
         """A call that cannot run sparse: strict raises, otherwise the reason is logged once per run."""
