@@ -86,16 +86,14 @@ def test_template_sizes_and_frames():
 
 def test_preset_settings_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match=r"preset='sdxl' is not a preset; allowed: ksampler-19-cfg3, t2v-20"):
-        e2e.resolve_preset("sdxl", None, None, None, None, None, ())
+        e2e.resolve_preset("sdxl", None, None, None, None, None)
     with pytest.raises(ValueError, match="BasicGuider, which has no cfg"):
-        e2e.resolve_preset("turbo-8", None, 3.0, None, None, None, ())
+        e2e.resolve_preset("turbo-8", None, 3.0, None, None, None)
     with pytest.raises(ValueError, match=r"sigma_shift=\(10.0,\): expected \(video, audio\)"):
-        e2e.resolve_preset("turbo-8", None, None, None, (10.0,), None, ())
+        e2e.resolve_preset("turbo-8", None, None, None, (10.0,), None)
     with pytest.raises(ValueError, match="attention_backend='sage'"):
-        e2e.resolve_preset("turbo-8", None, None, None, None, "sage", ())
-    with pytest.raises(ValueError, match="two-threads runs sample with KSampler"):
-        e2e.resolve_preset("t2v-20", None, None, None, None, None, ("ours", "ours-two-threads"))
-    assert e2e.resolve_preset("turbo-4", 2, None, "bf16", (10.0, 3.0), None, ())[1:] == (2, 1.0, "bf16")
+        e2e.resolve_preset("turbo-8", None, None, None, None, "sage")
+    assert e2e.resolve_preset("turbo-4", 2, None, "bf16", (10.0, 3.0), None)[1:] == (2, 1.0, "bf16")
 
 
 def test_lora_file_is_what_comfyuis_lora_loader_reads(tmp_path: Path):

@@ -55,6 +55,22 @@ def test_measured_crossover_is_saved_per_device_dtype_and_settings(tmp_path: Pat
     assert pays_from.saved(fresh, torch.device("cpu"), torch.float32, config.replace(topk_ratio=0.5)) is None
 
 
+def test_a_run_note_is_said_once_per_run_and_shown_in_the_report(caplog):
+    from adaptive_sparse_attention.nodes.report import format_report
+    from adaptive_sparse_attention.nodes.run_tracker import RunTracker
+
+    tracker = RunTracker("t")
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        for _ in range(3):
+            tracker.say_in_report("529 tokens is too small")
+            tracker.note_block(0, sparse=False, reason="529 tokens < min_tokens=12288")
+    assert len(said(caplog, "t: 529 tokens is too small")) == 1
+    tracker.finish()
+    assert tracker.last_report["notes"] == ["529 tokens is too small"]
+    assert "Note: 529 tokens is too small" in format_report(tracker.last_report)
+    assert tracker.stats.notes == []  # the next run starts without it
+
+
 def save_value(path: Path, value: str, **changes) -> None:
     """A crossover as `prepare` saves it, for the node's settings on this CPU (both dtypes the tiny model may run)."""
     from adaptive_sparse_attention.nodes.widgets import config_from_widgets
