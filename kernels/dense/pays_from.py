@@ -62,8 +62,8 @@ def saved(choices: DenseChoices, device: torch.device, dtype: torch.dtype, confi
 def describe(value: str | None) -> str:
     """The node's words for a saved value."""
     if value is None:
-        return ("from which size sparse attention pays on this GPU is not measured yet at these settings: "
-                "`python -m adaptive_sparse_attention prepare` measures it")
+        return ("from which size sparse attention pays on this GPU is not measured yet at these settings "
+                "(`python -m adaptive_sparse_attention prepare` measures it at the node's default settings)")
     if value.startswith(">"):
         return (f"on this GPU sparse attention was slower than dense at every length `prepare` measured, up to "
                 f"{int(value[1:]):,} tokens")
