@@ -3,7 +3,9 @@
 The first sparse use on a machine compiles the Triton kernels, the first dense block of a shape
 measures which exact dense kernel is fastest, and the first sparse block which sparse kernel is
 (`kernel="auto"`). The results persist (Triton's disk cache, the choice files), so doing them here,
-once, takes the wait out of the first sampler run.
+once, takes the wait out of the first sampler run. The command also measures from which clip length
+sparse attention pays on this GPU (bench/pays_from.py), which the node names when a run is too small
+for it.
 `python -m adaptive_sparse_attention prepare` runs it; `install.py` runs it too when it finds a
 GPU. H3's shapes at 1344x768: the kernels do not depend on the clip length beyond power-of-two
 row buckets, so the 5 s and 10 s clips cover the usual lengths. ``--shape SPEC`` compiles the kernels
@@ -184,6 +186,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"prepare: compiling the sparse-attention kernels for {torch.cuda.get_device_name(device)} and measuring "
           f"the dense kernel for {', '.join(clips)}; this takes about a minute the first time on a machine")
-    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), DenseChoices(default_cache_path(user_dir)),
+    choices = DenseChoices(default_cache_path(user_dir))
+    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), choices,
             sparse_choices=SparseChoices(sparse_cache_path(user_dir)))
+    from ..kernels.dense.pays_from import describe
+    from .pays_from import ladder, measure
+
+    value, _ = measure(ladder(), device, DTYPES[args.dtype], SparseConfig(), choices)
+    print(f"prepare: {describe(value)}; saved in {choices.path}")
     return 0

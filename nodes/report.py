@@ -48,6 +48,7 @@ def format_report(report: dict | None) -> str:
     lines += [f"Sparse kernel choice: {summary}" for summary in report.get("sparse_choices", [])]
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
+    lines += [f"Note: {note}" for note in report.get("notes", ())]
     if report["dense_reasons"]:
         lines.append("Why blocks ran dense:")
         lines += [f"- {reason}: {n} block calls" for reason, n in sorted(report["dense_reasons"].items())]

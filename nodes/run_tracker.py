@@ -36,6 +36,7 @@ class RunStats:
     dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
     sparse_kernels: dict[str, int] = field(default_factory=dict)  # sparse attention kernel -> calls
     sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
+    notes: list[str] = field(default_factory=list)  # what the run's report says besides its counters
 
 
 class RunTracker:
@@ -91,6 +92,14 @@ class RunTracker:
         """Log a message (a warning by default) once per run (a reason that holds for every block is
         not repeated per block)."""
         self.notices.say(f"{self.name}: {message}", level)
+
+    def say_in_report(self, message: str, level: int = logging.WARNING) -> None:
+        """Log `message` (at `level`) once per run and keep it in the run's report."""
+        with self.lock:
+            if message in self.stats.notes:
+                return
+            self.stats.notes.append(message)
+        self.log_once(message, level)
 
     def note_dense_kernel(self, name: str) -> None:
         """Count one attention call of our dense override on kernel `name`."""
@@ -208,7 +217,8 @@ class RunTracker:
                 "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
                 "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
-                "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices)}
+                "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices),
+                "notes": list(s.notes)}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

@@ -14,12 +14,15 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.dense.pays_from import describe, pays_at, saved
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
 from .model_patches import install
 from .dense_override import DenseOverride
 from .block_hook import BlockHook, CallContext, log
+from .core_sparse import (core_sparse_blocks, core_sparse_message, core_sparse_order, fasth3_message, gated_blocks,
+                          refuse_core_sparse)
 from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
@@ -50,6 +53,10 @@ class SparseAttentionHook(BlockHook):
         self.notices = list(self.notices)
         self.dense_override = DenseOverride(self.dense_choices, self.tracker.note_dense_kernel)
         self.warmup_sigma: float | None = None
+        self.left_to: str | None = None  # why this sampler call leaves every block's attention to ComfyUI
+        self.pays_from: dict[tuple, str | None] = {}  # (device, dtype) -> the measured crossover (`saved`)
+        # size messages said at WARNING, shared with the clones of this model (later runs say them at INFO)
+        self.said: set[str] = parent.said if isinstance(parent, SparseAttentionHook) else set()
         self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
 
     def set_precision(self, precision: str, reason: str) -> None:
@@ -73,6 +80,53 @@ class SparseAttentionHook(BlockHook):
         self.set_precision(*resolve_precision(self.config.precision,
                                               launch_attention(patcher.get_model_object("diffusion_model")),
                                               override))
+        self.left_to = self.leave_reason(patcher)
+
+    @property
+    def leaves_attention(self) -> bool:
+        """Whether this sampler call leaves every block's attention to ComfyUI (`leave_reason`)."""
+        return self.left_to is not None
+
+    def check_core_sparse(self, model_options: dict, order: str) -> None:
+        """ComfyUI's core sparse node on the model: strict refuses it; otherwise this node leaves the
+        attention to it (`leave_reason`), said once at WARNING and in the report."""
+        if self.config.strict:
+            refuse_core_sparse(model_options, self.title, order)
+        elif order == "before" and core_sparse_blocks(model_options):
+            self.announce(core_sparse_message(self.title, order, len(core_sparse_blocks(model_options))))
+
+    def announce(self, message: str) -> None:
+        """Say `message` at WARNING and keep it for the report, here and in the hooks this one was
+        cloned from (the model the report node reads), unless this model said it already."""
+        if message in self.notices:
+            return
+        log.warning("%s", message)
+        hook = self
+        while hook is not None:
+            if message not in hook.notices:
+                hook.notices.append(message)
+            hook = hook.parent
+
+    def leave_reason(self, patcher: Any) -> str | None:
+        """Why this sampler call leaves every block's attention to ComfyUI, or None: ComfyUI's core
+        sparse node is on the model (it runs the attention), or the checkpoint is a FastH3 one
+        (trained for VSA's pattern; tail='coarse' runs ours with its gate). Logged once per run."""
+        order = core_sparse_order(patcher.model_options)
+        diffusion_model = patcher.get_model_object("diffusion_model")
+        if order is not None:
+            message = core_sparse_message(self.title, order, len(core_sparse_blocks(patcher.model_options)))
+            reason = "left to ComfyUI's 'Model Sparse Attention' node, which runs these blocks"
+        elif self.config.tail != "coarse" and gated_blocks(diffusion_model):
+            message = fasth3_message(self.title, gated_blocks(diffusion_model), len(diffusion_model.blocks))
+            reason = ("FastH3 checkpoint (to_gate_compress, trained for VSA's pattern): left to ComfyUI's attention; "
+                      "ComfyUI's 'Model Sparse Attention' node with vsa runs its pattern")
+        else:
+            return None
+        if message in self.notices:  # said at WARNING when the node was applied or in an earlier run
+            self.tracker.log_once(message.removeprefix(f"{self.title}: "), logging.INFO)
+        else:
+            self.announce(message)
+        return reason
 
     def replaced(self, earlier: BlockHook) -> None:
         """Say in the log and in the report that this node's settings replace an earlier node's."""
@@ -114,6 +168,8 @@ class SparseAttentionHook(BlockHook):
         """
         reason = schedule_reason(self.config, layer, warmup, shape[0])
         problem = self.unsupported(attn, shape, dtype, device, layout)
+        if problem is None and layer not in self.config.dense_layers and self.config.warmup_mode != "dense":
+            self.note_size(shape[0], dtype, device)
         if reason is not None:
             if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
                 self.prepare(attn, dtype, device, layout, warmup=True)  # a warmup step of a sparse layer
@@ -124,6 +180,30 @@ class SparseAttentionHook(BlockHook):
         self.prepare(attn, dtype, device, layout)  # strict raises here when Triton is asked for and missing
         return None
 
+    def note_size(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Say once per run, at WARNING and in the report, when `tokens` is too small for sparse attention
+        to pay: below min_tokens (it runs dense), or below the crossover `prepare` measured on this GPU
+        (it runs sparse, slower than dense); either with that crossover, or that it is not measured."""
+        key = (str(device), dtype)
+        if key not in self.pays_from:
+            self.pays_from[key] = saved(self.dense_choices, device, dtype, self.config)
+        value = self.pays_from[key]
+        pays = pays_at(value, tokens)
+        if tokens < self.config.min_tokens:
+            hint = f"; lower min_tokens to {int(value):,} to run it sparse" if pays else ""
+            message = (f"{tokens:,} tokens is below min_tokens={self.config.min_tokens:,}, so attention runs dense at "
+                       f"this size; {describe(value)}{hint}")
+        elif pays is False:
+            raise_to = f" (raise min_tokens to {int(value):,} to run such sizes dense)" if value.isdigit() else ""
+            message = f"{tokens:,} tokens is too small for sparse attention to pay; {describe(value)}{raise_to}"
+        else:
+            return
+        if len(self.said) >= 64:  # bounded: a model sampled at many sizes says them at WARNING again
+            self.said.clear()
+        first = message not in self.said
+        self.said.add(message)
+        self.tracker.say_in_report(message, logging.WARNING if first else logging.INFO)
+
     def refuse(self, layer: int, problem: str) -> None:
         """A call that cannot run sparse: strict raises, otherwise the reason is logged once per run."""
         self.tracker.notices.fallback(f"{self.title}: layer {layer} runs dense: {problem}", None, self.config.strict)
@@ -131,6 +211,9 @@ class SparseAttentionHook(BlockHook):
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
         dense with its reason)."""
+        if self.left_to is not None:
+            self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=self.left_to)
+            return None
         to = args.get("transformer_options", {})
         x = args["img"]
         precision, why = self.tracker.precision
@@ -168,6 +251,8 @@ class SparseAttentionHook(BlockHook):
         unless another node's override already decides the dense attention. ModelAttentionBackend's
         choice is followed as ComfyUI's launch attention is: a candidate within the run's precision."""
         to = args.get("transformer_options", {})
+        if self.left_to is not None:  # the attention ComfyUI (or the core sparse node) sets, untouched
+            return args
         override = to.get("optimized_attention_override")
         if self.config.dense_attention != "fastest" or isinstance(override, DenseOverride):
             return args
@@ -308,8 +393,20 @@ def comfy_cache_path() -> Path:
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
     """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
     hook = SparseAttentionHook(config)
+    diffusion_model = model_patcher.get_model_object("diffusion_model")
+    gated = gated_blocks(diffusion_model)
+    if gated and config.tail != "coarse":
+        message = fasth3_message(hook.title, gated, len(diffusion_model.blocks))
+        if config.strict:
+            raise ValueError(f"{message}. strict=True refuses to run this node on it")
+        hook.announce(message)
+    elif gated:
+        hook.announce(f"{hook.title}: tail='coarse' on a distilled FastH3 checkpoint runs this node's tiling "
+                      f"({config.tiling}) with the checkpoint's coarse gate; the weights were trained for VSA's "
+                      "pattern (4x4x4-token cubes, 10% kept), which ComfyUI's core 'Model Sparse Attention' node "
+                      "runs with method vsa")
     patched = install(model_patcher, hook)
-    notice = gate_notice(model_patcher.get_model_object("diffusion_model"), config)
+    notice = gate_notice(diffusion_model, config)
     if notice is not None:
         log.warning("%s: %s", hook.title, notice)
         hook.notices.append(notice)

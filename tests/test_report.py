@@ -41,7 +41,7 @@ def test_report_of_a_run_and_its_text():
                                                                            "layer 2 is in dense_layers": 3},
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
                       "dense_kernels": {"SDPA cuDNN": 3}, "sparse_kernels": {"cuDNN-frontend": 2, "Triton bf16": 1},
-                      "sparse_choices": [measured]}
+                      "sparse_choices": [measured], "notes": []}
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
     assert tracker.last_report is report
     assert tracker.stats.sparse_blocks == 0
