@@ -26,7 +26,7 @@ from .core_sparse import (core_sparse_blocks, core_sparse_message, core_sparse_o
 from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
-from .warm_start import WarmStart, start_during_warmup, wait_before_sparse
+from .warm_start import WarmStart, start_during_warmup, take_over_before_sparse
 
 DEVICES = ("cuda", "cpu")
 
@@ -238,12 +238,13 @@ class SparseAttentionHook(BlockHook):
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
-        first sparse step waits for what is left of it, then loads them from Triton's cache."""
+        first sparse step stops a child still running, loads what it finished from Triton's cache and
+        compiles only the rest."""
         config, head_dim = self.engine_config, attn.head_dim
         with outside_allocation_graph():
             if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
                 return
-            wait_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, progress_text)
+            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim)
             prepare_kernels(layout, config, dtype, device, head_dim, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:
