@@ -9,6 +9,7 @@ import torch
 from ..kernels.plan import BlockSparsePlan
 from .config import SparseConfig
 from .layout import SequenceLayout
+from .plan_reuse import PlanSlot
 from .planner import build_plan, call_kernels
 from .tail import coarse_branch
 
@@ -82,7 +83,7 @@ def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
                      config: SparseConfig | None = None, *, return_info: bool = False,
-                     coarse_gate: torch.Tensor | None = None, timings: bool = False):
+                     coarse_gate: torch.Tensor | None = None, timings: bool = False, plan_slot: PlanSlot | None = None):
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
     Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
@@ -97,6 +98,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         coarse_gate: broadcastable to the output (e.g. [H, 1, 1]); scales the coarse branch of
             ``tail="coarse"``. Without it there is no coarse term, as for a model without gates.
         timings: synchronise the device to report plan and kernel milliseconds in the info.
+        plan_slot: the plan kept from this block's last evaluated step, reused where its rule
+            allows (`plan_reuse.PlanSlot`; ``plan_reuse="on"`` in the node).
     Returns:
         The output [B, H, S, D] (same order and dtype as q), and the info with `return_info`.
     """
@@ -104,7 +107,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     check_inputs(q, k, v, layout, config, coarse_gate)
     kernels = call_kernels(q, layout, config)
     marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
-    plan = build_plan(q, k, v, layout, config, kernels=kernels)
+    plan = build_plan(q, k, v, layout, config, kernels=kernels, slot=plan_slot)
     marks.append(_now(q, timings))
     out, _ = kernels.attention.attend_blocks(q, k, v, plan, precision=config.exact_precision)
     if config.tail == "coarse" and coarse_gate is not None:

@@ -42,6 +42,12 @@ def format_report(report: dict | None) -> str:
     if report.get("dense_kernels"):
         lines.append("Dense attention (our override) ran on: " + "; ".join(
             f"{name} ({n} calls)" for name, n in sorted(report["dense_kernels"].items())))
+    plans = report.get("plans") or {}
+    if plans.get("reused"):
+        lines.append(f"Plans reused across steps: {plans['reused']}; built {plans['built']}, of which "
+                     f"{plans['rebuilds']} rebuilds (" + ", ".join(
+                         f"{why.removeprefix('built: ')} {n}" for why, n in plans.items() if why.startswith("built: "))
+                     + ")")
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
     if report["dense_reasons"]:
