@@ -56,26 +56,31 @@ def timed_call(q, k, v, layout, config: SparseConfig, slot=None) -> tuple[torch.
     return out, info.timings_ms["plan"]
 
 
-def warmup_rows(scene_at, sigmas: list[float], config: SparseConfig, threshold: float) -> list[dict]:
-    """Per step: fidelity's and ramp's density and error (dense: density 1, error 0)."""
-    rows = []
-    for step, sigma in enumerate(sigmas):
-        q, k, v, layout, ref = scene_at(sigma)
-        row = {"step": step, "sigma": sigma}
-        for mode in ("fidelity", "ramp"):
-            mode_config = config.replace(warmup_mode=mode)
-            if warmup_reason(mode_config, sigma, threshold, None, 1.0) is not None:
-                row[mode] = (1.0, 0.0)
-                continue
-            ratio = ramp_ratio(mode_config, sigma, threshold, 1.0, None)
-            out = sparse_attention(q, k, v, layout, mode_config.replace(topk_ratio=ratio))
-            row[mode] = (ratio, video_error(out, ref, layout))
-        rows.append(row)
-    return rows
+def warmup_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, threshold: float) -> dict:
+    """One step: fidelity's and ramp's (density, error) (a dense step: density 1, error 0)."""
+    row = {"step": step, "sigma": sigma}
+    for mode in ("fidelity", "ramp"):
+        mode_config = config.replace(warmup_mode=mode)
+        if warmup_reason(mode_config, sigma, threshold, None, 1.0) is not None:
+            row[mode] = (1.0, 0.0)
+            continue
+        ratio = ramp_ratio(mode_config, sigma, threshold, 1.0, None)
+        out = sparse_attention(q, k, v, layout, mode_config.replace(topk_ratio=ratio))
+        row[mode] = (ratio, video_error(out, ref, layout))
+    return row
 
 
-def reuse_rows(scene_at, sigmas: list[float], config: SparseConfig) -> tuple[list[dict], dict]:
-    """Per sparse step: fresh and reused errors and planner ms; and the store's counts."""
+def reuse_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, slot) -> dict:
+    """One sparse step: a fresh plan's and the slot's plan's error and planner ms."""
+    fresh, fresh_ms = timed_call(q, k, v, layout, config)
+    kept, kept_ms = timed_call(q, k, v, layout, config, slot)
+    return {"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout),
+            "reused": video_error(kept, ref, layout), "fresh_ms": fresh_ms, "reused_ms": kept_ms}
+
+
+def reuse_rows(scene_at, sigmas: list[tuple[int, float]], config: SparseConfig) -> tuple[list[dict], dict]:
+    """`reuse_row` over (step, sigma) pairs with one slot (`scene_at(sigma)` -> q, k, v, layout, dense
+    output); also the store's counts."""
     store = PlanStore()
     slot = store.slot("block")
     rows = []
@@ -83,10 +88,7 @@ def reuse_rows(scene_at, sigmas: list[float], config: SparseConfig) -> tuple[lis
         q, k, v, layout, ref = scene_at(sigma)
         if not rows:  # the layout's caches are built before anything is timed
             sparse_attention(q, k, v, layout, config)
-        fresh, fresh_ms = timed_call(q, k, v, layout, config)
-        kept, kept_ms = timed_call(q, k, v, layout, config, slot)
-        rows.append({"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout),
-                     "reused": video_error(kept, ref, layout), "fresh_ms": fresh_ms, "reused_ms": kept_ms})
+        rows.append(reuse_row(q, k, v, layout, ref, step, sigma, config, slot))
     return rows, store.summary()
 
 
@@ -112,30 +114,32 @@ def run(args: argparse.Namespace) -> int:
     sigmas = simple_sigmas(args.steps, args.shift)
     threshold = flow_sigma(args.shift, 1.0 - args.warmup_ratio) if 0 < args.warmup_ratio < 1 else (
         1.0 if args.warmup_ratio <= 0 else 0.0)
+    ratios = [float(r) for r in args.ratios.split(",")]
     results, worst = [], 0.0
     for name in args.scenes.split(","):
-        cache: dict[float, tuple] = {}
-
-        def scene_at(sigma: float) -> tuple:
-            if sigma not in cache:
-                cache.clear()  # one step's scene at a time
-                s = make_scene(name, args.size, args.seed, device, dtype, noise=min(1.0, sigma))
-                ref = torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v)
-                cache[sigma] = (s.q, s.k, s.v, s.layout, ref)
-            return cache[sigma]
-
-        for ratio in (float(r) for r in args.ratios.split(",")):
-            config = SparseConfig(topk_ratio=ratio, tiling=args.tiling, min_tokens=0, kernel=args.kernel,
-                                  warmup_ratio=args.warmup_ratio)
-            warm = warmup_rows(scene_at, sigmas, config, threshold)
-            sparse = [(i, s) for i, s in enumerate(sigmas) if s <= threshold * (1 + 1e-4)]
-            reuse, counts = reuse_rows(scene_at, sparse, config)
-            ratios = [r["reused"] / r["fresh"] for r in reuse]
-            worst = max([worst] + ratios)
-            results.append({"scene": name, "ratio": ratio, "warmup": warm, "reuse": reuse, "plans": counts,
-                            "worst_reuse_ratio": max(ratios, default=None)})
-            print(f"{name} r={ratio:g}: worst reused/fresh {max(ratios, default=float('nan')):.4f}, {counts}",
-                  file=sys.stderr, flush=True)
+        configs = {r: SparseConfig(topk_ratio=r, tiling=args.tiling, min_tokens=0, kernel=args.kernel,
+                                   warmup_ratio=args.warmup_ratio) for r in ratios}
+        stores = {r: PlanStore() for r in ratios}
+        rows = {r: {"scene": name, "ratio": r, "warmup": [], "reuse": []} for r in ratios}
+        for step, sigma in enumerate(sigmas):  # one step's scene at a time
+            s = make_scene(name, args.size, args.seed, device, dtype, noise=min(1.0, sigma))
+            ref = torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v)
+            for r in ratios:
+                rows[r]["warmup"].append(warmup_row(s.q, s.k, s.v, s.layout, ref, step, sigma, configs[r], threshold))
+                if sigma <= threshold * (1 + 1e-4):  # a sparse step of the run
+                    if not rows[r]["reuse"]:  # the layout's caches are built before anything is timed
+                        sparse_attention(s.q, s.k, s.v, s.layout, configs[r])
+                    rows[r]["reuse"].append(reuse_row(s.q, s.k, s.v, s.layout, ref, step, sigma, configs[r],
+                                                      stores[r].slot("block")))
+            del s, ref
+        for r in ratios:
+            reuse = rows[r]["reuse"]
+            step_ratios = [x["reused"] / x["fresh"] for x in reuse]
+            worst = max([worst] + step_ratios)
+            rows[r].update(plans=stores[r].summary(), worst_reuse_ratio=max(step_ratios, default=None))
+            results.append(rows[r])
+            print(f"{name} r={r:g}: worst reused/fresh {max(step_ratios, default=float('nan')):.4f}, "
+                  f"{rows[r]['plans']}", file=sys.stderr, flush=True)
     print(render(results, args, threshold))
     print(f"\nworst reused/fresh error over every sparse step: {worst:.4f} (acceptance <= {REUSE_BOUND}): "
           f"{'PASS' if worst <= REUSE_BOUND else 'FAIL'}")

@@ -107,8 +107,8 @@ def warmup_reason(config: SparseConfig, sigma: float | None, threshold: float | 
         start: `start_sigma` of the model (ramp mode).
     """
     if config.warmup_mode == "ramp":
-        if ramp_ratio(config, sigma, threshold, start, segment) < 1.0:
-            return None
+        if config.topk_ratio >= 1.0 or ramp_ratio(config, sigma, threshold, start, segment) < 1.0:
+            return None  # topk_ratio 1.0: every call is exact on the sparse path, as in the other modes
         return f"warmup (ramp: dense at sigma {sigma:.4g}, the start of the schedule)"
     if config.warmup_mode != "fidelity" or sigma is None:
         return None
