@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
           f"{'PASS' if worst <= REUSE_BOUND else 'FAIL'}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"environment": environment(device), "args": vars(args), "drift_limit": DRIFT_LIMIT,
+            json.dump({"environment": environment(device), "args": {k: v for k, v in vars(args).items() if k != "func"},
+                       "drift_limit": DRIFT_LIMIT,
                        "results": results}, f, indent=1)
     return 0 if worst <= REUSE_BOUND else 1
 
