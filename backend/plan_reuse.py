@@ -13,12 +13,14 @@ planner needs them anyway, for the tail) are compared with the means the kept ro
 on, over the sparse span of blocks: drift = max over (batch, head, Q or K) of
 ||mean - mean_at_build|| / ||mean_at_build||. Denoising moves Q/K steadily, so the next step's
 drift is predicted as drift + (drift - previous drift) (the previous being 0 at the build), and the
-plan is rebuilt at the next step when the prediction passes `DRIFT_LIMIT`.
+plan is rebuilt at the next step when the prediction passes `DRIFT_LIMIT`. A rebuilt plan carries the
+last one-step drift seen before it: when that alone passes the limit (late, fast-moving steps), the
+step after the rebuild plans afresh too.
 
 No host synchronisation: the check is a tensor on the device; its verdict is copied to the host
 asynchronously (pinned memory and an event on CUDA) and read at the slot's next evaluated step,
 one model call or more later, when the device has long finished it. The decision therefore lags one
-step (a plan is used at least at its build step and the next one), and a verdict that is not ready
+step, and a verdict that is not ready
 yet (the event not reached: the host ran a whole step ahead) counts as failed, never waited for.
 Selecting between old and new plans with `torch.where` would need the new plan built every step and
 save nothing.
@@ -94,6 +96,7 @@ class PlanSlot:
         self.kept: Kept | None = None
         self.verdict: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # rebuild at the next step?
         self.host: torch.Tensor | None = None  # pinned buffer the verdict is copied into (CUDA)
+        self.step_drift: torch.Tensor | None = None  # the drift of the latest step over the one before, on the device
 
     def reusable(self, facts: tuple) -> Kept | None:
         """The kept plan when this step may reuse it, else None (the store counts why: never host-synchronises)."""
@@ -113,17 +116,24 @@ class PlanSlot:
 
     def keep(self, facts: tuple, tiling: Tiling, q2k_idx: torch.Tensor, q2k_num: torch.Tensor,
              q_mean: torch.Tensor, k_mean: torch.Tensor) -> None:
-        """Keep a freshly built plan and the means it was routed on (the next step reuses it)."""
+        """Keep a freshly built plan and the means it was routed on; the next step reuses it unless the
+        last one-step drift seen (before this rebuild) alone passes the limit."""
         refs = (m.to(torch.bfloat16) for m in (q_mean, k_mean))  # bf16 rounding (0.4%) is far below DRIFT_LIMIT
         self.kept = Kept(facts, tiling, q2k_idx, q2k_num, *refs, q_mean.new_zeros((), dtype=torch.float32))
         self.verdict = None
+        if self.step_drift is not None and self.step_drift.device == q_mean.device:
+            self.post(self.step_drift > DRIFT_LIMIT)
 
     def check(self, q_mean: torch.Tensor, k_mean: torch.Tensor, span: tuple[int, int]) -> None:
         """Run the check on this step's means over the kept plan and post its verdict for the next step."""
         kept = self.kept
         now = drift(q_mean, k_mean, kept.q_ref, kept.k_ref, span)
-        rebuild = (2 * now - kept.last_drift) > DRIFT_LIMIT
+        self.step_drift = now - kept.last_drift
         kept.last_drift = now
+        self.post((now + self.step_drift) > DRIFT_LIMIT)
+
+    def post(self, rebuild: torch.Tensor) -> None:
+        """Make `rebuild` (a bool tensor) the verdict the next step reads, copied without a host sync."""
         if rebuild.is_cuda:
             if self.host is None:
                 self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
