@@ -105,7 +105,8 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("strict", advanced=True),
     config_widget("dense_attention", advanced=True),
     config_widget("routing_scores", advanced=True),
-    config_widget("precision"),  # last: saved workflows fill widgets by position, a new one goes at the end
+    config_widget("precision"),  # saved workflows fill widgets by position: a new one goes at the end
+    config_widget("plan_reuse", advanced=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (
