@@ -33,6 +33,7 @@ class RunStats:
     timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
     timed_dense_ms: float = 0.0
     dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
+    kernel_notes: list[str] = field(default_factory=list)  # what the user should know about the sparse kernels
 
 
 class RunTracker:
@@ -94,6 +95,12 @@ class RunTracker:
         with self.lock:
             kernels = self.stats.dense_kernels
             kernels[name] = kernels.get(name, 0) + 1
+
+    def note_kernel(self, message: str) -> None:
+        """Keep `message` (about the kernels the sparse blocks ran, e.g. the torch reference) for the report, once."""
+        with self.lock:
+            if message not in self.stats.kernel_notes:
+                self.stats.kernel_notes.append(message)
 
     def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
                    reason: str | None = None) -> None:
@@ -193,7 +200,8 @@ class RunTracker:
                 "mean_density": self.mean_density(), "attention_s": attention_s,
                 "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
-                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels)}
+                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
+                "kernel_notes": list(s.kernel_notes)}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

@@ -11,6 +11,7 @@ import torch
 from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
+from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
@@ -21,6 +22,7 @@ from .dense_override import DenseOverride
 from .block_hook import BlockHook, CallContext, log
 from .precision import launch_attention, resolve_precision
 from .progress import progress_text
+from .reference_notice import reference_kernel_notice
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
 
 DEVICES = ("cuda", "cpu")
@@ -144,9 +146,15 @@ class SparseAttentionHook(BlockHook):
 
     def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
-        compiles any), announced in the console and as progress text on the running node."""
+        compiles any), announced in the console and as progress text on the running node; where the
+        sparse blocks run the torch reference kernel, say so once per run (`reference_kernel_notice`)."""
         with outside_allocation_graph():
             prepare_kernels(layout, self.engine_config, dtype, device, attn.head_dim, announce=progress_text)
+        family = layout_kernels(layout, self.engine_config, device, dtype, attn.head_dim).family
+        notice = reference_kernel_notice(family, self.config, device, dtype, attn.head_dim)
+        if notice is not None:  # once per run, in the console (WARNING) and in the run's report
+            self.tracker.log_once(notice)
+            self.tracker.note_kernel(notice)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),

@@ -36,7 +36,7 @@ def test_report_of_a_run_and_its_text():
                       "est_saved_s": pytest.approx(4.5), "dense_reasons": {"warmup (step 1 of 4)": 3,
                                                                            "layer 2 is in dense_layers": 3},
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
-                      "dense_kernels": {"SDPA cuDNN": 3}}
+                      "dense_kernels": {"SDPA cuDNN": 3}, "kernel_notes": []}
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
     assert tracker.last_report is report
     assert tracker.stats.sparse_blocks == 0
