@@ -32,6 +32,7 @@ class CaptureHook(BlockHook):
     """Copies q, k, v of the chosen (layer, step) calls and writes them per step."""
 
     kind = "capture"
+    observes = True  # before or after the sparse node, it captures the same q, k, v
 
     def __init__(self, layers: tuple[int, ...], steps: tuple[int, ...], filename_prefix: str, output_dir: str):
         self.layers, self.steps = set(layers), set(steps)
