@@ -22,6 +22,10 @@ from values a compiled frame could not guard on (TorchCompileModel drops every g
 ``transformer_options``), and what they call of ComfyUI's (the original block, ComfyUI's attention in
 dense calls) is compiled as it is without this pack.
 
+Two of the pack's hooks of different kinds on one model (the capture node's and the sparse node's)
+both run on a call both take, in either node order: the observer's attention (`BlockHook.observes`)
+stays outermost and passes the call on to the other's (`stacked`, `dispatch_over`).
+
 These callables are shared by every clone of the patched model (ComfyUI copies model_options by
 reference), so they hold only the hook's key, the block index and the chained patch; the hook
 and the attention modules come from the call (`CallContext`, stored under the key by the

@@ -125,11 +125,12 @@ CAPTURE_WIDGETS: tuple[Widget, ...] = (
 
 def config_from_widgets(values: dict[str, Any]) -> SparseConfig:
     """The `SparseConfig` of the sparse node's widget values (validated by SparseConfig); an optional
-    widget left out (a prompt saved before it existed) takes its default."""
+    widget left out (a prompt saved before it existed; None where ComfyUI passes that) takes its default."""
     missing = [w.name for w in SPARSE_WIDGETS if w.name not in values and not w.optional]
     if missing:
         raise ValueError(f"{SPARSE_NODE_NAME}: missing widget values {missing}")
-    return SparseConfig(**{w.name: values[w.name] for w in SPARSE_WIDGETS if w.name in values})
+    return SparseConfig(**{w.name: values[w.name] for w in SPARSE_WIDGETS
+                           if w.name in values and not (w.optional and values[w.name] is None)})
 
 
 MAX_PREFIX_CHARS = 200  # characters of the capture node's filename_prefix

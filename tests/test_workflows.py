@@ -249,6 +249,7 @@ def test_widget_order_is_kept_and_widgets_added_later_are_optional():
     first = {w.name: w.default for w in SPARSE_WIDGETS if not w.optional}
     assert config_from_widgets(first) == SparseConfig()  # a prompt saved by the first release
     assert config_from_widgets({**first, "precision": "bf16"}).precision == "bf16"
+    assert config_from_widgets({**first, "precision": None}) == SparseConfig()
     with pytest.raises(ValueError, match=r"missing widget values \['strict'\]"):
         config_from_widgets({k: v for k, v in first.items() if k != "strict"})
 
