@@ -5,9 +5,11 @@ the pack's version, whether this ComfyUI has MiniMax-H3, torch, Triton (``triton
 ``triton-windows`` on Windows), comfy-kitchen, the optional ``nvidia-cudnn-frontend`` and which
 attention kernel runs on each GPU. It never installs, upgrades or replaces torch (or anything
 else): ComfyUI owns its torch and comfy-kitchen pins, so this only tells what to install by hand.
-With a CUDA GPU it then prepares the machine (compiles the kernels, measures the dense kernel),
-so the first sampler run does not wait for that; ``ASA_SKIP_PREPARE=1`` skips it. Its exit code
-is 0 always, also without torch (it then says which Python to run it with): a missing optional
+With a CUDA GPU and Triton it then prepares the machine (compiles the kernels, measures the dense
+kernel: ``install.py prepare`` in a child process, its progress shown, stopped after
+``ASA_PREPARE_BUDGET_S`` seconds, 900 by default), so the first sampler run does not wait for that;
+``ASA_SKIP_PREPARE=1`` skips it; on a CPU-only machine one line says there is nothing to prepare,
+and a failure is one line too. Its exit code is 0 always, also without torch (it then says which Python to run it with): a missing optional
 piece makes the pack slower, not broken.
 
 `python install.py prepare [options]` and `python install.py evaluate FILE [options]` run the
@@ -21,13 +23,22 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as metadata
 import importlib.util
+import os
 import platform
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = "adaptive_sparse_attention"
 COMMANDS = ("prepare", "evaluate")
+SKIP_ENV = "ASA_SKIP_PREPARE"
+BUDGET_ENV = "ASA_PREPARE_BUDGET_S"
+PREPARE_BUDGET_S = 900.0  # the install step's preparation is stopped after this (about a minute is usual)
 H3_FIRST_RELEASE = "0.30.0"  # the first ComfyUI release with comfy/ldm/minimax
 WHICH_PYTHON = ("Run it with the Python that runs ComfyUI: in the Windows portable build "
                 r"`python_embeded\python.exe ComfyUI\custom_nodes\<this folder>\install.py` from the "
@@ -168,24 +179,108 @@ def kernel_lines(torch) -> list[str]:
     return lines + ["    " + line for line in table.operation_lines()]
 
 
-def prepare_ahead() -> None:
-    """Compile the kernels and measure the dense kernel for the first GPU now (`bench/prepare.py`),
-    so that the first sampler run does not wait for it. Skipped with ASA_SKIP_PREPARE=1; a failure
-    is reported and leaves the install as it is (the node then prepares at its first use)."""
-    import os
+def say(line: str) -> None:
+    """Print one line now (ComfyUI-Manager shows the install step's output as it comes)."""
+    print(line, flush=True)
 
-    if os.environ.get("ASA_SKIP_PREPARE") == "1" or not has_torch():
-        return
+
+def prepare_target() -> tuple[str | None, str]:
+    """(the GPU to prepare the kernels for, "") or (None, why nothing is prepared, one line): only with
+    a CUDA GPU and Triton (the torch reference kernel, all a CPU runs, compiles nothing)."""
+    if not has_torch():
+        return None, "torch is not importable in this Python"
     import torch
 
     if not torch.cuda.is_available():
-        return
+        return None, "no CUDA GPU visible: nothing to compile (the CPU runs the torch reference kernel)"
+    if importlib.util.find_spec("triton") is None:
+        return None, "Triton is not installed: nothing to compile (the torch reference kernel runs)"
+    return torch.cuda.get_device_name(0), ""
+
+
+def prepare_budget() -> float:
+    """Seconds the install step's preparation may take (``ASA_PREPARE_BUDGET_S``, default PREPARE_BUDGET_S)."""
+    raw = os.environ.get(BUDGET_ENV, "")
     try:
-        prepare = pack_module("bench.prepare")
-        prepare.run(prepare.parser().parse_args([]))
+        budget = float(raw) if raw else PREPARE_BUDGET_S
+    except ValueError:
+        budget = -1.0
+    if not budget > 0:
+        print(f"  {BUDGET_ENV}={raw!r} is not allowed (a number of seconds above 0): {PREPARE_BUDGET_S:.0f} s is used")
+        return PREPARE_BUDGET_S
+    return budget
+
+
+def run_bounded(command: list[str], budget_s: float, echo: Callable[[str], None]) -> str | None:
+    """Run `command`, echoing its standard output line by line (its progress), for at most `budget_s`.
+
+    Returns:
+        None when it exits with 0, else one line saying what went wrong (its exit code and the last
+        line of its standard error, or that it ran past the budget and was stopped).
+    """
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as errors:
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, encoding="utf-8",
+                                 errors="replace", cwd=str(ROOT), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+        def relay() -> None:
+            for line in child.stdout:
+                echo("    " + line.rstrip())
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        try:
+            code = child.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            return f"stopped after {budget_s:.0f} s ({BUDGET_ENV} sets the limit)"
+        finally:
+            reader.join(timeout=5)
+            child.stdout.close()
+        if code == 0:
+            return None
+        errors.seek(0)
+        last = next((line.strip() for line in reversed(errors.read().splitlines()) if line.strip()), "no message")
+        return f"exit code {code}: {last}"
+
+
+def prepare_ahead(target: Callable[[], tuple[str | None, str]] = prepare_target, command: list[str] | None = None,
+                  budget_s: float | None = None, echo: Callable[[str], None] | None = None) -> bool:
+    """Compile the kernels and measure the dense kernel for the GPU `target` finds (the package's
+    `prepare` command, run in a child process of this Python), so that the first sampler run does
+    not wait for it. Its progress is echoed; whatever happens, one line says how it ended and the
+    install goes on (the node then prepares at its first use).
+
+    Args:
+        target: the GPU to prepare for, or None and why not (`prepare_target`).
+        command: the child's command line; None: ``python install.py prepare`` from this folder.
+        budget_s: seconds after which the child is stopped; None: `prepare_budget()`.
+        echo: prints one line.
+    Returns:
+        Whether the kernels were prepared.
+    """
+    echo = echo or say
+    if os.environ.get(SKIP_ENV) == "1":
+        echo(f"  preparation ahead: skipped ({SKIP_ENV}=1); the node prepares the kernels at its first use")
+        return False
+    try:
+        gpu, why = target()
+        if gpu is None:
+            echo(f"  preparation ahead: {why}")
+            return False
+        budget = prepare_budget() if budget_s is None else budget_s
+        echo(f"  preparation ahead for {gpu}: compiling the kernels and measuring the dense kernel "
+             f"(at most {budget:.0f} s; {SKIP_ENV}=1 skips it)")
+        start = time.perf_counter()
+        problem = run_bounded(command or [sys.executable, str(ROOT / "install.py"), "prepare"], budget, echo)
     except Exception as err:  # never fail the install: the node prepares on first use instead
-        print(f"  preparation ahead failed ({type(err).__name__}: {err}); the node prepares the kernels at "
-              "its first use instead (it says so before the wait)")
+        problem = f"{type(err).__name__}: {err}"
+    if problem is None:
+        echo(f"  preparation ahead: done in {time.perf_counter() - start:.0f} s")
+        return True
+    echo(f"  preparation ahead failed ({problem}); the node prepares the kernels at its first use instead "
+         "(it says so before the wait)")
+    return False
 
 
 def has_torch() -> bool:
@@ -203,9 +298,9 @@ def run_command(argv: list[str]) -> int:
     return cli.main(argv)
 
 
-def main(argv: list[str]) -> int:
-    """No arguments: the install check (exit code 0 always). `prepare ...` / `evaluate FILE ...`:
-    the package's commands (their exit code)."""
+def main(argv: list[str], prepare: Callable[[], object] = prepare_ahead) -> int:
+    """No arguments: the install check, then `prepare` (`prepare_ahead`; exit code 0 always).
+    `prepare ...` / `evaluate FILE ...`: the package's commands (their exit code)."""
     if argv and argv[0] in COMMANDS:
         return run_command(argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -217,9 +312,13 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         print("\n".join(report()), flush=True)
-        prepare_ahead()
     except Exception as err:  # the check must never fail an install: the pack still loads
         print(f"  install check stopped early ({type(err).__name__}: {err}); the pack itself is not affected")
+    try:
+        prepare()
+    except Exception as err:  # nor the preparation
+        print(f"  preparation ahead failed ({type(err).__name__}: {err}); the node prepares the kernels at its "
+              "first use instead")
     return 0
 
 

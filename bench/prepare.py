@@ -5,11 +5,15 @@ shape measures which exact dense kernel is fastest. Both results persist (Triton
 the dense-choice file), so doing them here, once, takes the wait out of the first sampler run.
 `python -m adaptive_sparse_attention prepare` runs it; `install.py` runs it too when it finds a
 GPU. H3's shapes at 1344x768: the kernels do not depend on the clip length beyond power-of-two
-row buckets, so the 5 s and 10 s clips cover the usual lengths.
+row buckets, so the 5 s and 10 s clips cover the usual lengths. ``--shape SPEC`` compiles the kernels
+of one run's exact shape instead (the child process `nodes/warm_start.py` starts during a run's dense
+warmup steps when Triton's cache is cold); it measures nothing.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import json
 import logging
 import time
 from pathlib import Path
@@ -17,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..backend.config import SparseConfig
+from ..backend.layout import SequenceLayout
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..notices import logger
@@ -77,6 +82,37 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
     return result
 
 
+SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "device")
+SHAPE_BUDGET_S = 600  # a --shape run still going after this exits with 1 (no parent need be there to stop it)
+
+
+def prepare_shape(spec: str, echo=print) -> float | None:
+    """Compile (or load from Triton's cache) the kernels of one run's shape (`prepare_kernels`).
+
+    Args:
+        spec: JSON with "segments" ([start, stop, kind, grid or null] rows), "config" (SparseConfig fields),
+            "dtype" (a `DTYPES` value's name), "head_dim" and "device" (written by `nodes.warm_start.shape_spec`).
+        echo: prints one line.
+    Returns:
+        Seconds spent, or None when nothing compiles for this shape.
+    """
+    fields = json.loads(spec)
+    if not isinstance(fields, dict) or sorted(fields) != sorted(SPEC_FIELDS):
+        raise ValueError(f"prepare --shape: {spec[:200]!r} is not allowed: a JSON object with exactly the keys "
+                         f"{', '.join(SPEC_FIELDS)}")
+    dtypes = {str(d).removeprefix("torch."): d for d in DTYPES.values()}
+    if fields["dtype"] not in dtypes:
+        raise ValueError(f"prepare --shape: dtype={fields['dtype']!r} is not allowed: {', '.join(dtypes)}")
+    layout = SequenceLayout.from_segments([(a, b, kind) if grid is None else (a, b, kind, tuple(grid))
+                                           for a, b, kind, grid in fields["segments"]])
+    device = torch.device(fields["device"])
+    echo(f"prepare --shape: compiling the kernels for {layout.total} tokens on {device}")
+    seconds = prepare_kernels(layout, SparseConfig(**fields["config"]), dtypes[fields["dtype"]], device,
+                              int(fields["head_dim"]))
+    echo("prepare --shape: " + ("nothing compiles for this shape" if seconds is None else f"ready in {seconds:.1f} s"))
+    return seconds
+
+
 def parser() -> argparse.ArgumentParser:
     """The command's own parser (install.py runs the command with its defaults)."""
     p = argparse.ArgumentParser(prog="python -m adaptive_sparse_attention prepare", description=__doc__.splitlines()[0])
@@ -90,10 +126,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="the CUDA device (default cuda)")
     parser.add_argument("--user-dir", help="ComfyUI's user directory, where the node keeps its dense-kernel "
                                            "choices (default: found from the pack's folder inside ComfyUI)")
+    parser.add_argument("--shape", help="compile the kernels of this one shape (JSON written by the node's child "
+                                        "process, nodes/warm_start.py) instead of the clips; measures nothing")
 
 
 def run(args: argparse.Namespace) -> int:
     """The `prepare` command."""
+    if args.shape:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        faulthandler.dump_traceback_later(SHAPE_BUDGET_S, exit=True)
+        try:
+            prepare_shape(args.shape)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        return 0
     clips = [c for c in args.clips.split(",") if c]
     unknown = [c for c in clips if c not in CLIPS]
     if unknown or not clips:

@@ -11,10 +11,10 @@ import torch
 from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.registry import resolve_family
 from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
                             unwrap_input)
 from .model_patches import install
@@ -24,6 +24,7 @@ from .precision import launch_attention, resolve_precision
 from .progress import progress_text
 from .reference_notice import reference_kernel_notice
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
+from .warm_start import WarmStart, start_during_warmup, wait_before_sparse
 
 DEVICES = ("cuda", "cpu")
 
@@ -33,9 +34,11 @@ class SparseAttentionHook(BlockHook):
 
     kind = "sparse"
 
-    def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None):
+    def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None,
+                 warm_start: WarmStart | None = None):
         self.config = config
         self.dense_choices = dense_choices if dense_choices is not None else DenseChoices(comfy_cache_path())
+        self.warm_start = warm_start if warm_start is not None else WarmStart()  # shared by the clones, as the choices
         self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
 
@@ -111,7 +114,7 @@ class SparseAttentionHook(BlockHook):
         problem = self.unsupported(attn, shape, dtype, device, layout)
         if reason is not None:
             if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
-                self.prepare(attn, dtype, device, layout)  # a warmup step of a sparse layer
+                self.prepare(attn, dtype, device, layout, warmup=True)  # a warmup step of a sparse layer
             return reason
         if problem is not None:
             self.refuse(layer, problem)
@@ -144,17 +147,24 @@ class SparseAttentionHook(BlockHook):
             self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                   "only; sparse blocks run adaptive sparse attention")
 
-    def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout) -> None:
+    def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout,
+                warmup: bool = False) -> None:
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
-        compiles any), announced in the console and as progress text on the running node; where the
-        sparse blocks run the torch reference kernel, say so once per run (`reference_kernel_notice`)."""
-        with outside_allocation_graph():
-            prepare_kernels(layout, self.engine_config, dtype, device, attn.head_dim, announce=progress_text)
-        family = layout_kernels(layout, self.engine_config, device, dtype, attn.head_dim).family
-        notice = reference_kernel_notice(family, self.config, device, dtype, attn.head_dim)
+        compiles any), announced in the console and as progress text on the running node. At a warmup
+        step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
+        first sparse step waits for what is left of it, then loads them from Triton's cache. Where the
+        sparse blocks run the torch reference kernel, it says so once per run (`reference_kernel_notice`)."""
+        config, head_dim = self.engine_config, attn.head_dim
+        family = resolve_family(config.kernel, device, dtype, head_dim=head_dim, block_size=config.block_size)
+        notice = reference_kernel_notice(family, self.config, device, dtype, head_dim)
         if notice is not None:  # once per run, in the console (WARNING) and in the run's report
             self.tracker.log_once(notice)
             self.tracker.note_kernel(notice)
+        with outside_allocation_graph():
+            if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
+                return
+            wait_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, progress_text)
+            prepare_kernels(layout, config, dtype, device, head_dim, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),

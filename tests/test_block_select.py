@@ -9,9 +9,9 @@ group, several groups, dense query blocks, and group sizes that are not powers o
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton.block_select import select_blocks_triton
 

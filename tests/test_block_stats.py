@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from random_blocks import h3_views, random_tiling
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton.block_stats import block_sums_triton, block_summaries_triton
 

@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton.tiled_pack import pack_qkv
     from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton

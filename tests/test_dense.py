@@ -483,3 +483,35 @@ def test_a_host_attention_that_reenters_the_override_is_refused_not_deadlocked(c
     skipped = [r for r in caplog.records if "cannot run here (ReentryError" in r.getMessage()]
     assert len(skipped) == 1
     assert skipped[0].levelname == "WARNING"
+
+
+@pytest.mark.parametrize("measured_ahead", [True, False])
+def test_a_choice_measured_ahead_leaves_only_the_host_function_to_time(measured_ahead, tmp_path, monkeypatch):
+    """`prepare` measures the kernels without a host function; a run's first dense call (ComfyUI's
+    function among the candidates) then times only that choice and the host's, so a kernel that lost
+    ahead (here a stand-in for FlashAttention-4, whose first call compiles) is never called."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    called = []
+
+    def lost_ahead(q, k, v):
+        called.append(q.shape)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    monkeypatch.setattr(dense, "DENSE_KERNELS", (dataclasses.replace(FLASH4, unavailable=lambda q: None,
+                                                                     attention=lost_ahead, first_call=""),))
+    timer = StubTimer(1.0, 2.0)
+    path = tmp_path / "choices.json"
+    choices = dense.DenseChoices(path, timer=timer)
+    host = host_of(perturbed_host(timer, 1.0))
+    if measured_ahead:
+        dense.ChoiceFile(path).save(choices.key(q, k, v, None, "bf16"), dense.DEFAULT)
+    seen, choices.note = notes()
+    assert choices.attention(q, k, v, host)[1] == "host"
+    assert timer.host_calls > 0
+    assert bool(called) is not measured_ahead
+    narrowed = [m for m in seen if "was measured fastest ahead" in m]
+    assert len(narrowed) == int(measured_ahead)
+    if measured_ahead:
+        assert "SDPA's own choice was measured fastest ahead" in narrowed[0]
+        assert "dense kernels measured" in seen[-1] and "FlashAttention-4" not in seen[-1]

@@ -24,9 +24,9 @@ import torch
 from layouts import awkward_layout
 from random_blocks import random_block_lengths
 from test_triton_kernel import REGION_LENGTHS, random_plan, region_block_lengths
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     triton = pytest.importorskip("triton")
     import triton.language as tl
 

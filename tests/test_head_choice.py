@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     triton = pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton import block_mass
 

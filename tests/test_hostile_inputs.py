@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton.block_stats import block_summaries_triton
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend

@@ -176,3 +176,107 @@ def test_install_check_survives_a_pack_that_does_not_import(tmp_path):
     assert "the pack could not be imported" in result.stdout
     assert "a broken pack" in result.stdout
     assert "torch " in result.stdout  # what it could read is still there
+
+
+# --- the install step's preparation ahead (`install.prepare_ahead`), with stand-in children ------------------
+
+def install_module():
+    """install.py imported from this repository (it is a script, not a module of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("asa_install_script", REPO / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stand_in_gpu() -> tuple[str, str]:
+    return "Stand-in GPU", ""
+
+
+def child(code: str) -> list[str]:
+    """A real child process running `code` in place of `install.py prepare`."""
+    return [sys.executable, "-c", code]
+
+
+def test_install_on_a_cpu_says_in_one_line_that_nothing_is_prepared(comfyui, packless_python):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: install.py prepares for it")
+    result = run(packless_python, "install.py", cwd=comfyui / "custom_nodes" / FOLDER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "preparation ahead" in line]
+    assert lines == ["  preparation ahead: no CUDA GPU visible: nothing to compile (the CPU runs the torch "
+                     "reference kernel)"]
+
+
+def test_preparation_ahead_shows_the_child_progress_as_it_comes():
+    install = install_module()
+    lines = []
+    code = "import time\nfor i in range(3):\n    print(f'kernel {i} compiled')\n    time.sleep(0.05)"
+    assert install.prepare_ahead(stand_in_gpu, child(code), budget_s=60, echo=lines.append) is True
+    assert "Stand-in GPU" in lines[0]
+    assert lines[1:4] == [f"    kernel {i} compiled" for i in range(3)]
+    assert lines[4].startswith("  preparation ahead: done in ")
+    assert len(lines) == 5
+
+
+def test_a_failing_preparation_is_one_line_with_its_error_and_the_install_goes_on():
+    install = install_module()
+    lines = []
+    code = "print('started')\nraise RuntimeError('no kernel image for this GPU')"
+    assert install.prepare_ahead(stand_in_gpu, child(code), budget_s=60, echo=lines.append) is False
+    failed = [line for line in lines if "failed" in line]
+    assert len(failed) == 1 and lines[-1] == failed[0]
+    assert "exit code 1: RuntimeError: no kernel image for this GPU" in failed[0]
+    assert not any("Traceback" in line for line in lines)  # the child's traceback is not echoed
+
+
+def test_a_preparation_past_its_budget_is_stopped(monkeypatch):
+    import time
+
+    install = install_module()
+    lines = []
+    started = time.perf_counter()
+    monkeypatch.setenv("ASA_PREPARE_BUDGET_S", "1")
+    assert install.prepare_ahead(stand_in_gpu, child("import time; print('slow', flush=True); time.sleep(60)"),
+                                 echo=lines.append) is False
+    assert time.perf_counter() - started < 30
+    assert "at most 1 s" in lines[0]
+    assert lines[-1].startswith("  preparation ahead failed (stopped after 1 s (ASA_PREPARE_BUDGET_S")
+
+
+@pytest.mark.parametrize("where", ["target", "command"])
+def test_a_raising_preparation_is_one_line(where):
+    install = install_module()
+    lines = []
+
+    def broken_target():
+        raise RuntimeError("CUDA driver too old")
+
+    target = broken_target if where == "target" else stand_in_gpu
+    command = [str(REPO / "no-such-python")]
+    assert install.prepare_ahead(target, command, budget_s=60, echo=lines.append) is False
+    assert len([line for line in lines if "failed" in line]) == 1
+    assert ("RuntimeError: CUDA driver too old" if where == "target" else "FileNotFoundError") in lines[-1]
+
+
+def test_the_install_check_exits_0_when_the_preparation_raises(capsys):
+    install = install_module()
+
+    def prepare():
+        raise MemoryError("out of host memory")
+
+    assert install.main([], prepare=prepare) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "preparation" in line] == [
+        "  preparation ahead failed (MemoryError: out of host memory); the node prepares the kernels at its first "
+        "use instead"]
+
+
+def test_skipping_the_preparation_is_said(monkeypatch):
+    install = install_module()
+    lines = []
+    monkeypatch.setenv("ASA_SKIP_PREPARE", "1")
+    assert install.prepare_ahead(stand_in_gpu, child("raise SystemExit(1)"), echo=lines.append) is False
+    assert lines == ["  preparation ahead: skipped (ASA_SKIP_PREPARE=1); the node prepares the kernels at its "
+                     "first use"]

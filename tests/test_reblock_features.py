@@ -13,9 +13,9 @@ against a float64 product (fp32: exact inputs; fp16: inputs exact, fp32 sums). R
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton import reblock_features
 

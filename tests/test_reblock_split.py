@@ -18,9 +18,9 @@ fused partition is a capacity-exact tiling that agrees with the torch one almost
 import pytest
 import torch
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton import reblock_split
 

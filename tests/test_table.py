@@ -173,20 +173,20 @@ def test_the_table_renders_every_operation():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton, to prove it is never launched")
-def test_the_torch_backend_runs_every_kernel_in_torch(monkeypatch):
+def test_the_torch_backend_runs_every_kernel_in_torch(monkeypatch, triton_device):
     """kernel="torch" never reaches a Triton launcher, planner included (reblock, query tail),
-    even where Triton could run (its interpreter is on)."""
+    even where Triton could run (on the GPU, or on the CPU with its interpreter on)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     def refuse(self, *args, **kwargs):
         pytest.fail(f"Triton kernel {getattr(self, '__name__', self)} launched on the torch backend")
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(JITFunction, "run", refuse)
     monkeypatch.setattr(InterpretedFunction, "run", refuse)
     layout = SequenceLayout.from_segments([(0, 20, "text"), (20, 20 + 3 * 8 * 8, "video", (3, 8, 8))])
-    q, k, v = (torch.randn(1, 2, layout.total, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    q, k, v = (torch.randn(1, 2, layout.total, 32, generator=torch.Generator().manual_seed(i)).to(triton_device)
+               for i in range(3))
     config = SparseConfig(kernel="torch", min_tokens=0)
     with pytest.raises(pytest.fail.Exception, match="launched on the torch backend"):  # the guard sees Triton
         sparse_attention(q, k, v, layout, config.replace(kernel="triton"))

@@ -14,9 +14,9 @@ import torch
 
 from layouts import awkward_layout
 from random_blocks import random_block_lengths, random_perms
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
-with interpreter_env():
+with kernel_imports():
     pytest.importorskip("triton")
     from adaptive_sparse_attention.kernels.triton import attention as triton_attention
     from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton

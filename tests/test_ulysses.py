@@ -1,9 +1,11 @@
 """Ulysses sequence parallelism on 2 CPU processes (torch.distributed, gloo) against one process.
 
-Every check runs in the same pair of forked ranks (one process-group start-up for the file):
+Every check runs in the same pair of ranks (one process-group start-up for the file; forked, or
+spawned where CUDA is available, since a forked child cannot use CUDA once the parent has):
 - the engine's all-to-all -> sparse attention on H/2 heads -> all-to-all back equals the
   single-process output rows, and each rank's plan equals the single-process plan of its heads;
-- the same with the Triton kernel (interpreter) on the strided post-all-to-all views;
+- the same with the Triton kernels on the strided post-all-to-all views (compiled on the GPU
+  where there is one, the all-to-all still on the CPU; else in the interpreter);
 - the Raylight adapter through a mirror of Raylight's USP path (tests/raylight_mirror.py): a tiny
   H3 model split over 2 ranks equals the single-process model with sparse attention.
 Torch backend in float64: only the batching of heads differs, so outputs agree to 1e-12 and the
@@ -21,11 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from triton_interpreter import interpreter_env
+from triton_interpreter import kernel_imports
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
 if HAS_TRITON:
-    with interpreter_env():  # before the package (which may import Triton) and before the ranks fork
+    with kernel_imports():  # before the package (which may import Triton) and before the ranks start
         import triton  # noqa: F401
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig, sparse_attention  # noqa: E402
@@ -43,7 +46,7 @@ WORLD, HEADS = 2, 4
 # 201 rows: edge blocks in every region, a reference video, and one padding row at 2 ranks
 LAYOUT = SequenceLayout.from_segments([(0, 22, "text"), (22, 62, "ref_video", (2, 4, 5)), (62, 81, "audio"),
                                        (81, 201, "video", (4, 5, 6))])
-# the Triton interpreter is slow: a smaller sequence for it
+# the Triton interpreter is slow: a smaller sequence for it (and for the compiled kernels)
 TRITON_LAYOUT = SequenceLayout.from_segments([(0, 11, "text"), (11, 131, "video", (2, 6, 10))])
 
 
@@ -98,8 +101,10 @@ def check_triton(rank: int) -> None:
     heads = slice(rank * HEADS // WORLD, (rank + 1) * HEADS // WORLD)
     cfg = config(tiling="cube", kernel="triton")  # per-head reblock plans are checked on the torch backend above;
     # here the Triton kernels read the strided head views (a reblock plan would run its tree in the interpreter too)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if CUDA else torch.device("cpu")
     q, k, v = qkv(torch.float32, seed=1, layout=TRITON_LAYOUT)
-    local_q, local_k, local_v = (seq_to_heads(rows_of(rank, t)) for t in (q, k, v))  # strided views inside
+    local_q, local_k, local_v = (seq_to_heads(rows_of(rank, t)).to(device) for t in (q, k, v))  # strided views inside
+    q, k, v = (t.to(device) for t in (q, k, v))
     out, local = local_heads_attention(local_q, local_k, local_v, TRITON_LAYOUT, cfg, return_info=True)
     alone, info = sparse_attention(q[:, heads], k[:, heads], v[:, heads], TRITON_LAYOUT, cfg, return_info=True)
     assert local.kernel == info.kernel == "triton"
@@ -152,7 +157,8 @@ def check_raylight_path(rank: int) -> None:
 
 def rank_main(rank: int, path: str) -> None:
     torch.set_num_threads(1)
-    os.environ["TRITON_INTERPRET"] = "1"
+    if not CUDA:  # the interpreter runs the Triton kernels on CPU tensors (this process only)
+        os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
     try:
         check_engine(rank)
@@ -164,7 +170,8 @@ def rank_main(rank: int, path: str) -> None:
 
 
 def test_two_ranks_match_one_process(tmp_path):
-    mp.start_processes(rank_main, args=(str(tmp_path / "process_group"),), nprocs=WORLD, start_method="fork")
+    mp.start_processes(rank_main, args=(str(tmp_path / "process_group"),), nprocs=WORLD,
+                       start_method="spawn" if CUDA else "fork")
 
 
 def test_refusals_name_the_degree_and_what_is_allowed():

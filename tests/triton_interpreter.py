@@ -1,16 +1,24 @@
-"""Triton's interpreter for the kernel tests (CPU tensors, no GPU).
+"""Triton's interpreter for the kernel tests (CPU tensors, no GPU), and one mode per process.
 
-Triton decorates its language functions when it is first imported, so TRITON_INTERPRET=1 must
-be set before that; it is put back afterwards because other test modules check the no-GPU
-paths. Kernel test modules also use the `interpreter` fixture (conftest.py), which sets it
-around each test (the launchers and the dispatcher read it at call time).
+Triton decorates a function when its module is first imported: interpreted under
+TRITON_INTERPRET=1, compiled otherwise, and the two cannot mix (an interpreted kernel takes no
+CUDA tensor into compiled code, a compiled one no CPU tensor; gluon asserts that Triton's own
+library is compiled). So a test module imports kernels inside `kernel_imports()`: interpreted on a
+machine without CUDA (where the `interpreter` fixture's tests run them on CPU tensors), compiled
+where CUDA is available (where those tests skip and the GPU tests use the same module objects).
+TRITON_INTERPRET is put back afterwards because other test modules check the no-GPU paths; the
+`interpreter` fixture (conftest.py) sets it around each interpreter test (the launchers and the
+dispatcher read it at call time). `interpreted_kernels` lists what a CUDA run must never hold.
 
 `patch_language_once_per_launch` makes the interpreter cheaper without changing what it runs.
 """
 import inspect
 import os
-from contextlib import contextmanager
-from typing import Iterator
+import sys
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator
+
+import torch
 
 
 def patch_language_once_per_launch() -> None:
@@ -59,3 +67,22 @@ def interpreter_env() -> Iterator[None]:
         else:
             os.environ["TRITON_INTERPRET"] = saved
 
+
+
+def kernel_imports() -> ContextManager[None]:
+    """Around a test module's imports of Triton (and kernel modules, and its own kernels): the
+    interpreter where CUDA is unavailable, nothing (compiled kernels) where it is available."""
+    return nullcontext() if torch.cuda.is_available() else interpreter_env()
+
+
+def interpreted_kernels() -> list[str]:
+    """Names of the Triton functions decorated by the interpreter in the imported kernel modules
+    (any package's ``kernels.triton`` modules, this one's test kernels excluded) and in Triton's
+    own language library; [] where Triton was never imported."""
+    if "triton" not in sys.modules:
+        return []
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return [f"{name}.{attr}" for name, module in list(sys.modules.items())
+            if module is not None and (".kernels.triton." in name or name.startswith("triton.language"))
+            for attr, value in list(vars(module).items()) if isinstance(value, InterpretedFunction)]

@@ -1,0 +1,253 @@
+"""Compile a run's sparse kernels in a child process while its dense warmup steps run.
+
+The Triton kernels are plain ``@triton.jit`` functions with fixed launch configurations (no
+autotuning, `kernels/triton/configs.py`): a process that launches one compiles it once per
+specialisation (its constexprs, dtypes and the alignment of the arguments it specialises) and
+writes it to Triton's disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``); another process
+launching the same kernel with the same specialisation loads it from there instead of compiling.
+So at the first warmup step of a layout whose kernels compile, `WarmStart` starts
+``install.py prepare --shape SPEC`` with ComfyUI's own Python (`sys.executable`) and environment
+(hence the same caches); it runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
+and head size, which launches exactly the kernels the sparse steps launch. The first warmup step
+after the child ended prepares in this process, which now loads them from the cache; a sparse step
+that comes first waits for what is left of the child (progress on the running node). A child that
+fails or runs past its budget is said once, and this process compiles the kernels itself, as it
+does without the child.
+
+One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
+MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
+The child holds a CUDA context (about half a GiB of GPU memory) while it runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable
+
+import torch
+
+from ..backend.config import SparseConfig
+from ..backend.layout import SequenceLayout
+from ..backend.planner import layout_kernels
+from ..backend.warmup import kernel_fields
+from ..notices import Notices, logger
+
+log = logger()
+PACK_DIR = Path(__file__).resolve().parent.parent
+CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute;
+# the child also exits by itself then: bench.prepare.SHAPE_BUDGET_S)
+MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shapes
+POLL_S = 0.1  # how often a wait looks at the child
+PROGRESS_S = 2.0  # how often a wait shows its progress
+
+
+def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+            head_dim: int) -> tuple:
+    """The run shape one child prepares: what `prepare_kernels` keys a layout's preparation by (the
+    kernel-deciding config fields, dtype, device, head size), and the layout. Per layout, not per
+    class: a clip length whose row-width buckets (radix-select rows, reblock levels) are new compiles
+    those kernels, 1.2-1.3 s on an H200, which the child takes off the first call too."""
+    return (kernel_fields(config), dtype, str(device), head_dim, layout.signature())
+
+
+def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+             head_dim: int) -> bool:
+    """Whether this process prepared the layout's kernels already (`prepare_kernels`' record, same key)."""
+    return layout.cache.has("prepared", (kernel_fields(config), dtype, str(device), head_dim))
+
+
+def shape_spec(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+               head_dim: int) -> str:
+    """The JSON the child's ``prepare --shape`` reads (`bench.prepare.prepare_shape`)."""
+    return json.dumps({"segments": [[s.start, s.stop, s.kind, s.grid] for s in layout.segments],
+                       "config": dict(kernel_fields(config)), "dtype": str(dtype).removeprefix("torch."),
+                       "head_dim": head_dim, "device": str(device)})
+
+
+def prepare_command(spec: str) -> list[str]:
+    """The child's command line: this pack's ``install.py prepare --shape SPEC`` with this Python."""
+    return [sys.executable, str(PACK_DIR / "install.py"), "prepare", "--shape", spec]
+
+
+@dataclass
+class Job:
+    """One child process and the file its output goes to."""
+
+    process: subprocess.Popen
+    output: IO[str]
+    started: float
+    budget_s: float
+    problem: str | None = None  # why it failed, once it has
+    reported: bool = False  # its outcome was said (once)
+    ended: float | None = None
+
+    def poll(self) -> int | None:
+        """The child's exit code (reaping it), or None while it runs; past its budget it is stopped."""
+        code = self.process.poll()
+        if code is None and time.perf_counter() - self.started > self.budget_s:
+            self.stop()
+            self.problem = f"still running after {self.budget_s:.0f} s, stopped"
+            code = self.process.returncode
+        if code is not None and self.ended is None:
+            self.ended = time.perf_counter()
+            if code != 0 and self.problem is None:
+                self.problem = f"exit code {code}: {self.last_line() or 'no message'}"
+        return code
+
+    def last_line(self) -> str:
+        """The last non-empty line the child wrote (its progress, or its error)."""
+        try:
+            self.output.seek(0)
+            lines = self.output.read().splitlines()
+        except (OSError, ValueError):
+            return ""
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+    def stop(self) -> None:
+        """Kill the child if it runs, and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def stop_all(jobs: dict[tuple, Job]) -> None:
+    """Kill and reap every child in `jobs`, closing their output files (the owner's finaliser)."""
+    for job in jobs.values():
+        job.stop()
+        job.output.close()
+    jobs.clear()
+
+
+@dataclass
+class WarmStart:
+    """The children compiling kernels for one owner (a node's patched model, shared by its clones).
+
+    Args:
+        command: the child's command line for a spec (`prepare_command`; tests give a stand-in).
+        budget_s: seconds after which a child is stopped.
+        limit: children kept at once.
+    """
+
+    command: Callable[[str], list[str]] = prepare_command
+    budget_s: float = CHILD_BUDGET_S
+    limit: int = MAX_JOBS
+    jobs: dict[tuple, Job] = field(default_factory=dict)
+    notices: Notices = field(default_factory=lambda: Notices(limit=4 * MAX_JOBS))
+
+    def __post_init__(self) -> None:
+        self.lock = threading.Lock()
+        self.finalizer = weakref.finalize(self, stop_all, self.jobs)  # also at interpreter exit
+
+    def start(self, key: tuple, spec: str) -> bool:
+        """Start the child preparing run shape `key` (`spec` for its command), unless one was started.
+
+        Returns:
+            Whether a child for `key` is still running, so the caller leaves the preparation to it for
+            now. False once it ended (the caller then prepares: loading what the child compiled from the
+            cache, or compiling itself after a failure, which is said once), when the owner holds `limit`
+            running children or when the child could not start (said once).
+        """
+        with self.lock:
+            job = self.jobs.get(key)
+            if job is not None:
+                if job.poll() is None:
+                    return True
+                self.report(job, 0.0)
+                return False
+            for old in [k for k, job in self.jobs.items() if job.poll() is not None]:
+                if len(self.jobs) < self.limit:
+                    break
+                self.jobs.pop(old).output.close()
+            if len(self.jobs) >= self.limit:
+                return False
+            output = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+            try:
+                process = subprocess.Popen(self.command(spec), stdout=output, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, cwd=str(PACK_DIR),
+                                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            except OSError as err:
+                output.close()
+                self.notices.say(f"adaptive sparse attention: the child process that would compile the kernels "
+                                 f"during the dense steps did not start ({err}); they compile in this process")
+                return False
+            self.jobs[key] = Job(process, output, time.perf_counter(), self.budget_s)
+            log.info("adaptive sparse attention: compiling the sparse-attention kernels in a child process (pid %d) "
+                     "while the dense warmup steps run", process.pid)
+            return True
+
+    def wait(self, key: tuple, progress: Callable[[str], None] | None = None) -> float | None:
+        """Wait for the child of `key` to end, showing `progress` every PROGRESS_S seconds.
+
+        Returns:
+            Seconds waited when its child compiled the kernels (0.0 when it had already), None when there
+            is no child for `key` or it failed (said once: this process then compiles them itself).
+        """
+        job = self.jobs.get(key)
+        if job is None:
+            return None
+        start = shown = time.perf_counter()
+        if job.poll() is None:
+            log.info("adaptive sparse attention: the first sparse step waits for the child process compiling the "
+                     "kernels (pid %d, running for %.0f s)", job.process.pid, start - job.started)
+        while job.poll() is None:
+            time.sleep(POLL_S)
+            now = time.perf_counter()
+            if progress is not None and now - shown >= PROGRESS_S:
+                shown = now
+                last = job.last_line()[:160]
+                progress(f"adaptive sparse attention: waiting for the sparse-attention kernels compiling in a child "
+                         f"process: {now - job.started:.0f} s since it started" + (f" ({last})" if last else ""))
+        waited = time.perf_counter() - start
+        self.report(job, waited)
+        return None if job.problem is not None else waited
+
+    @staticmethod
+    def report(job: Job, waited: float) -> None:
+        """Say once how an ended child went: its time and the wait, or why it failed."""
+        if job.reported:
+            return
+        job.reported = True
+        if job.problem is None:
+            log.info("adaptive sparse attention: the child process compiled the kernels in %.1f s; the first sparse "
+                     "step waited %.1f s for it", job.ended - job.started, waited)
+        else:
+            log.warning("adaptive sparse attention: the child process compiling the kernels failed (%s); they "
+                        "compile in this process instead", job.problem)
+
+    def close(self) -> None:
+        """Kill and reap every child (the owner's finaliser does this when the owner goes)."""
+        with self.lock:
+            stop_all(self.jobs)
+
+
+def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
+                        device: torch.device, head_dim: int) -> bool:
+    """At a warmup step: start the child for this run shape when its kernels compile on this GPU and
+    this layout is not prepared yet. Returns whether the child is still running (the warmup step then
+    leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads
+    what the child compiled from Triton's cache and compiles what only a process's memory keeps
+    (cuDNN-frontend's kernels), while the steps are still dense."""
+    if device.type != "cuda" or not layout_kernels(layout, config, device, dtype, head_dim).compiles:
+        return False
+    if prepared(layout, config, dtype, device, head_dim):
+        return False
+    return warm.start(job_key(layout, config, dtype, device, head_dim),
+                      shape_spec(layout, config, dtype, device, head_dim))
+
+
+def wait_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
+                       device: torch.device, head_dim: int, progress: Callable[[str], None] | None = None
+                       ) -> float | None:
+    """Before a sparse step of a layout not prepared yet: wait for what is left of its child, if any
+    (`WarmStart.wait`: seconds waited, or None)."""
+    if not warm.jobs or prepared(layout, config, dtype, device, head_dim):
+        return None
+    return warm.wait(job_key(layout, config, dtype, device, head_dim), progress)

@@ -1,0 +1,182 @@
+"""The kernels of a run compile in a child process while the dense warmup steps run (`nodes/warm_start.py`):
+the first sparse step waits only for what is left, a failing or stuck child is said once and this process
+compiles itself, progress is shown, children are bounded and always reaped. The children here are real
+processes running stand-in compile jobs, and once the real ``install.py prepare --shape`` command."""
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import time
+
+import pytest
+import torch
+
+from adaptive_sparse_attention import SequenceLayout, SparseConfig
+from adaptive_sparse_attention.nodes import warm_start
+from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, prepare_command, shape_spec,
+                                                        start_during_warmup, wait_before_sparse)
+
+LAYOUT = [(0, 64, "text"), (64, 64 + 4 * 8 * 8, "video", (4, 8, 8))]
+
+
+def stand_in(code: str):
+    """A WarmStart command running `code` in a real child process instead of compiling."""
+    return lambda spec: [sys.executable, "-c", code]
+
+
+def sleeping(seconds: float, line: str = "compiling") -> str:
+    return f"import time; print({line!r}, flush=True); time.sleep({seconds})"
+
+
+def test_the_first_sparse_step_waits_only_for_what_is_left():
+    warm = WarmStart(stand_in(sleeping(2.0)))
+    assert warm.start(("shape",), "{}")
+    dense_steps = 1.2
+    time.sleep(dense_steps)  # the dense warmup steps run meanwhile
+    waited = warm.wait(("shape",))
+    job = warm.jobs[("shape",)]
+    child_s = job.ended - job.started
+    assert child_s >= 2.0
+    assert waited is not None and waited <= child_s - dense_steps + 0.3
+    assert warm.wait(("shape",)) < 0.05  # later sparse steps do not wait
+    assert warm.start(("shape",), "{}") is False  # ended: a warmup step now prepares here, from the cache
+
+
+def test_warmup_steps_leave_the_preparation_to_a_running_child():
+    warm = WarmStart(stand_in(sleeping(1.0)))
+    assert warm.start(("shape",), "{}")  # started: this warmup step does not prepare
+    assert warm.start(("shape",), "{}")  # still running: nor does the next
+    warm.jobs[("shape",)].process.wait()
+    assert warm.start(("shape",), "{}") is False  # ended: the next warmup step prepares (loads from the cache)
+    assert len(warm.jobs) == 1
+
+
+def test_a_child_done_before_the_first_sparse_step_costs_no_wait(caplog):
+    warm = WarmStart(stand_in("print('ready')"))
+    assert warm.start(("shape",), "{}")
+    time.sleep(1.5)
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        assert warm.wait(("shape",)) < 0.05
+    assert any("the child process compiled the kernels" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_child_is_said_once_and_this_process_compiles(caplog):
+    warm = WarmStart(stand_in("print('CUDA error: no kernel image is available'); raise SystemExit(3)"))
+    assert warm.start(("shape",), "{}")
+    with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
+        assert warm.wait(("shape",)) is None
+        assert warm.wait(("shape",)) is None
+        assert warm.start(("shape",), "{}") is False  # a later warmup step compiles here, no second child
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert failed == ["adaptive sparse attention: the child process compiling the kernels failed (exit code 3: "
+                      "CUDA error: no kernel image is available); they compile in this process instead"]
+    assert len(warm.jobs) == 1
+
+
+def test_a_child_that_does_not_start_is_said_and_this_process_compiles(caplog, tmp_path):
+    warm = WarmStart(lambda spec: [str(tmp_path / "no-such-python")])
+    with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
+        assert warm.start(("shape",), "{}") is False
+    assert warm.jobs == {}
+    assert any("did not start" in r.getMessage() for r in caplog.records)
+
+
+def test_the_wait_shows_progress_with_the_child_output(monkeypatch):
+    monkeypatch.setattr(warm_start, "PROGRESS_S", 0.3)
+    warm = WarmStart(stand_in(sleeping(1.5, "kernel 3 of 12")))
+    assert warm.start(("shape",), "{}")
+    shown = []
+    assert warm.wait(("shape",), shown.append) is not None
+    assert len(shown) >= 2
+    assert all("waiting for the sparse-attention kernels compiling in a child process" in s for s in shown)
+    assert "(kernel 3 of 12)" in shown[-1]
+
+
+def test_a_child_past_its_budget_is_stopped_and_reaped():
+    warm = WarmStart(stand_in(sleeping(60)), budget_s=0.5)
+    assert warm.start(("shape",), "{}")
+    started = time.perf_counter()
+    assert warm.wait(("shape",)) is None
+    assert time.perf_counter() - started < 10
+    job = warm.jobs[("shape",)]
+    assert job.process.returncode is not None  # reaped: no zombie
+    assert job.problem == "still running after 0 s, stopped"
+
+
+def test_children_are_bounded_per_owner():
+    warm = WarmStart(stand_in(sleeping(60)), limit=2)
+    try:
+        assert warm.start(("a",), "{}") and warm.start(("b",), "{}")
+        assert warm.start(("c",), "{}") is False  # two still run: this process compiles c itself
+        warm.jobs[("a",)].stop()
+        assert warm.start(("c",), "{}")  # the ended one makes room
+        assert sorted(warm.jobs) == [("b",), ("c",)]
+    finally:
+        warm.close()
+
+
+def test_children_are_killed_and_reaped_when_their_owner_goes():
+    warm = WarmStart(stand_in(sleeping(60)))
+    assert warm.start(("shape",), "{}")
+    process = warm.jobs[("shape",)].process
+    del warm
+    gc.collect()
+    assert process.returncode is not None
+
+
+def test_the_real_child_command_prepares_a_shape():
+    """``install.py prepare --shape`` in a child process, on the torch kernel (nothing compiles on the CPU)."""
+    layout = SequenceLayout.from_segments(LAYOUT)
+    config = SparseConfig(kernel="torch")
+    spec = shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64)
+    warm = WarmStart()
+    assert warm.command is prepare_command
+    key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64)
+    assert warm.start(key, spec)
+    assert warm.wait(key) is not None, warm.jobs[key].last_line()
+    assert warm.jobs[key].last_line() == "prepare --shape: nothing compiles for this shape"
+
+
+def test_the_shape_spec_rebuilds_the_layout_and_config():
+    from adaptive_sparse_attention.bench.prepare import prepare_shape
+
+    layout = SequenceLayout.from_segments(LAYOUT)
+    spec = shape_spec(layout, SparseConfig(kernel="torch", topk_ratio=0.3), torch.float16, torch.device("cpu"), 64)
+    lines = []
+    assert prepare_shape(spec, lines.append) is None
+    assert lines[0] == "prepare --shape: compiling the kernels for 320 tokens on cpu"
+    with pytest.raises(ValueError, match="dtype='int8' is not allowed: bfloat16, float16"):
+        prepare_shape(spec.replace('"float16"', '"int8"'))
+    with pytest.raises(ValueError, match="exactly the keys segments, config, dtype, head_dim, device"):
+        prepare_shape('{"segments": []}')
+
+
+def test_no_child_where_nothing_compiles_or_without_a_gpu():
+    """On the CPU (interpreter or torch kernel) the node prepares in this process as before."""
+    layout = SequenceLayout.from_segments(LAYOUT)
+    warm = WarmStart(stand_in("raise SystemExit(1)"))
+    assert not start_during_warmup(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"), 64)
+    assert warm.jobs == {}
+    assert wait_before_sparse(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"),
+                              64) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_child_fills_tritons_cache_for_the_run_shape(tmp_path, monkeypatch):
+    """On a GPU, with an empty Triton cache: the real child compiles the run shape's kernels into it."""
+    pytest.importorskip("triton")
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))  # the child inherits this process's environment
+    layout = SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + 8 * 24 * 42, "video", (8, 24, 42))])
+    config, device = SparseConfig(kernel="triton", precision="bf16"), torch.device("cuda")
+    warm = WarmStart()
+    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)
+    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)  # one child for the shape
+    assert len(warm.jobs) == 1
+    waited = wait_before_sparse(warm, layout, config, torch.bfloat16, device, 128)
+    job = next(iter(warm.jobs.values()))
+    assert waited is not None, job.last_line()
+    assert job.last_line().startswith("prepare --shape: ready in")
+    assert any(cache.rglob("*.cubin"))

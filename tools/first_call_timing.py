@@ -1,0 +1,169 @@
+"""First-use costs on a CUDA GPU: cold caches with and without the child compile, and a new clip length.
+
+Two scenarios, each in its own process with an empty Triton cache and dense-choice file (so each is a
+first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, the node's defaults):
+
+- ``main``: the kernels compile in this process at the first clip (what a bare clone did before the
+  child), then the first call, a warm call, and a second clip length (new row-width buckets).
+- ``child``: `nodes/warm_start.py` starts the child compile while ``--dense-s`` seconds of real dense
+  attention run (the warmup steps; the first one after the child ended prepares in this process,
+  from the cache), then the first sparse step waits for what is left, if anything, and prepares;
+  the second clip length gets its own child during ``--dense-s2`` seconds of dense attention.
+
+Per clip it prints: preparation s (the node's `prepare_kernels`, after the wait), wait s, first call s,
+warm call s (median of 3) and first - warm; per scenario the dense choice's first use (all candidates)
+and, in a new chooser on the same file with a host function, the narrowed one (only the saved winner
+and the host's function). Run from the repository root with the package importable:
+
+    python tools/first_call_timing.py                 # about 2 minutes on an H200
+    python tools/first_call_timing.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CLIPS = "72:810,67:754"  # latent frames:audio tokens; 10 s (243 frames), then 226 frames (another row bucket)
+
+
+def synced(fn) -> float:
+    """Seconds of fn() with the GPU synchronised before and after."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def dense_for(seconds: float, q, k, v, warmup_step=None) -> int:
+    """Run dense attention (a warmup step's work) for about `seconds`, calling `warmup_step()` after each
+    call as the node's block hook does; returns the calls made."""
+    import torch
+
+    end, calls = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        torch.cuda.synchronize()
+        calls += 1
+        if warmup_step is not None:
+            warmup_step()
+    return calls
+
+
+def clip_layout(spec: str):
+    from adaptive_sparse_attention import SequenceLayout
+
+    frames, audio = (int(x) for x in spec.split(":"))
+    text, video = 256, frames * 24 * 42
+    return SequenceLayout.from_segments([(0, text, "text"), (text, text + audio, "audio"),
+                                         (text + audio, text + audio + video, "video", (frames, 24, 42))])
+
+
+def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kernel: str) -> dict:
+    """One scenario in this process (its caches are empty: the parent set them)."""
+    import torch
+
+    from adaptive_sparse_attention import SparseConfig, sparse_attention
+    from adaptive_sparse_attention.backend.warmup import prepare_kernels
+    from adaptive_sparse_attention.kernels.dense.choice import DenseChoices, HostAttention
+    from adaptive_sparse_attention.nodes.warm_start import WarmStart, start_during_warmup, wait_before_sparse
+
+    device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
+    config = SparseConfig(precision="bf16", kernel=kernel)
+    warm = WarmStart()
+    result = {"scenario": name, "clips": []}
+    for i, clip in enumerate(clips):
+        layout = clip_layout(clip)
+        g = torch.Generator(device).manual_seed(i)
+        q, k, v = (torch.randn(1, heads, layout.total, dim, generator=g, device=device, dtype=dtype) for _ in range(3))
+        row = {"clip": clip, "tokens": layout.total, "wait_s": None, "dense_calls": 0, "warmup_prepare_s": None}
+        if name == "child":
+            def warmup_step() -> None:  # what SparseAttentionHook.prepare does at a warmup step
+                if row["warmup_prepare_s"] is None and not start_during_warmup(warm, layout, config, dtype, device,
+                                                                               dim):
+                    row["warmup_prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
+
+            row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim)
+            row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
+            row["wait_s"] = wait_before_sparse(warm, layout, config, dtype, device, dim)
+        row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
+        row["first_s"] = synced(lambda: sparse_attention(q, k, v, layout, config))
+        row["warm_s"] = statistics.median(synced(lambda: sparse_attention(q, k, v, layout, config)) for _ in range(3))
+        if i == 0:
+            path = Path(os.environ["ADAPTIVE_SPARSE_DENSE_CACHE"])
+            sample = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+            result["dense_first_use_s"] = synced(lambda: DenseChoices(path).choice(*sample))
+            host = HostAttention("tools.first_call_timing.sdpa", torch.nn.functional.scaled_dot_product_attention,
+                                 label="a stand-in host function (SDPA)")
+            result["dense_narrowed_s"] = synced(lambda: DenseChoices(path).choice(*sample, host))
+        del q, k, v
+        result["clips"].append(row)
+    warm.close()
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| scenario | clip | tokens | child | dense calls | prepared in warmup s | wait s | prepare s | "
+             "first call s | warm call s | first - warm s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for c in r["clips"]:
+            wait = "-" if c["wait_s"] is None else f"{c['wait_s']:.2f}"
+            during = "-" if c["warmup_prepare_s"] is None else f"{c['warmup_prepare_s']:.2f}"
+            lines.append(f"| {r['scenario']} | {c['clip']} | {c['tokens']} | {c.get('child', '-')} | {c['dense_calls']} "
+                         f"| {during} | {wait} | {c['prepare_s']:.2f} | {c['first_s']:.3f} | {c['warm_s']:.3f} | "
+                         f"{c['first_s'] - c['warm_s'] + c['prepare_s']:.2f} |")
+    lines.append("")
+    lines.append("prepare s is the node's preparation at the first sparse step (after the wait; near 0 when a warmup "
+                 "step prepared already); first - warm s counts it too: what the first sparse call of that clip costs "
+                 "over a warm one, apart from the wait. Dense choice, first use of a bucket: " + "; ".join(
+                     f"{r['scenario']}: all candidates {r['dense_first_use_s']:.2f} s, narrowed with a host function "
+                     f"{r['dense_narrowed_s']:.2f} s" for r in results))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clips", default=CLIPS, help=f"latent frames:audio tokens per clip, in order (default {CLIPS})")
+    p.add_argument("--dense-s", type=float, default=20.0, help="dense work while the first clip's child runs (s)")
+    p.add_argument("--dense-s2", type=float, default=6.0, help="dense work while the second clip's child runs (s)")
+    p.add_argument("--scenarios", default="main,child")
+    p.add_argument("--kernel", default="auto", help="the node's kernel setting (auto: cuDNN-frontend where installed "
+                                                     "on Hopper, else Triton)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # run one scenario in this process (the parent's child)
+    args = p.parse_args(argv)
+    clips = args.clips.split(",")
+    if args.one:
+        print(json.dumps(scenario(args.one, clips, args.dense_s, args.dense_s2, args.kernel)), flush=True)
+        return 0
+    results = []
+    for name in args.scenarios.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tmp) / "triton"),
+                       ADAPTIVE_SPARSE_DENSE_CACHE=str(Path(tmp) / "dense.json"))
+            start = time.perf_counter()
+            out = subprocess.run([sys.executable, __file__, "--one", name, "--clips", args.clips, "--dense-s",
+                                  str(args.dense_s), "--dense-s2", str(args.dense_s2), "--kernel", args.kernel], env=env, capture_output=True,
+                                 text=True)
+            if out.returncode != 0:
+                print(out.stdout + out.stderr[-4000:])
+                return out.returncode
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"{name}: {time.perf_counter() - start:.0f} s in all", flush=True)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
