@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..kernels.plan import BlockSparsePlan
+from ..kernels.registry import Kernels
 from .config import SparseConfig
 from .layout import SequenceLayout
 from .planner import build_plan, call_kernels
 from .tail import coarse_branch
+
+if TYPE_CHECKING:  # imported when a call runs: its decorators import torch._dynamo (and with it Triton)
+    from ..kernels.sparse_choice.choice import SparseChoices
 
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -18,7 +23,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass
 class SparseInfo:
-    """What a call computed: exact-pair density, per-region budgets, the kernel family that ran, the plan, optional timings."""
+    """What a call computed: exact-pair density, per-region budgets, the attention kernel that ran (a family,
+    or under ``auto`` the measured choice's `SPARSE_KERNELS` name), the plan, optional timings."""
 
     density: float
     budgets: dict[str, int]
@@ -82,7 +88,8 @@ def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
                      config: SparseConfig | None = None, *, return_info: bool = False,
-                     coarse_gate: torch.Tensor | None = None, timings: bool = False):
+                     coarse_gate: torch.Tensor | None = None, timings: bool = False,
+                     choices: SparseChoices | None = None, ran: Callable[[str, str], None] | None = None):
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
     Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
@@ -97,6 +104,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         coarse_gate: broadcastable to the output (e.g. [H, 1, 1]); scales the coarse branch of
             ``tail="coarse"``. Without it there is no coarse term, as for a model without gates.
         timings: synchronise the device to report plan and kernel milliseconds in the info.
+        choices: the measured sparse-kernel choices ``kernel="auto"`` runs (`attend`); None: the
+            layout's own, kept in memory only.
+        ran: receives, per call, the report's name of the attention kernel that ran and the measured
+            choice's summary ("" where nothing was measured).
     Returns:
         The output [B, H, S, D] (same order and dtype as q), and the info with `return_info`.
     """
@@ -106,7 +117,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
     plan = build_plan(q, k, v, layout, config, kernels=kernels)
     marks.append(_now(q, timings))
-    out, _ = kernels.attention.attend_blocks(q, k, v, plan, precision=config.exact_precision)
+    out, ran_on = attend(q, k, v, plan, layout, config, kernels, choices, ran)
     if config.tail == "coarse" and coarse_gate is not None:
         out = out + coarse_gate.to(out.dtype) * coarse_branch(q, k, v, plan, config.tail_granularity, kernels)
     marks.append(_now(q, timings))
@@ -115,10 +126,35 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     budgets = {f"{seg.kind}[{seg.start}:{seg.stop}]": g.budget
                for seg, span in zip(plan.tiling.regions, plan.tiling.region_blocks)
                for g in plan.groups if (g.lo, g.hi) == span}
-    info = SparseInfo(plan.density(), budgets, kernels.family, plan)
+    info = SparseInfo(plan.density(), budgets, ran_on, plan)
     if timings:
         info.timings_ms = {"plan": (marks[1] - marks[0]) * 1e3, "kernel": (marks[2] - marks[1]) * 1e3}
     return out, info
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, layout: SequenceLayout,
+           config: SparseConfig, kernels: Kernels, choices: SparseChoices | None = None,
+           ran: Callable[[str, str], None] | None = None) -> tuple[torch.Tensor, str]:
+    """The attention of a planned call: under ``kernel="auto"`` the measured sparse choice within the run's
+    precision bound (`SparseChoices.attend`; `choices` None: the layout's own), else the named family.
+
+    Returns:
+        (out [B, H, S, D] in q's dtype, the kernel that ran).
+    """
+    from ..kernels.sparse_choice.choice import SparseChoices, label
+
+    if config.kernel != "auto":
+        out, _ = kernels.attention.attend_blocks(q, k, v, plan, precision=config.exact_precision)
+        name, summary = kernels.family, ""
+    else:
+        if choices is None:
+            choices = layout.cache.get("sparse_choices", (), lambda: SparseChoices(persist=False))
+        out, _, name, summary = choices.attend(q, k, v, plan, config.exact_precision,
+                                               (kernels.family, kernels.attention), config.strict,
+                                               layout.cache.notices)
+    if ran is not None:
+        ran(label(name, config.exact_precision), summary)
+    return out, name
 
 
 def _now(x: torch.Tensor, timed: bool) -> float:

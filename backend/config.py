@@ -100,7 +100,9 @@ class SparseConfig:
         "Off: that block runs dense and the reason is logged once per run.")
     kernel: str = setting("auto", Choice(KERNELS),
         "The kernels every stage runs, the planner's included: auto picks the first that runs on the "
-        "device and dtype; triton, cudnn or torch (the pure-torch reference, on every device) by name.")
+        "device and dtype, and for the attention the fastest kernel of this GPU within the precision setting's "
+        "error bound, measured once per shape (cuDNN-frontend, Triton bf16, Triton 8-bit); triton, cudnn or torch "
+        "(the pure-torch reference, on every device) by name.")
     dense_attention: str = setting("fastest", Choice(DENSE_ATTENTIONS),
         "fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest attention "
         "kernel of this GPU that meets the precision setting, measured once per shape: SDPA's kernels, "
@@ -113,7 +115,8 @@ class SparseConfig:
         "Arithmetic of attention. auto: 8-bit when ComfyUI itself runs 8-bit attention (launched with "
         "--use-sage-attention or --use-ck-attention, or an 8-bit attention another node installed), else bf16; "
         "outside ComfyUI auto means bf16. Dense steps: the fastest kernel within the precision's error bound, "
-        "ComfyUI's own attention among the candidates. Sparse steps at 8-bit: INT8 Q.K^T after smoothing K, FP8 "
+        "ComfyUI's own attention among the candidates. Sparse steps: with kernel auto likewise (a bf16 kernel meets "
+        "the 8-bit bound too); the 8-bit loop: INT8 Q.K^T after smoothing K, FP8 "
         "(INT8 before RTX 40xx) P.V, fp32 softmax statistics and accumulation over the selected video key blocks; "
         "context keys, summaries and routing keep their precision.")
     backend: InitVar[str | None] = None  # the old name of `kernel`: refused with a message that says so

@@ -38,6 +38,8 @@ from . import (long_clips, planner_timing, prepare, reblock_timing, routing_qual
                ulysses_timing)
 from .checkpoints import WEIGHTS
 from .e2e import RUNS
+from .e2e_graphs import ATTENTION_BACKENDS, DEFAULT_PRESET
+from .e2e_graphs import PRESETS as E2E_PRESETS
 from .methods import DEFAULT_METHOD, sol_unavailable_reason, split_spec
 from .report import RECALL_BOUND, column_notes, markdown_table, render_markdown, verdicts, write_outputs
 from .runner import PRESETS, Case, resolve_kernel, run_cases, run_preset
@@ -46,6 +48,16 @@ BENCH_METHODS = ["dense", "ours:reblock:reweight:query", "ours:reblock:mean:quer
                  "ours:reblock:reweight:block", "ours:cube:reweight:query", "ours:cube:none:query",
                  "sol:topk", "sol:tau=1.0", "flex:reblock", "dense:fa4", "dense:ck-int8", "dense:sage"]
 EVALUATE_METHODS = ["dense", DEFAULT_METHOD, "ours:reblock:mean:query", "ours:cube:none:query", "sol:topk"]
+
+
+def _shifts(text: str) -> tuple[float, float]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected VIDEO,AUDIO shifts, got {text!r}") from None
+    if len(values) != 2 or not all(0.01 <= x <= 100.0 for x in values):
+        raise argparse.ArgumentTypeError(f"expected two shifts in [0.01, 100] (VIDEO,AUDIO), got {text!r}")
+    return values
 
 
 def _floats(text: str) -> list[float]:
@@ -166,7 +178,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .checkpoints import unsupported
-    from .e2e import default_work, markdown, qkv_markdown, run_benchmark, split_markdown
+    from .e2e import default_work, markdown, preset_line, qkv_markdown, run_benchmark, split_markdown
 
     if not args.comfyui or not os.path.isfile(os.path.join(args.comfyui, "main.py")):
         print(f"e2e: --comfyui (or COMFYUI_PATH) must point at a ComfyUI checkout, got {args.comfyui!r}",
@@ -175,7 +187,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     if args.compile_only and args.compile is None:
         print("e2e: --compile-only needs --compile BACKEND", file=sys.stderr)
         return 2
-    refused = unsupported(args.weights, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    weights = args.weights or E2E_PRESETS[args.preset].weights
+    refused = unsupported(weights, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if refused:
         print(f"e2e: {refused}", file=sys.stderr)
         return 2
@@ -184,8 +197,10 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     result = run_benchmark(args.comfyui, work, args.scale, args.blocks, args.steps, args.cfg, args.clips.split(","),
                            out, lambda s: print(s, file=sys.stderr), compile_backend=args.compile,
                            compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared,
-                           profile_call=args.profile_call, weights=args.weights, launch=args.launch,
-                           precision=args.precision)
+                           profile_call=args.profile_call, weights=weights, launch=args.launch,
+                           precision=args.precision, preset=args.preset, sigma_shift=args.sigma_shift,
+                           attention_backend=args.attention_backend)
+    print(preset_line(result))
     print(f"ComfyUI launched as {result['launch']} (its attention: {result['comfyui_attention']}); our node at "
           f"precision {result['precision']}; every ratio is against this launch without our node")
     print(markdown(result))
@@ -239,9 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--scale", default="h3", choices=("h3", "tiny"),
                      help="h3: full-width MiniMax-H3 at 1344x768 (GPU); tiny: a tiny model (CPU check)")
     e2e.add_argument("--blocks", type=int, default=6, help="DiT blocks of the random model (H3 has 50)")
-    e2e.add_argument("--steps", type=int, default=19)
-    e2e.add_argument("--cfg", type=float, default=3.0)
-    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s, 30s)")
+    e2e.add_argument("--preset", default=DEFAULT_PRESET, choices=tuple(E2E_PRESETS),
+                     help="the sampler setup: ksampler-19-cfg3 (KSampler euler, cfg 3), or the official H3 t2v "
+                          "template's (SamplerCustomAdvanced, BasicGuider cfg 1, res_multistep, simple): t2v-20, "
+                          "turbo-8 and turbo-4 (a Turbo LoRA on an int8_convrot checkpoint)")
+    e2e.add_argument("--steps", type=int, help="sampling steps (default: the preset's)")
+    e2e.add_argument("--cfg", type=float, help="KSampler's cfg (default: the preset's; template presets: 1)")
+    e2e.add_argument("--sigma-shift", type=_shifts, metavar="VIDEO,AUDIO",
+                     help="add MiniMaxH3SigmaShift to every graph (the FastH3 template sets 10,3; the t2v template "
+                          "has none: the model's own 12/3)")
+    e2e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                     help="add ModelAttentionBackend to every graph, with and without our node (the FastH3 template "
+                          "sets 'comfy kitchen attention')")
+    e2e.add_argument("--clips", default="10s,5s", help="clips, the first is the main one (5s, 10s, 30s at 1344x768; "
+                                                       "0.4mp-2s: 864x480 56 frames, 0.9mp-5s: 1280x736 124 frames)")
     e2e.add_argument("--work", help="folder for the model, caches and output (default: a new temporary one)")
     e2e.add_argument("--out", help="JSON results (default: WORK/e2e.json)")
     e2e.add_argument("--compile", choices=("inductor", "cudagraphs", "eager"),
@@ -254,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--prepared", action="store_true",
                      help="first run the pack's prepare command in a child process (empty caches otherwise); the "
                           "first run of ours is then the first use after it (ours-prepared)")
-    e2e.add_argument("--weights", default="bf16", choices=WEIGHTS,
-                     help="checkpoint format: bf16, or the DiT block Linear weights quantised with ComfyUI's own "
+    e2e.add_argument("--weights", choices=WEIGHTS,
+                     help="checkpoint format (default: the preset's: bf16 for ksampler-19-cfg3, int8_convrot for the "
+                          "template presets): bf16, or the DiT block Linear weights quantised with ComfyUI's own "
                           "functions (int8_convrot, fp8: sm89+, nvfp4: sm100+; refused where the GPU lacks them)")
     e2e.add_argument("--launch", default="default", choices=("default", "ck", "sage"),
                      help="ComfyUI as launched plainly, with --use-ck-attention (comfy-kitchen INT8) or with "

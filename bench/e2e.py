@@ -1,10 +1,15 @@
-"""End to end in real ComfyUI: the whole KSampler run of one graph with and without our node.
+"""End to end in real ComfyUI: the whole sampler run of one graph with and without our node.
 
 The benchmark builds a random-weight MiniMax-H3 with ComfyUI's own model code, saves it where
 UNETLoader finds it, loads ComfyUI's nodes and this pack through ComfyUI's custom-node loader,
-and executes API-format graphs with ComfyUI's `PromptExecutor`:
+and executes API-format graphs with ComfyUI's `PromptExecutor` (bench/e2e_graphs.py, one preset):
 
-    UNETLoader -> [Adaptive Sparse Attention] -> timer -> KSampler (euler, cfg > 1) -> sink
+    UNETLoader -> [LoRA] -> [Adaptive Sparse Attention] -> timer -> KSampler (euler, cfg 3) -> sink
+    or the official H3 template's BasicGuider + res_multistep + simple -> SamplerCustomAdvanced
+
+Presets: ksampler-19-cfg3 (the original run), t2v-20, turbo-8 and turbo-4 (the t2v template, base or
+with a Turbo LoRA the bench writes, on an int8_convrot checkpoint). Clips: 5s / 10s / 30s at
+1344x768, and the template's sizes 0.4mp-2s (864x480, 56 frames) and 0.9mp-5s (1280x736, 124 frames).
 
 The timer (bench/e2e_nodes.py) records every diffusion-model call with CUDA events. Per run it
 reports the whole run, dense calls, the first sparse call and steady sparse calls, peak GPU
@@ -50,6 +55,8 @@ import torch
 from ..notices import logger
 from . import e2e_nodes
 from .checkpoints import quantise_state_dict, unsupported
+from .e2e_graphs import (DEFAULT_PRESET, LORA_NAME, PRESETS, TEMPLATE_SIZES, Preset, graph, template_frames,
+                         write_lora)
 
 REPO = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"blocks (\d+) dense / (\d+) sparse; mean density ([\d.]+).*sparse attention time ([\d.]+) s")
@@ -66,6 +73,11 @@ class Scale:
     text_tokens: int
     text_dim: int
     widgets: dict = field(default_factory=dict)  # widget values that differ from the node's defaults
+    sizes: dict = field(default_factory=dict)  # clip name -> (width, height) where not the scale's
+
+    def size(self, clip: str) -> tuple[int, int]:
+        """(width, height) of a clip."""
+        return self.sizes.get(clip, (self.width, self.height))
 
 
 FULL = dict(hidden_size=5376, token_refiner_num_layers=2, num_attention_heads=56, attention_head_dim=128,
@@ -74,9 +86,12 @@ TINY = dict(hidden_size=64, token_refiner_num_layers=1, num_attention_heads=2, a
             ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=48, timestep_input_dim=32,
             time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
 SCALES = {
-    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "30s": 736, "new-length": 226, "new-length-2": 260},
-                256, 5120),
-    "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56, "new-length-2": 73}, 7, 48, {"min_tokens": 0}),
+    "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "30s": 736, "new-length": 226, "new-length-2": 260,
+                                  **{clip: template_frames(s) for clip, (_, _, s) in TEMPLATE_SIZES.items()}},
+                256, 5120, sizes={clip: (w, h) for clip, (w, h, _) in TEMPLATE_SIZES.items()}),
+    # the template sizes' clip names at tiny sizes (the smaller canvas and clip of the CPU check)
+    "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56, "new-length-2": 73, "0.4mp-2s": 22},
+                  7, 48, {"min_tokens": 0}, sizes={"0.4mp-2s": (128, 96)}),
 }
 
 
@@ -170,14 +185,16 @@ def load_comfyui(comfyui: str, work: Path, cpu: bool, launch: str = "default"):
     (custom / "asa_bench_nodes.py").write_text(
         "from adaptive_sparse_attention.bench.e2e_nodes import NODE_CLASS_MAPPINGS  # noqa: F401\n")
     folder_paths.folder_names_and_paths["custom_nodes"] = ([str(custom)], set())
-    (work / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    folder_paths.add_model_folder_path("diffusion_models", str(work / "models" / "diffusion_models"), is_default=True)
+    for kind in ("diffusion_models", "loras"):
+        (work / "models" / kind).mkdir(parents=True, exist_ok=True)
+        folder_paths.add_model_folder_path(kind, str(work / "models" / kind), is_default=True)
     folder_paths.set_output_directory(str(work / "output"))
     import execution
     import nodes
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
-    for name in ("AdaptiveSparseAttentionH3", "ASABenchTimer", "EmptyMiniMaxH3LatentAV"):
+    for name in ("AdaptiveSparseAttentionH3", "ASABenchTimer", "EmptyMiniMaxH3LatentAV", "SamplerCustomAdvanced",
+                 "MiniMaxH3SigmaShift", "ModelAttentionBackend", "LoraLoaderModelOnly"):
         if name not in nodes.NODE_CLASS_MAPPINGS:
             raise RuntimeError(f"e2e: ComfyUI did not load node {name!r} (see the log above)")
     expected = LAUNCH_ATTENTION.get(launch)
@@ -212,32 +229,6 @@ def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device, w
     sd["rope.inv_freq"] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
     safetensors.torch.save_file(sd, str(path))
     del net, sd
-
-
-def graph(ckpt: str, scale: Scale, frames: int, steps: int, cfg: float, widgets: dict | None, label: str,
-          compile_backend: str | None = None) -> dict:
-    """API-format prompt: UNETLoader -> [our node] -> [TorchCompileModel] -> timer -> KSampler -> sink."""
-    model = ["1", 0]
-    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}}}
-    if widgets is not None:
-        prompt["2"] = {"class_type": "AdaptiveSparseAttentionH3", "inputs": {"model": model, **widgets}}
-        model = ["2", 0]
-    if compile_backend is not None:
-        prompt["9"] = {"class_type": "TorchCompileModel", "inputs": {"model": model, "backend": compile_backend}}
-        model = ["9", 0]
-    around = "diffusion_model" if compile_backend is None else "apply_model"
-    prompt.update({
-        "3": {"class_type": "ASABenchTimer", "inputs": {"model": model, "label": label, "around": around}},
-        "4": {"class_type": "ASABenchConditioning", "inputs": {"seed": 1, "tokens": scale.text_tokens, "dim": scale.text_dim}},
-        "5": {"class_type": "ASABenchConditioning", "inputs": {"seed": 2, "tokens": scale.text_tokens, "dim": scale.text_dim}},
-        "6": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": scale.width, "height": scale.height,
-                                                                 "length": frames}},
-        "7": {"class_type": "KSampler", "inputs": {"model": ["3", 0], "seed": 7, "steps": steps, "cfg": cfg,
-                                                   "sampler_name": "euler", "scheduler": "simple", "positive": ["4", 0],
-                                                   "negative": ["5", 0], "latent_image": ["6", 0], "denoise": 1.0}},
-        "8": {"class_type": "ASABenchSink", "inputs": {"samples": ["7", 0], "label": label}},
-    })
-    return prompt
 
 
 def node_widgets(scale: Scale, **changes: Any) -> dict:
@@ -277,22 +268,25 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
     return row
 
 
-def clip_layout(scale: Scale, frames: int) -> Any:
+def clip_layout(scale: Scale, clip: str) -> Any:
     """The SequenceLayout of a clip's tokens (text, audio, video) as H3 packs them."""
     from .. import SequenceLayout
 
     from comfy.ldm.minimax.model import PackedLayout
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-    latent = EmptyMiniMaxH3LatentAV.execute(width=scale.width, height=scale.height, length=frames).result[0]
+    width, height = scale.size(clip)
+    latent = EmptyMiniMaxH3LatentAV.execute(width=width, height=height, length=scale.frames[clip]).result[0]
     video, audio = latent["samples"].unbind()
     return SequenceLayout.from_packed(PackedLayout(scale.text_tokens, *video.shape[2:], audio.shape[-1]))
 
 
-def qkv_timing(nodes: Any, ckpt: str, scale: Scale, frames: int, device: torch.device, reps: int = 5) -> dict:
+def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.device, reps: int = 5,
+               lora: bool = False) -> dict:
     """Milliseconds of the first block's QKV projection on a clip's rows (random input in the model's
     dtype): ComfyUI's own `attn.qkv_proj(x)`, ours (`qkv_projection` in the producer's chunks of
-    rows, all heads) and our whole producer (projection, norm, RoPE, head-major layout)."""
+    rows, all heads) and our whole producer (projection, norm, RoPE, head-major layout). With `lora`
+    the benchmark's Turbo LoRA is patched on first (LoraLoaderModelOnly), so both time the patched layer."""
     import comfy.model_management
 
     from ..backend.producer import CHUNK_ROWS, produce_qkv
@@ -300,9 +294,11 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, frames: int, device: torch.d
     from .timing import time_call
 
     patcher = nodes.UNETLoader().load_unet(ckpt, "default")[0]
+    if lora:
+        patcher = nodes.LoraLoaderModelOnly().load_lora_model_only(patcher, LORA_NAME, 1.0)[0]
     comfy.model_management.load_models_gpu([patcher])
     attn = patcher.model.diffusion_model.blocks[0].attn
-    rows = clip_layout(scale, frames).total
+    rows = clip_layout(scale, clip).total
     dtype = patcher.model.get_dtype_inference()  # what the model's blocks compute in
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(rows, scale.model["hidden_size"], generator=g, device=device, dtype=dtype)
@@ -323,7 +319,8 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, frames: int, device: torch.d
             produce_qkv(x, projection, None, H, D, qw, kw, attn.q_norm.eps, rope)
 
     with torch.inference_mode():
-        out = {"rows": rows, "format": getattr(attn.qkv_proj, "quant_format", None) or str(dtype).split(".")[-1],
+        fmt = getattr(attn.qkv_proj, "quant_format", None) or str(dtype).split(".")[-1]
+        out = {"rows": rows, "format": fmt + (" + LoRA" if lora else ""),
                "comfyui_qkv_proj_ms": time_call(lambda: attn.qkv_proj(x), device, reps=reps),
                "ours_projection_ms": time_call(ours, device, reps=reps),
                "ours_producer_ms": time_call(producer, device, reps=reps)}
@@ -332,7 +329,7 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, frames: int, device: torch.d
     return out
 
 
-def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, reps: int = 5) -> dict:
+def isolated_op(scale: Scale, clip: str, config: Any, device: torch.device, reps: int = 5) -> dict:
     """Milliseconds of the op alone at a clip's shape: our call (plan, kernel), dense SDPA backends and the
     other dense kernels of the op bench where installed (FlashAttention-4, comfy-kitchen INT8, Sage)."""
     from .. import sparse_attention
@@ -340,7 +337,7 @@ def isolated_op(scale: Scale, frames: int, config: Any, device: torch.device, re
     from .methods import DENSE_KERNELS, dense_kernel, dense_unavailable_reason
     from .timing import time_call
 
-    layout = clip_layout(scale, frames)
+    layout = clip_layout(scale, clip)
     H, D = scale.model["num_attention_heads"], scale.model["attention_head_dim"]
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, H, layout.total, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
@@ -376,12 +373,44 @@ def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int, cfg: float,
+def resolve_preset(preset: str, steps: int | None, cfg: float | None, weights: str | None,
+                   sigma_shift: tuple[float, float] | None, attention_backend: str | None
+                   ) -> tuple[Preset, int, float, str]:
+    """(the preset, its steps, cfg and checkpoint format, each unless given), or ValueError naming
+    what does not fit it."""
+    if preset not in PRESETS:
+        raise ValueError(f"e2e: preset={preset!r} is not a preset; allowed: {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    steps = p.steps if steps is None else steps
+    cfg = p.cfg if cfg is None else cfg
+    if p.custom and cfg != 1.0:
+        raise ValueError(f"e2e: preset {preset} samples through BasicGuider, which has no cfg (1.0, one model call a "
+                         f"step); got cfg={cfg}: use the ksampler-19-cfg3 preset for cfg > 1")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"e2e: steps={steps!r}: expected a whole number >= 1")
+    if sigma_shift is not None and (len(sigma_shift) != 2 or not all(0.01 <= s <= 100.0 for s in sigma_shift)):
+        raise ValueError(f"e2e: sigma_shift={sigma_shift!r}: expected (video, audio), each in [0.01, 100] "
+                         "(MiniMaxH3SigmaShift's range)")
+    from .e2e_graphs import ATTENTION_BACKENDS
+
+    if attention_backend is not None and attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"e2e: attention_backend={attention_backend!r}: expected one of "
+                         f"{', '.join(ATTENTION_BACKENDS)} (ModelAttentionBackend's choices)")
+    return p, steps, cfg, p.weights if weights is None else weights
+
+
+def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps: int | None, cfg: float | None,
                   clips: list[str], out: Path | None = None, echo=print, compile_backend: str | None = None,
                   compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False,
-                  profile_call: int | None = None, weights: str = "bf16", launch: str = "default",
-                  precision: str = "auto") -> dict:
+                  profile_call: int | None = None, weights: str | None = None, launch: str = "default",
+                  precision: str = "auto", preset: str = DEFAULT_PRESET, sigma_shift: tuple[float, float] | None = None,
+                  attention_backend: str | None = None) -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
+
+    `preset` picks the sampler setup (bench/e2e_graphs.py PRESETS); `steps`, `cfg` and `weights`
+    override its own when given. `sigma_shift` (video, audio) adds a MiniMaxH3SigmaShift node and
+    `attention_backend` a ModelAttentionBackend node to every graph, with and without our node (as
+    the FastH3 template carries them).
 
     `compile_backend` (TorchCompileModel's backend: inductor or cudagraphs; eager compiles with
     dynamo alone, for CPU tests) adds the compiled runs of the main clip; `compile_only` keeps
@@ -399,6 +428,10 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     unknown_runs = [r for r in runs if r not in RUNS]
     if unknown_runs:
         raise ValueError(f"e2e: runs {unknown_runs!r} are not runs of the benchmark; allowed: {', '.join(RUNS)}")
+    setup, steps, cfg, weights = resolve_preset(preset, steps, cfg, weights, sigma_shift, attention_backend)
+    if setup.custom and any(r.endswith("two-threads") for r in runs):
+        echo(f"e2e: the two-threads runs sample with KSampler, not preset {preset}'s sampler: left out")
+        runs = tuple(r for r in runs if not r.endswith("two-threads"))
     reason = launch_unavailable_reason(launch)
     if reason is not None:
         raise ValueError(f"e2e --launch {launch}: {reason}")
@@ -423,7 +456,11 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     ckpt = f"h3_random_{scale_name}_{blocks}blocks_{weights}.safetensors"
     start = time.perf_counter()
     save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device, weights)
-    result: dict[str, Any] = {"scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
+    lora_layers = write_lora(work / "models" / "loras" / LORA_NAME, scale.model, blocks) if setup.lora else 0
+    result: dict[str, Any] = {"preset": setup.name, "preset_source": setup.template, "sampler": setup.sampler,
+                              "scheduler": setup.scheduler, "lora_layers": lora_layers,
+                              "sigma_shift": sigma_shift, "attention_backend": attention_backend,
+                              "scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
                               "weights": weights, "compile": compile_backend, "qkv": {},
                               "launch": launch, "precision": precision,
                               "comfyui_attention": launched_attention(),
@@ -446,8 +483,10 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             torch.cuda.reset_peak_memory_stats()
         label = f"{name}-{next(counter)}"
         t0 = time.perf_counter()
-        executor.execute(graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend), label, {},
-                         ["8"])
+        e2e_nodes.STATE["schedule"] = None
+        prompt = graph(ckpt, scale, scale.frames[clip], n_steps, cfg, widgets, label, backend, setup, scale.size(clip),
+                       sigma_shift, attention_backend)
+        executor.execute(prompt, label, {}, ["8"])
         if not executor.success:
             raise RuntimeError(f"e2e: run {name} failed: {executor.status_messages[-1:]}")
         total = time.perf_counter() - t0
@@ -461,7 +500,9 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         latent = e2e_nodes.STATE["latent"]
         row = summarise(name, calls, total, peak, dense, latent, references.get(clip) if widgets else None,
                         lines.lines)
-        row["clip"], row["frames"] = clip, scale.frames[clip]
+        row["clip"], row["frames"], row["size"] = clip, scale.frames[clip], scale.size(clip)
+        row["graph"] = sorted({node["class_type"] for node in prompt.values()})
+        row["model"], row["schedule"] = dict(e2e_nodes.STATE["model"]), e2e_nodes.STATE["schedule"]
         if widgets is None and n_steps == steps and backend is None:
             references[clip] = latent
         echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
@@ -492,7 +533,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         for name, widgets in (("comfyui-two-threads", None),
                               ("ours-two-threads", node_widgets(scale, warmup_mode="speed"))):
             if name in runs:
-                result[name] = two_threads(nodes, ckpt, scale, scale.frames[main], min(steps, 6), cfg, widgets)
+                result[name] = two_threads(nodes, ckpt, scale, main, min(steps, 6), cfg, widgets)
                 echo(f"e2e {name} [{main}]: {result[name]}")
         for clip in ("new-length", "new-length-2"):
             if clip in scale.frames and "ours-new-length" in runs:
@@ -503,7 +544,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             run(name, main, widgets, backend=compile_backend)
             run(f"{name}-warm", main, widgets, backend=compile_backend)
     for clip in clips:
-        result["qkv"][clip] = qkv_timing(nodes, ckpt, scale, scale.frames[clip], device)
+        result["qkv"][clip] = qkv_timing(nodes, ckpt, scale, clip, device, lora=setup.lora)
         echo(f"e2e qkv [{clip}]: {result['qkv'][clip]}")
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
@@ -516,7 +557,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         run("ours-ratio-1", clip, node_widgets(scale, topk_ratio=1.0))
     if cuda:
         for clip in clips:
-            result["op"][clip] = isolated_op(scale, scale.frames[clip], config_from_widgets(node_widgets(scale)),
+            result["op"][clip] = isolated_op(scale, clip, config_from_widgets(node_widgets(scale)),
                                              device)
             echo(f"e2e op [{clip}]: {result['op'][clip]}")
         if out is not None:
@@ -525,7 +566,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     return result
 
 
-def two_threads(nodes: Any, ckpt: str, scale: Scale, frames: int, steps: int, cfg: float,
+def two_threads(nodes: Any, ckpt: str, scale: Scale, clip: str, steps: int, cfg: float,
                 widgets: dict | None) -> dict:
     """Our node's model (`widgets`; None: the model without it) and its multi-GPU deep clone on the
     same device, sampled alone and then at once in two threads (as MultiGPU CFG Split runs its
@@ -541,7 +582,8 @@ def two_threads(nodes: Any, ckpt: str, scale: Scale, frames: int, steps: int, cf
     if widgets is not None:
         patched = AdaptiveSparseAttentionH3.execute(model=patched, **widgets).result[0]
     models = {"original": patched, "deepclone": patched.deepclone_multigpu(new_load_device=patched.load_device)}
-    latent = EmptyMiniMaxH3LatentAV.execute(width=scale.width, height=scale.height, length=frames).result[0]
+    width, height = scale.size(clip)
+    latent = EmptyMiniMaxH3LatentAV.execute(width=width, height=height, length=scale.frames[clip]).result[0]
     pos = e2e_nodes.ASABenchConditioning().make(1, scale.text_tokens, scale.text_dim)[0]
     neg = e2e_nodes.ASABenchConditioning().make(2, scale.text_tokens, scale.text_dim)[0]
 
@@ -572,6 +614,19 @@ def two_threads(nodes: Any, ckpt: str, scale: Scale, frames: int, steps: int, cf
 
 def default_work() -> Path:
     return Path(tempfile.mkdtemp(prefix="asa_e2e_"))
+
+
+def preset_line(result: dict) -> str:
+    """One line naming the preset and what its graphs carried."""
+    extra = [f"MiniMaxH3SigmaShift {result['sigma_shift'][0]:g}/{result['sigma_shift'][1]:g}"
+             if result.get("sigma_shift") else "the model's own sigma shift"]
+    if result.get("attention_backend"):
+        extra.append(f"ModelAttentionBackend '{result['attention_backend']}' in both graphs")
+    if result.get("lora_layers"):
+        extra.append(f"Turbo LoRA on {result['lora_layers']} layers (LoraLoaderModelOnly)")
+    return (f"preset {result['preset']} ({result['preset_source']}): {result['sampler']}, {result['scheduler']}, "
+            f"{result['steps']} steps, cfg {result['cfg']:g}, {result['weights']} weights, {result['blocks']} blocks; "
+            + "; ".join(extra))
 
 
 def markdown(result: dict) -> str:

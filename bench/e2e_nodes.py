@@ -2,7 +2,9 @@
 
 Conditioning of random text states, a MODEL pass-through that times every diffusion-model call
 with CUDA events, and an output node that keeps the sampler's latent. Results go into `STATE`,
-which the benchmark reads after each run. With ``STATE["profile_call"]`` set to n, the n-th call of
+which the benchmark reads after each run: the calls, the latent, what the sampled MODEL carries
+(``STATE["model"]``: weight patches such as a LoRA's, its flow shift, an attention override) and
+the sigma schedule the sampler passed to the first call (``STATE["schedule"]``). With ``STATE["profile_call"]`` set to n, the n-th call of
 every run (0-based) also runs under torch.profiler and its kernel table is written to
 ``STATE["profile_dir"]/<run>.txt`` (the profiler's own overhead is in that call's time).
 """
@@ -13,7 +15,8 @@ from typing import Any
 
 import torch
 
-STATE: dict[str, Any] = {"calls": [], "latent": None, "run": "", "profile_call": None, "profile_dir": None}
+STATE: dict[str, Any] = {"calls": [], "latent": None, "run": "", "profile_call": None, "profile_dir": None,
+                         "model": {}, "schedule": None}
 
 
 class ASABenchConditioning:
@@ -37,6 +40,8 @@ class CallTimer:
     """DIFFUSION_MODEL wrapper: start/end events (CUDA) or host times of every model call."""
 
     def __call__(self, executor, *args, **kwargs):
+        if STATE["schedule"] is None:
+            STATE["schedule"] = sample_sigmas(args, kwargs)
         cuda = torch.cuda.is_available()
         start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
         if cuda:
@@ -52,6 +57,25 @@ class CallTimer:
             else:
                 end = time.perf_counter()
             STATE["calls"].append((start, end))
+
+
+def sample_sigmas(args: tuple, kwargs: dict) -> list[float] | None:
+    """The sampler's sigma schedule in a model call's transformer_options, if it passed one."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, dict) and value.get("sample_sigmas") is not None:
+            return [float(s) for s in value["sample_sigmas"].flatten()]
+    return None
+
+
+def model_info(model) -> dict:
+    """What a MODEL carries that a graph's nodes put there: the number of weights with patches (a LoRA's),
+    its flow shifts (video, audio), whether an attention override is set."""
+    sampling = model.get_model_object("model_sampling")
+    to = model.model_options.get("transformer_options", {})
+    return {"patched_weights": len(model.patches), "shift": float(getattr(sampling, "shift", float("nan"))),
+            "audio_shift": getattr(sampling, "audio_shift", None),
+            "sigma_shift_video": to.get("minimax_h3_sigma_shift_video"),
+            "attention_override": to.get("optimized_attention_override") is not None}
 
 
 def profiled(executor, *args, **kwargs):
@@ -101,6 +125,7 @@ class ASABenchTimer:
         if around not in kinds:
             raise ValueError(f"ASABenchTimer.around={around!r}: expected one of {sorted(kinds)}")
         m = model.clone()
+        STATE["model"] = model_info(m)
         m.add_wrapper_with_key(kinds[around], "asa_bench_timer", CallTimer())
         return (m,)
 

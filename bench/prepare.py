@@ -1,8 +1,11 @@
-"""Prepare a machine ahead of the first run: compile the kernels and measure the dense-kernel choice.
+"""Prepare a machine ahead of the first run: compile the kernels, measure the dense- and sparse-kernel choices.
 
-The first sparse use on a machine compiles the Triton kernels, and the first dense block of a
-shape measures which exact dense kernel is fastest. Both results persist (Triton's disk cache,
-the dense-choice file), so doing them here, once, takes the wait out of the first sampler run.
+The first sparse use on a machine compiles the Triton kernels, the first dense block of a shape
+measures which exact dense kernel is fastest, and the first sparse block which sparse kernel is
+(`kernel="auto"`). The results persist (Triton's disk cache, the choice files), so doing them here,
+once, takes the wait out of the first sampler run. The command also measures from which clip length
+sparse attention pays on this GPU (bench/pays_from.py), which the node names when a run is too small
+for it.
 `python -m adaptive_sparse_attention prepare` runs it; `install.py` runs it too when it finds a
 GPU. H3's shapes at 1344x768: the kernels do not depend on the clip length beyond power-of-two
 row buckets, so the 5 s and 10 s clips cover the usual lengths. ``--shape SPEC`` compiles the kernels
@@ -20,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.sparse_choice.choice import SparseChoices
+from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from ..notices import logger
 from .scenes import SIZES
 
@@ -49,8 +55,9 @@ def strided_qkv(rows: int, heads: int, head_dim: int, dtype: torch.dtype, device
 
 
 def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: SparseConfig,
-            choices: DenseChoices, echo=print) -> dict[str, dict[str, float]]:
-    """Compile the kernels of `config` and measure the dense choice for each H3 clip.
+            choices: DenseChoices, echo=print, sparse_choices: SparseChoices | None = None
+            ) -> dict[str, dict[str, float]]:
+    """Compile the kernels of `config` and measure the dense choice (and the sparse one) for each H3 clip.
 
     Args:
         clips: names in `CLIPS`.
@@ -59,8 +66,9 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
         config: the sparse configuration whose kernels are compiled (the node's defaults).
         choices: where the dense choices are measured and saved.
         echo: prints one line per step.
+        sparse_choices: where the sparse choice of `config` is measured and saved (None: not measured).
     Returns:
-        clip -> {"kernels_s", "dense_s"}.
+        clip -> {"kernels_s", "dense_s"} (and "sparse_s" with `sparse_choices`).
     """
     result = {}
     for clip in clips:
@@ -79,7 +87,30 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
         echo(f"prepare {clip}: dense attention runs on {choices.label(kernel)} (measured in {dense_s:.1f} s, "
              f"saved in {choices.path}; ComfyUI's own attention, a candidate too, is measured in its first run)")
         result[clip] = {"kernels_s": kernels_s, "dense_s": dense_s}
+        if sparse_choices is not None:
+            result[clip]["sparse_s"] = measure_sparse(size, device, dtype, config, sparse_choices, echo, clip)
     return result
+
+
+def measure_sparse(size, device: torch.device, dtype: torch.dtype, config: SparseConfig, choices: SparseChoices,
+                   echo, clip: str) -> float:
+    """Measure (or check the saved) sparse-kernel choice of one sparse call of `size` under `config`, for the
+    bf16 bound and the 8-bit one (a launch with 8-bit attention runs the latter); seconds."""
+    start = time.perf_counter()
+    g = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(1, size.heads, size.total, size.head_dim, generator=g, device=device, dtype=dtype)
+               for _ in range(3))
+    ran: list[str] = []
+    layout = size.layout()
+    for precision in ("bf16", "8-bit"):
+        sparse_attention(q, k, v, layout, config.replace(precision=precision), choices=choices,
+                         ran=lambda name, summary: ran.append(f"{name} ({precision} bound)"))
+    del q, k, v
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    echo(f"prepare {clip}: sparse attention runs on {', '.join(ran)} (chosen in {seconds:.1f} s, saved in "
+         f"{choices.path})")
+    return seconds
 
 
 SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "device")
@@ -155,5 +186,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"prepare: compiling the sparse-attention kernels for {torch.cuda.get_device_name(device)} and measuring "
           f"the dense kernel for {', '.join(clips)}; this takes about a minute the first time on a machine")
-    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), DenseChoices(default_cache_path(user_dir)))
+    choices = DenseChoices(default_cache_path(user_dir))
+    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), choices,
+            sparse_choices=SparseChoices(sparse_cache_path(user_dir)))
+    from ..kernels.dense.pays_from import describe
+    from .pays_from import ladder, measure
+
+    value, _ = measure(ladder(), device, DTYPES[args.dtype], SparseConfig(), choices)
+    print(f"prepare: {describe(value)}; saved in {choices.path}")
     return 0

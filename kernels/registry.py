@@ -6,13 +6,16 @@ implementations in its `family.py`, with what each needs of the call (`Requireme
 compute capability, head dim, block size, an optional package) and, where a kernel takes only some
 inputs, what it needs of them (`accepts`, checked when it runs). Adding a family is one new package
 and one entry in `FAMILIES` (a sparse attention and the planner's stages) or in `DENSE_KERNELS` (a
-dense kernel the measured dense choice times against SDPA's and the host's).
+dense kernel the measured dense choice times against SDPA's and the host's); a sparse attention kernel
+the measured sparse choice times under ``auto`` (`sparse_choice/`) is one row of `SPARSE_KERNELS`.
 
 `FAMILIES` is the order ``auto`` prefers them in, and a named family's fallback runs the ones after
 it. `resolve` turns (requested kernel, device, dtype, head dim, block size, capability) into one
 `Kernels`: the family that runs the attention and every operation's implementation. Rules:
 - ``auto`` takes the first family whose attention can run (CUDA only for the compiled ones):
-  cuDNN where it runs and is installed, else Triton on a CUDA GPU, else the torch reference.
+  cuDNN where it runs and is installed, else Triton on a CUDA GPU, else the torch reference. Its
+  attention is then the measured sparse choice among `SPARSE_KERNELS` where two or more run
+  (`backend/attention.py`); this family's runs where fewer do, or none meets the bound.
 - A family asked for by name that cannot run raises in strict mode, and otherwise runs the next
   one by that order (in the end the torch reference), saying so once per owner (still sparse).
 - An operation runs the first family of the requested one and those after it that implements it.
@@ -28,14 +31,16 @@ from typing import Any, Callable
 import torch
 
 from ..notices import Notices
-from .cudnn.family import CUDNN
+from .cudnn.family import CUDNN, CUDNN_BF16
 from .flash4.family import FLASH4
 from .reference.family import TORCH
-from .triton.family import TRITON
-from .vocabulary import DenseKernel, Family, Host, Operation, Target, names
+from .triton.family import TRITON, TRITON_8BIT, TRITON_BF16
+from .vocabulary import DenseKernel, Family, Host, Operation, SparseKernel, Target, names
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (CUDNN, TRITON, TORCH)}  # ``auto``'s order of preference
 DENSE_KERNELS: tuple[DenseKernel, ...] = (FLASH4,)  # offered to the dense choice after SDPA's, in this order
+# the measured sparse choice's candidates under ``auto``, in order of preference for equal times
+SPARSE_KERNELS: tuple[SparseKernel, ...] = (CUDNN_BF16, TRITON_BF16, TRITON_8BIT)
 
 ROWS = (  # (operation, what it does), in the order a call runs them
     ("block_sums", "per-block sums of Q/K/V rows gathered by the tiling (pooling)"),
@@ -192,8 +197,10 @@ def operation_lines() -> list[str]:
             cells.append(impl.family + (f" [{'; '.join(needs)}]" if needs else ""))
         lines.append(f"{op.name} ({op.does}): " + " | ".join(cells))
     offered = [f"{d.name} ({d.label})" + (f" [{d.needs}]" if d.needs else "") for d in DENSE_KERNELS]
+    sparse = [f"{k.name} ({k.label}, {k.precision})" for k in SPARSE_KERNELS]
     return lines + ["dense attention (the dense steps' exact kernel, measured per shape): SDPA's kernels | "
-                    "the host's own attention | " + " | ".join(offered)]
+                    "the host's own attention | " + " | ".join(offered),
+                    "sparse attention under auto (measured per shape class and precision bound): " + " | ".join(sparse)]
 
 
 def render(target: Target, host: Host) -> list[str]:

@@ -8,12 +8,14 @@
 - `Family`: an implementation family (a package under kernels/): its implementations, where ``auto``
   may take it, and whether its kernels compile on first use.
 - `DenseKernel`: a dense attention kernel a family offers the measured dense choice (`dense/`).
+- `SparseKernel`: a block-sparse attention kernel at one arithmetic, a candidate of the measured
+  sparse choice (`sparse_choice/`).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -182,3 +184,28 @@ class DenseKernel:
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     needs: str = ""
     first_call: str = ""
+
+
+@dataclass(frozen=True)
+class SparseKernel:
+    """A block-sparse attention kernel at one arithmetic: a candidate of the measured sparse choice
+    (`sparse_choice/choice.py`), which times the candidates on the real plan and keeps the fastest that
+    meets the run's error bound.
+
+    `name` keys the stored choices, `label` names it in reports; `attention` is its family's attention
+    row (`load()` gives the object whose `attend_blocks(q, k, v, plan, precision)` runs it, `requires`
+    what it needs); `precision` the arithmetic it runs ("bf16": the inputs' own, or "8-bit"), so a
+    bf16 kernel is a candidate under both bounds and an 8-bit one under the 8-bit bound only;
+    `devices` the device types it is a candidate on (the compiled families: CUDA, as ``auto`` takes them)."""
+
+    name: str
+    label: str
+    attention: Implementation
+    precision: str = "bf16"
+    devices: tuple[str, ...] = ("cuda",)
+
+    def unavailable(self, target: Target, host: Host) -> str | None:
+        """Why it is not a candidate for `target` (its precision is this kernel's own; None: it is)."""
+        if target.device not in self.devices:
+            return f"it runs on {', '.join(self.devices)}, not {target.device}"
+        return self.attention.unmet(replace(target, precision=self.precision), host)

@@ -162,9 +162,19 @@ class BlockHook(ABC):
         return args
 
     def on_pre_run(self, patcher: Any) -> None:
-        """Start of a sampler call on `patcher`: refuse ComfyUI's core sparse node applied after this
-        one (the run itself goes on across sampler calls; see `RunTracker.step_of`)."""
-        refuse_core_sparse(patcher.model_options, self.title, "after")
+        """Start of a sampler call on `patcher`: ComfyUI's core sparse node applied after this one is
+        checked (the run itself goes on across sampler calls; see `RunTracker.step_of`)."""
+        self.check_core_sparse(patcher.model_options, "after")
+
+    @property
+    def leaves_attention(self) -> bool:
+        """Whether this sampler call leaves every block's attention to ComfyUI (or another node)."""
+        return False
+
+    def check_core_sparse(self, model_options: dict, order: str) -> None:
+        """ComfyUI's core sparse node on the model, applied `order` this hook's node: refused here
+        (`SparseAttentionHook` leaves the attention to it unless strict)."""
+        refuse_core_sparse(model_options, self.title, order)
 
     def on_cleanup(self, patcher: Any) -> None:
         """End of a sampler call: the report of the run so far is kept (`RunTracker.end_call`)."""

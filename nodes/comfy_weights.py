@@ -1,5 +1,6 @@
-"""Weights and allocations through ComfyUI: casting (LoRA, offload, quantised weights), the
-allocation graph, and KJNodes' low-VRAM calling conventions."""
+"""Weights and allocations through ComfyUI: casting (LoRA, offload, quantised weights), layers whose
+class brings its own cast or forward (GGUF, other packs' ops), the allocation graph, and KJNodes'
+low-VRAM calling conventions."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,43 +15,134 @@ import torch.nn.functional as F
 from ..backend.producer import CHUNK_ROWS, Projection, head_rows
 
 FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")
+HOST_PACKAGES = ("comfy", "torch")  # whose op classes the producer reads through ComfyUI's own cast
+
+
+def class_name(module: torch.nn.Module) -> str:
+    """A layer's class as "module.qualname", for messages."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def own_method(module: torch.nn.Module, name: str) -> type | None:
+    """The class outside ComfyUI and torch that defines the method `name` as this layer resolves it
+    (GGUF's GGMLLayer for ``cast_bias_weight``), or None when ComfyUI or torch defines it (or nobody)."""
+    for cls in type(module).__mro__:
+        if name in vars(cls):
+            return None if cls.__module__.split(".")[0] in HOST_PACKAGES else cls
+    return None
+
+
+def weight_path(module: torch.nn.Module) -> str:
+    """How the producer reads a Linear: "forward" (its class's own forward, on each chunk of rows),
+    "cast" (its class's own ``cast_bias_weight``, once per call: GGUF's GGMLOps, whose forward is
+    ComfyUI's Linear dispatching to that cast) or "comfy" (ComfyUI's cast and quantised fast paths,
+    or plain torch). A class's own cast is not used where ComfyUI's weight or bias functions (an
+    on-the-fly LoRA) are set, since its forward may apply them elsewhere: the forward is."""
+    if own_method(module, "forward") is not None:
+        return "forward"
+    if own_method(module, "cast_bias_weight") is not None:
+        functions = len(getattr(module, "weight_function", ())) + len(getattr(module, "bias_function", ()))
+        return "forward" if functions else "cast"
+    if own_method(module, "forward_comfy_cast_weights") is not None:
+        return "forward"
+    return "comfy"
+
+
+def checked(module: torch.nn.Module, weight: Any, bias: Any, source: str) -> tuple[torch.Tensor, Any]:
+    """(weight, bias) when they are floating tensors whose storage has the layer's shape, else a clear
+    error: a weight in a format of its own (e.g. GGUF's quantised bytes under ComfyUI's plain cast,
+    whose `shape` reports the layer's shape while its storage holds blocks of bytes) must never be
+    multiplied as if it were the layer's weight.
+
+    Args:
+        module: the Linear they belong to (its in_features / out_features when it has them).
+        weight, bias: what `source` handed back.
+        source: where they came from, for the message (e.g. "ComfyUI's cast_bias_weight").
+    Returns:
+        (weight, bias) unchanged.
+    """
+    rows = getattr(module, "out_features", None)
+    cols = getattr(module, "in_features", None)
+    expected = (rows, cols) if rows is not None and cols is not None else None
+
+    def refuse(why: str) -> RuntimeError:
+        return RuntimeError(f"cannot read the weights of a {class_name(module)} layer: {source} {why}. A layer "
+                            f"class that stores its weight in a format of its own must bring its own "
+                            f"cast_bias_weight or forward (as ComfyUI-GGUF's GGMLOps does)")
+
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or len(weight.size()) != 2:
+        raise refuse(f"returned a {type(weight).__name__} of dtype {getattr(weight, 'dtype', None)} and storage "
+                     f"shape {tuple(weight.size()) if isinstance(weight, torch.Tensor) else None}, not a 2-D "
+                     f"floating tensor")
+    if tuple(weight.size()) != (expected or tuple(weight.shape)):
+        raise refuse(f"returned a {type(weight).__name__} whose storage has shape {tuple(weight.size())}, "
+                     f"expected {expected or tuple(weight.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or not bias.is_floating_point()
+                             or tuple(bias.size()) != (weight.size(0),)):
+        raise refuse(f"returned a bias {type(bias).__name__} of shape "
+                     f"{tuple(bias.size()) if isinstance(bias, torch.Tensor) else None}, expected ({weight.size(0)},)")
+    return weight, bias
 
 
 @contextmanager
 def linear_weights(module: torch.nn.Module, like: torch.Tensor) -> Iterator[tuple[torch.Tensor, Any]]:
-    """(weight, bias) of a Linear in `like`'s dtype and device.
+    """(weight, bias) of a Linear in `like`'s dtype and device, as the layer multiplies by them.
 
-    ComfyUI layers go through `comfy.ops.cast_bias_weight`, which dequantises, applies LoRA
-    weight functions and handles offloaded weights; plain torch layers are cast directly.
+    A class with its own ``cast_bias_weight`` (GGUF) is asked through it, as its forward asks;
+    ComfyUI layers go through `comfy.ops.cast_bias_weight`, which dequantises, applies LoRA weight
+    functions and handles offloaded weights; plain torch layers are cast directly. The result is
+    checked (`checked`); a comfy-kitchen QuantizedTensor is handed back as the cast returns it.
     """
+    if own_method(module, "cast_bias_weight") is not None:
+        cast = module.cast_bias_weight(like)
+        if not isinstance(cast, (tuple, list)) or len(cast) != 2:
+            raise RuntimeError(f"cannot read the weights of a {class_name(module)} layer: its own cast_bias_weight "
+                               f"returned a {type(cast).__name__}, expected a (weight, bias) pair")
+        yield checked(module, *cast, f"its own {type(module).__name__}.cast_bias_weight")
+        return
     if not hasattr(module, "comfy_cast_weights"):
         bias = None if module.bias is None else module.bias.to(like)
-        yield module.weight.to(like), bias
+        yield checked(module, module.weight.to(like), bias, "its weight cast to the input's dtype")
         return
     import comfy.ops
 
     if not hasattr(comfy.ops, "CastBiasWeightContext"):  # older ComfyUI: no offload-aware context yet
-        yield comfy.ops.cast_bias_weight(module, like)
+        yield readable(module, *comfy.ops.cast_bias_weight(module, like))
         return
     with comfy.ops.CastBiasWeightContext(module, like, offloadable=True) as (weight, bias):
-        yield weight, bias
+        yield readable(module, weight, bias)
+
+
+def readable(module: torch.nn.Module, weight: Any, bias: Any) -> tuple[Any, Any]:
+    """What ComfyUI's cast returned, checked unless it is a comfy-kitchen QuantizedTensor (its own format)."""
+    if hasattr(weight, "_layout_cls"):
+        return weight, bias
+    return checked(module, weight, bias, "ComfyUI's cast_bias_weight")
 
 
 @contextmanager
 def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, head_dim: int) -> Iterator[Projection]:
-    """The fused qkv projection `module` as ComfyUI's own forward multiplies x, for the producer.
+    """The fused qkv projection `module` as the layer itself multiplies x, for the producer.
 
-    Mirrors the inference path of ComfyUI's mixed-precision Linear: a quantised weight whose format
-    quantises activations (fp8, nvfp4, mxfp8) gets each chunk of rows quantised as the layer
-    quantises its whole input (same layout, same input scale; nvfp4's per-tensor scale is taken
-    over all of x), an int8 weight multiplies the rows as they are (comfy-kitchen's int8 linear
-    quantises them per row), and the weight is fetched with the same cast flags ComfyUI passes
-    (re-quantisation after an on-the-fly LoRA of a streamed layer). Everything else (plain layers,
-    formats this device does not multiply in, weight patches) gets the weight ComfyUI's cast
-    hands back, dequantised once per call. Yields a `Projection` (backend/producer.py).
+    A layer whose class brings its own forward goes through that forward on each chunk of rows
+    (`ForwardProjection`); one whose class brings its own ``cast_bias_weight`` (GGUF's GGMLOps:
+    dequantisation and LoRA patches inside) through that cast, once per call (`weight_path`).
+    ComfyUI's own layers mirror the inference path of its mixed-precision Linear: a quantised weight
+    whose format quantises activations (fp8, nvfp4, mxfp8) gets each chunk of rows quantised as the
+    layer quantises its whole input (same layout, same input scale; nvfp4's per-tensor scale is
+    taken over all of x), an int8 weight multiplies the rows as they are (comfy-kitchen's int8
+    linear quantises them per row), and the weight is fetched with the same cast flags ComfyUI
+    passes (re-quantisation after an on-the-fly LoRA of a streamed layer). Everything else (plain
+    layers, formats this device does not multiply in, weight patches) gets the weight ComfyUI's
+    cast hands back, dequantised once per call. A weight none of these can read raises, naming the
+    layer's class (`checked`). Yields a `Projection` (backend/producer.py).
     """
+    path = weight_path(module)
+    if path == "forward":
+        yield ForwardProjection(module, num_heads, head_dim)
+        return
     layout = getattr(module, "layout_type", None)
-    if layout is None:  # plain layer (any ComfyUI op class, or plain torch)
+    if path == "cast" or layout is None:  # a class's own cast, any other ComfyUI op class, or plain torch
         with linear_weights(module, x) as (weight, bias):
             yield LayerProjection(weight, bias, num_heads, head_dim)
         return
@@ -78,6 +170,34 @@ def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, hea
         with linear_weights(module, x) as (weight, bias):
             weight = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
             yield LayerProjection(weight, bias, num_heads, head_dim, pre)
+
+
+class ForwardProjection:
+    """A layer whose class brings its own forward: that forward on each chunk of rows, as the layer
+    computes its whole input (weights cast, dequantised and patched however its class does). A head
+    group takes its columns of the forward's output, so with several groups each chunk is
+    projected once per group; the output's shape is checked on every call."""
+
+    def __init__(self, module: torch.nn.Module, num_heads: int, head_dim: int):
+        self.module, self.num_heads, self.head_dim = module, num_heads, head_dim
+
+    def for_heads(self, heads: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        width = 3 * self.num_heads * self.head_dim
+        columns: list[torch.Tensor] = []  # the group's columns, made once on the output's device
+
+        def project(rows: torch.Tensor) -> torch.Tensor:
+            out = self.module(rows)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows.shape[0], width):
+                raise RuntimeError(f"cannot read the qkv projection of a {class_name(self.module)} layer: its own "
+                                   f"forward returned {getattr(out, 'shape', type(out).__name__)} for rows of shape "
+                                   f"{tuple(rows.shape)}, expected ({rows.shape[0]}, {width})")
+            if heads == (0, self.num_heads):
+                return out
+            if not columns:
+                columns.append(head_rows(torch.arange(width, device=out.device), self.num_heads, self.head_dim,
+                                         heads))
+            return out.index_select(1, columns[0])
+        return project
 
 
 def activation_scale(x: torch.Tensor, layout: str, pre: torch.Tensor | None) -> torch.Tensor | None:

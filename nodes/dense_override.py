@@ -22,7 +22,9 @@ class DenseOverride:
     with the arguments ComfyUI passed (``transformer_options``, ``_inside_attn_wrapper`` kept: a
     function that falls back to another wrapped ComfyUI attention would otherwise reach this override
     again). A call it does not serve (a mask, another attention precision or scale, grouped heads, a
-    dtype the engine does not take) goes to `func` unchanged.
+    dtype the engine does not take) goes to `func` unchanged. Where the user chose the model's
+    attention with ComfyUI's ModelAttentionBackend, that choice (`chosen`) stands in for `func`
+    everywhere, as it does without our node: the override it replaces called it instead of `func`.
 
     Runs eagerly under torch.compile: it reads the run's precision and records the kernel in the run
     report, state a compiled frame would freeze (TorchCompileModel drops the guards under
@@ -36,13 +38,16 @@ class DenseOverride:
         choices: the measured dense-kernel choices.
         ran: receives, per call, the name of the kernel that ran (for the run report).
         precision: "bf16" or "8-bit", the bound the candidates must meet (set per run by the hook).
+        chosen: the attention function chosen for the model (`precision.model_choice`), or None for
+            ComfyUI's own (set per run by the hook).
     """
 
     def __init__(self, choices: DenseChoices, ran: Callable[[str], None] = lambda name: None,
-                 precision: str = "bf16"):
+                 precision: str = "bf16", chosen: Callable | None = None):
         self.choices = choices
         self.ran = ran
         self.precision = precision
+        self.chosen = chosen
         self.identities: dict[Callable, str] = {}
 
     def host(self, func: Callable, heads: int, kwargs: dict) -> HostAttention:
@@ -63,6 +68,7 @@ class DenseOverride:
     def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
                  mask: Any = None, attn_precision: Any = None, skip_reshape: bool = False,
                  skip_output_reshape: bool = False, **kwargs: Any) -> torch.Tensor:
+        func = func if self.chosen is None else self.chosen
         if (mask is not None or attn_precision is not None or kwargs.get("enable_gqa")
                 or kwargs.get("scale") is not None or q.dtype not in DTYPES):
             return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,

@@ -5,7 +5,7 @@ offers; H3 sets no block index, so i is bound here). The replacement decides, pe
 the hook takes over the block's attention; the rest of the block (adaLN modulation, norms, gated
 residuals, MLP) always runs as the model's own code, through ``extra["original_block"]`` (or the
 replacement that was registered before ours, which is chained, not dropped; ComfyUI's core
-"Model Sparse Attention" node is refused in either order, `nodes/core_sparse.py`). How the
+"Model Sparse Attention" node in either order is the hook's to handle, `BlockHook.check_core_sparse`). How the
 hook's attention gets into the block depends on the upstream signature:
 
 - current upstream (``DiTBlock.forward(..., attention=None)``): the replacement passes a copy of
@@ -41,7 +41,7 @@ import torch
 
 from ..notices import logger
 from .comfy_weights import unwrap_input
-from .core_sparse import double_block_patches, refuse_core_sparse
+from .core_sparse import double_block_patches
 from .h3_model import check_h3
 from .block_hook import BlockHook, CallContext, Mark, bind, bound_hook
 
@@ -134,6 +134,9 @@ class AttentionDispatch:
     def route(self, x: Any, transformer_options: dict) -> tuple[Callable, Any]:
         """(the attention this call runs, its input): the hook's for a taken call, else `dense`'s."""
         mark = transformer_options.get(self.key)
+        if isinstance(mark, CallContext) and mark.hook.leaves_attention:  # e.g. to the core sparse node
+            attn = mark.attn(self.layer)
+            return self.previous or functools.partial(type(attn).forward, attn), unwrap_input(x)
         if not (isinstance(mark, Mark) and mark.layer == self.layer):
             raise RuntimeError(f"{self.key}: block {self.layer}'s attention ran without this pack's block "
                                "replacement (another node's replacement of the block dropped it)")
@@ -265,7 +268,7 @@ def install(model_patcher: Any, hook: BlockHook, swap: bool = True) -> Any:
 
     diffusion_model = model_patcher.get_model_object("diffusion_model")
     check_h3(diffusion_model)
-    refuse_core_sparse(model_patcher.model_options, hook.title, "before")
+    hook.check_core_sparse(model_patcher.model_options, "before")
     m = model_patcher.clone()
     earlier = m.get_attachment(hook.key)
     if earlier is not None:

@@ -2,8 +2,10 @@
 
 `auto` runs 8-bit when ComfyUI itself runs 8-bit attention: the attention ComfyUI bound for the
 model's blocks at import from its launch flags (``--use-sage-attention`` binds ``attention_sage``,
-``--use-ck-attention`` binds ``attention_comfy_kitchen_int8``), or an attention override another
-node installed on the model. Functions are told apart by a stable identity (module and qualified
+``--use-ck-attention`` binds ``attention_comfy_kitchen_int8``), the attention the user chose for the
+model with ComfyUI's ModelAttentionBackend node (``ModelPatcher.set_model_optimized_attention``: an
+override that runs one registered attention function, read here as that function, `model_choice`),
+or an attention override another node installed on the model. Functions are told apart by a stable identity (module and qualified
 name): ComfyUI's own 8-bit functions by name, other packages' by the 8-bit packages they come from
 or the 8-bit kernel their name carries (Sage, INT8, FP8). The engine only ever sees the resolved
 value, "bf16" or "8-bit".
@@ -45,6 +47,27 @@ def identity(fn: Any) -> str:
     return f"{module}.{name}"
 
 
+# the override ComfyUI's ModelPatcher.set_model_optimized_attention installs (ModelAttentionBackend)
+MODEL_CHOICE = "comfy.model_patcher.ModelPatcher.set_model_optimized_attention.<locals>.optimized_attention_override"
+
+
+def model_choice(override: Any) -> Callable | None:
+    """The attention function an override runs when it is ComfyUI's ``set_model_optimized_attention``
+    override (what ModelAttentionBackend sets: it ignores ComfyUI's function and calls the chosen one
+    with the same arguments), else None.
+
+    Args:
+        override: a model's ``optimized_attention_override``, or None.
+    Returns:
+        the chosen attention function (e.g. ``attention_comfy_kitchen_int8``), or None.
+    """
+    if override is None or identity(override) != MODEL_CHOICE:
+        return None
+    cells = dict(zip(override.__code__.co_freevars, override.__closure__ or ()))
+    cell = cells.get("optimized_attention")
+    return None if cell is None else cell.cell_contents
+
+
 def is_eight_bit(ident: str) -> bool:
     """Whether the attention function of this identity computes in 8-bit arithmetic."""
     return ident in COMFY_EIGHT_BIT or EIGHT_BIT_NAME.search(ident) is not None
@@ -67,12 +90,19 @@ def resolve_precision(setting: str, attention: Callable | None, override: Callab
         setting: the node's value: "auto", "bf16" or "8-bit".
         attention: the attention ComfyUI runs for the model's blocks (`launch_attention`), if known.
         override: another node's ``optimized_attention_override`` on the model (not ours), if any; it
-            runs the blocks ComfyUI would run on `attention`.
+            runs the blocks ComfyUI would run on `attention`. ModelAttentionBackend's (`model_choice`)
+            counts as the attention it chose.
     Returns:
         ("bf16" or "8-bit", the reason in words).
     """
     if setting != "auto":
         return setting, f"precision={setting} on the node"
+    chosen = model_choice(override)
+    if chosen is not None:
+        ident = identity(chosen)
+        bits = "8-bit" if is_eight_bit(ident) else "bf16"
+        return bits, (f"auto: the model's attention backend (ModelAttentionBackend) is {ident}, which is "
+                      f"{'' if bits == '8-bit' else 'not '}8-bit")
     if override is not None:
         ident = identity(override)
         bits = "8-bit" if is_eight_bit(ident) else "bf16"

@@ -48,9 +48,13 @@ def format_report(report: dict | None) -> str:
     if report.get("dense_kernels"):
         lines.append("Dense attention (our override) ran on: " + "; ".join(
             f"{name} ({n} calls)" for name, n in sorted(report["dense_kernels"].items())))
+    if report.get("sparse_kernels"):
+        lines.append("Sparse attention ran on: " + "; ".join(
+            f"{name} ({n} calls)" for name, n in sorted(report["sparse_kernels"].items())))
+    lines += [f"Sparse kernel choice: {summary}" for summary in report.get("sparse_choices", [])]
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
-    lines[:0] = [f"Warning: {note}" for note in report.get("kernel_notes", ())]
+    lines += [f"Note: {note}" for note in report.get("notes", ())]
     if report["dense_reasons"]:
         lines.append("Why blocks ran dense:")
         lines += [f"- {reason}: {n} block calls" for reason, n in sorted(report["dense_reasons"].items())]

@@ -16,6 +16,7 @@ from ..notices import Notices, logger
 from .schedule import denoising_step
 
 log = logger()
+MAX_SUMMARIES = 8  # measured sparse choices named in one run's report (a run uses one or two shape classes)
 
 
 @dataclass
@@ -33,7 +34,9 @@ class RunStats:
     timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
     timed_dense_ms: float = 0.0
     dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
-    kernel_notes: list[str] = field(default_factory=list)  # what the user should know about the sparse kernels
+    sparse_kernels: dict[str, int] = field(default_factory=dict)  # sparse attention kernel -> calls
+    sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
+    notes: list[str] = field(default_factory=list)  # what the run's report says besides its counters
 
 
 class RunTracker:
@@ -90,17 +93,28 @@ class RunTracker:
         not repeated per block)."""
         self.notices.say(f"{self.name}: {message}", level)
 
+    def say_in_report(self, message: str, level: int = logging.WARNING) -> None:
+        """Log `message` (at `level`) once per run and keep it in the run's report."""
+        with self.lock:
+            if message in self.stats.notes:
+                return
+            self.stats.notes.append(message)
+        self.log_once(message, level)
+
     def note_dense_kernel(self, name: str) -> None:
         """Count one attention call of our dense override on kernel `name`."""
         with self.lock:
             kernels = self.stats.dense_kernels
             kernels[name] = kernels.get(name, 0) + 1
 
-    def note_kernel(self, message: str) -> None:
-        """Keep `message` (about the kernels the sparse blocks ran, e.g. the torch reference) for the report, once."""
+    def note_sparse_kernel(self, label: str, summary: str) -> None:
+        """Count one sparse attention call on the kernel named `label`, with its measured choice's
+        `summary` ("" where nothing was measured)."""
         with self.lock:
-            if message not in self.stats.kernel_notes:
-                self.stats.kernel_notes.append(message)
+            s = self.stats
+            s.sparse_kernels[label] = s.sparse_kernels.get(label, 0) + 1
+            if summary and summary not in s.sparse_choices and len(s.sparse_choices) < MAX_SUMMARIES:
+                s.sparse_choices.append(summary)
 
     def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
                    reason: str | None = None) -> None:
@@ -181,6 +195,8 @@ class RunTracker:
                 f"{s.attention_ms / 1e3:.2f} s; precision {self.precision[0]}")
         if s.dense_kernels:
             line += "; dense attention on " + ", ".join(sorted(s.dense_kernels))
+        if s.sparse_kernels:
+            line += "; sparse attention on " + ", ".join(sorted(s.sparse_kernels))
         return line
 
     def report(self) -> dict:
@@ -201,7 +217,8 @@ class RunTracker:
                 "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
                 "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
-                "kernel_notes": list(s.kernel_notes)}
+                "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices),
+                "notes": list(s.notes)}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

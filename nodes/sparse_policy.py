@@ -14,13 +14,17 @@ from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.dense.pays_from import describe, pays_at, saved
 from ..kernels.registry import resolve_family
-from .comfy_weights import (head_groups, linear_weights, on_device, outside_allocation_graph, qkv_projection,
-                            unwrap_input)
+from ..kernels.sparse_choice.choice import SparseChoices
+from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
+from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
 from .model_patches import install
 from .dense_override import DenseOverride
 from .block_hook import BlockHook, CallContext, log
-from .precision import launch_attention, resolve_precision
+from .core_sparse import (core_sparse_blocks, core_sparse_message, core_sparse_order, fasth3_message, gated_blocks,
+                          refuse_core_sparse)
+from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .reference_notice import reference_kernel_notice
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
@@ -35,9 +39,11 @@ class SparseAttentionHook(BlockHook):
     kind = "sparse"
 
     def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None,
-                 warm_start: WarmStart | None = None):
+                 sparse_choices: SparseChoices | None = None, warm_start: WarmStart | None = None):
         self.config = config
         self.dense_choices = dense_choices if dense_choices is not None else DenseChoices(comfy_cache_path())
+        self.sparse_choices = (sparse_choices if sparse_choices is not None else
+                               SparseChoices(sparse_cache_path(comfy_user_dir())))  # `kernel="auto"`'s measured choice
         self.warm_start = warm_start if warm_start is not None else WarmStart()  # shared by the clones, as the choices
         self.notices: list[str] = []  # what the user should know about this model and config (report node)
         super().__init__()
@@ -49,6 +55,10 @@ class SparseAttentionHook(BlockHook):
         self.notices = list(self.notices)
         self.dense_override = DenseOverride(self.dense_choices, self.tracker.note_dense_kernel)
         self.warmup_sigma: float | None = None
+        self.left_to: str | None = None  # why this sampler call leaves every block's attention to ComfyUI
+        self.pays_from: dict[tuple, str | None] = {}  # (device, dtype) -> the measured crossover (`saved`)
+        # size messages said at WARNING, shared with the clones of this model (later runs say them at INFO)
+        self.said: set[str] = parent.said if isinstance(parent, SparseAttentionHook) else set()
         self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
 
     def set_precision(self, precision: str, reason: str) -> None:
@@ -61,16 +71,64 @@ class SparseAttentionHook(BlockHook):
     def on_pre_run(self, patcher: Any) -> None:
         """Start of a sampler call: the warmup sigma of the sampled model's sampling (`warmup_sigma`)
         and the precision, which `auto` takes from the attention ComfyUI runs for this model (its
-        launch's, or another node's override installed on it)."""
+        launch's, ModelAttentionBackend's choice, or another node's override installed on it)."""
         super().on_pre_run(patcher)
         sampling = patcher.get_model_object("model_sampling")
         self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
         override = patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
         if isinstance(override, DenseOverride):
             override = None
+        self.dense_override.chosen = model_choice(override)  # ModelAttentionBackend's, followed as a launch's
         self.set_precision(*resolve_precision(self.config.precision,
                                               launch_attention(patcher.get_model_object("diffusion_model")),
                                               override))
+        self.left_to = self.leave_reason(patcher)
+
+    @property
+    def leaves_attention(self) -> bool:
+        """Whether this sampler call leaves every block's attention to ComfyUI (`leave_reason`)."""
+        return self.left_to is not None
+
+    def check_core_sparse(self, model_options: dict, order: str) -> None:
+        """ComfyUI's core sparse node on the model: strict refuses it; otherwise this node leaves the
+        attention to it (`leave_reason`), said once at WARNING and in the report."""
+        if self.config.strict:
+            refuse_core_sparse(model_options, self.title, order)
+        elif order == "before" and core_sparse_blocks(model_options):
+            self.announce(core_sparse_message(self.title, order, len(core_sparse_blocks(model_options))))
+
+    def announce(self, message: str) -> None:
+        """Say `message` at WARNING and keep it for the report, here and in the hooks this one was
+        cloned from (the model the report node reads), unless this model said it already."""
+        if message in self.notices:
+            return
+        log.warning("%s", message)
+        hook = self
+        while hook is not None:
+            if message not in hook.notices:
+                hook.notices.append(message)
+            hook = hook.parent
+
+    def leave_reason(self, patcher: Any) -> str | None:
+        """Why this sampler call leaves every block's attention to ComfyUI, or None: ComfyUI's core
+        sparse node is on the model (it runs the attention), or the checkpoint is a FastH3 one
+        (trained for VSA's pattern; tail='coarse' runs ours with its gate). Logged once per run."""
+        order = core_sparse_order(patcher.model_options)
+        diffusion_model = patcher.get_model_object("diffusion_model")
+        if order is not None:
+            message = core_sparse_message(self.title, order, len(core_sparse_blocks(patcher.model_options)))
+            reason = "left to ComfyUI's 'Model Sparse Attention' node, which runs these blocks"
+        elif self.config.tail != "coarse" and gated_blocks(diffusion_model):
+            message = fasth3_message(self.title, gated_blocks(diffusion_model), len(diffusion_model.blocks))
+            reason = ("FastH3 checkpoint (to_gate_compress, trained for VSA's pattern): left to ComfyUI's attention; "
+                      "ComfyUI's 'Model Sparse Attention' node with vsa runs its pattern")
+        else:
+            return None
+        if message in self.notices:  # said at WARNING when the node was applied or in an earlier run
+            self.tracker.log_once(message.removeprefix(f"{self.title}: "), logging.INFO)
+        else:
+            self.announce(message)
+        return reason
 
     def replaced(self, earlier: BlockHook) -> None:
         """Say in the log and in the report that this node's settings replace an earlier node's."""
@@ -112,6 +170,8 @@ class SparseAttentionHook(BlockHook):
         """
         reason = schedule_reason(self.config, layer, warmup, shape[0])
         problem = self.unsupported(attn, shape, dtype, device, layout)
+        if problem is None and layer not in self.config.dense_layers and self.config.warmup_mode != "dense":
+            self.note_size(shape[0], dtype, device)
         if reason is not None:
             if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
                 self.prepare(attn, dtype, device, layout, warmup=True)  # a warmup step of a sparse layer
@@ -122,6 +182,30 @@ class SparseAttentionHook(BlockHook):
         self.prepare(attn, dtype, device, layout)  # strict raises here when Triton is asked for and missing
         return None
 
+    def note_size(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Say once per run, at WARNING and in the report, when `tokens` is too small for sparse attention
+        to pay: below min_tokens (it runs dense), or below the crossover `prepare` measured on this GPU
+        (it runs sparse, slower than dense); either with that crossover, or that it is not measured."""
+        key = (str(device), dtype)
+        if key not in self.pays_from:
+            self.pays_from[key] = saved(self.dense_choices, device, dtype, self.config)
+        value = self.pays_from[key]
+        pays = pays_at(value, tokens)
+        if tokens < self.config.min_tokens:
+            hint = f"; lower min_tokens to {int(value):,} to run it sparse" if pays else ""
+            message = (f"{tokens:,} tokens is below min_tokens={self.config.min_tokens:,}, so attention runs dense at "
+                       f"this size; {describe(value)}{hint}")
+        elif pays is False:
+            raise_to = f" (raise min_tokens to {int(value):,} to run such sizes dense)" if value.isdigit() else ""
+            message = f"{tokens:,} tokens is too small for sparse attention to pay; {describe(value)}{raise_to}"
+        else:
+            return
+        if len(self.said) >= 64:  # bounded: a model sampled at many sizes says them at WARNING again
+            self.said.clear()
+        first = message not in self.said
+        self.said.add(message)
+        self.tracker.say_in_report(message, logging.WARNING if first else logging.INFO)
+
     def refuse(self, layer: int, problem: str) -> None:
         """A call that cannot run sparse: strict raises, otherwise the reason is logged once per run."""
         self.tracker.notices.fallback(f"{self.title}: layer {layer} runs dense: {problem}", None, self.config.strict)
@@ -129,6 +213,9 @@ class SparseAttentionHook(BlockHook):
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
         dense with its reason)."""
+        if self.left_to is not None:
+            self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=self.left_to)
+            return None
         to = args.get("transformer_options", {})
         x = args["img"]
         precision, why = self.tracker.precision
@@ -143,7 +230,8 @@ class SparseAttentionHook(BlockHook):
 
     def note_other_override(self, transformer_options: dict) -> None:
         """Say once per run that another node's attention override does not reach the sparse blocks."""
-        if transformer_options.get("optimized_attention_override") is not None:
+        override = transformer_options.get("optimized_attention_override")
+        if override is not None and model_choice(override) is None:
             self.tracker.log_once("another node's optimized_attention_override applies to dense blocks "
                                   "only; sparse blocks run adaptive sparse attention")
 
@@ -158,8 +246,7 @@ class SparseAttentionHook(BlockHook):
         family = resolve_family(config.kernel, device, dtype, head_dim=head_dim, block_size=config.block_size)
         notice = reference_kernel_notice(family, self.config, device, dtype, head_dim)
         if notice is not None:  # once per run, in the console (WARNING) and in the run's report
-            self.tracker.log_once(notice)
-            self.tracker.note_kernel(notice)
+            self.tracker.say_in_report(notice)
         with outside_allocation_graph():
             if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
                 return
@@ -168,11 +255,16 @@ class SparseAttentionHook(BlockHook):
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),
-        unless another node's override already decides the dense attention."""
+        unless another node's override already decides the dense attention. ModelAttentionBackend's
+        choice is followed as ComfyUI's launch attention is: a candidate within the run's precision."""
         to = args.get("transformer_options", {})
-        if self.config.dense_attention != "fastest" or isinstance(to.get("optimized_attention_override"), DenseOverride):
+        if self.left_to is not None:  # the attention ComfyUI (or the core sparse node) sets, untouched
             return args
-        if to.get("optimized_attention_override") is not None:
+        override = to.get("optimized_attention_override")
+        if self.config.dense_attention != "fastest" or isinstance(override, DenseOverride):
+            return args
+        if override is not None and (self.dense_override.chosen is None
+                                     or model_choice(override) is not self.dense_override.chosen):
             self.tracker.log_once("another node's optimized_attention_override runs the dense blocks "
                                   "(dense_attention='fastest' does not replace it)")
             return args
@@ -191,16 +283,19 @@ class SparseAttentionHook(BlockHook):
         density = tracker.densities.get(key)
         timed = key in tracker.timed
 
+        kernel = dict(choices=self.sparse_choices, ran=tracker.note_sparse_kernel)
+
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
             nonlocal density
             if density is None:  # measured once per shape and run: it needs a host sync
-                o, info = sparse_attention(q, k, v, layout, self.engine_config, return_info=True, coarse_gate=g)
+                o, info = sparse_attention(q, k, v, layout, self.engine_config, return_info=True, coarse_gate=g,
+                                           **kernel)
                 density = tracker.densities.setdefault(key, info.density)
             elif not timed:  # the next call (kernels compiled): vs dense
-                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.engine_config, g)
+                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.engine_config, g, **kernel)
                 tracker.note_timing(key, sparse_ms, dense_ms)
             else:
-                o = sparse_attention(q, k, v, layout, self.engine_config, coarse_gate=g)
+                o = sparse_attention(q, k, v, layout, self.engine_config, coarse_gate=g, **kernel)
             return o
 
         out = self.output(attn, x, rope_freqs, transformer_options, run)
@@ -243,17 +338,18 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
     layer = getattr(attn, "to_gate_compress", None)
     if config.tail != "coarse" or layer is None:
         return None
-    with linear_weights(layer, x) as (weight, bias):
-        g = torch.nn.functional.linear(x, weight, bias)
+    g = layer(x)  # the layer's own forward: any op class (GGUF, quantised, LoRA) computes it as the model does
     return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
 
 
 def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-                        config: SparseConfig, gate: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
+                        config: SparseConfig, gate: torch.Tensor | None, **kernel: Any
+                        ) -> tuple[torch.Tensor, float, float]:
     """One sparse call timed against torch's dense SDPA on the same tensors (for the run report).
 
     Dense attention runs on the first head only and is scaled by the number of heads, to keep the
-    extra cost to one head's attention. Synchronises the device three times.
+    extra cost to one head's attention. Synchronises the device three times. `kernel`: `sparse_attention`'s
+    ``choices`` and ``ran``.
     Returns (sparse output, sparse ms, dense ms for all heads of q).
     """
     def now() -> float:
@@ -262,7 +358,7 @@ def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
         return time.perf_counter()
 
     t0 = now()
-    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate)
+    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate, **kernel)
     t1 = now()
     torch.nn.functional.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])
     t2 = now()
@@ -286,22 +382,38 @@ def gate_notice(diffusion_model: Any, config: SparseConfig) -> str | None:
     return None
 
 
+def comfy_user_dir() -> str | None:
+    """ComfyUI's user directory when ComfyUI is loaded, else None."""
+    try:
+        import folder_paths
+        return folder_paths.get_user_directory()
+    except (ImportError, AttributeError):
+        return None
+
+
 def comfy_cache_path() -> Path:
     """Where the measured dense-kernel choices are saved: under ComfyUI's user directory when ComfyUI
     is loaded (``ADAPTIVE_SPARSE_DENSE_CACHE`` still overrides), else the pack's default."""
-    try:
-        import folder_paths
-        user_dir = folder_paths.get_user_directory()
-    except (ImportError, AttributeError):
-        user_dir = None
-    return default_cache_path(user_dir)
+    return default_cache_path(comfy_user_dir())
 
 
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
     """A clone of an H3 ModelPatcher whose blocks run adaptive sparse attention under `config`."""
     hook = SparseAttentionHook(config)
+    diffusion_model = model_patcher.get_model_object("diffusion_model")
+    gated = gated_blocks(diffusion_model)
+    if gated and config.tail != "coarse":
+        message = fasth3_message(hook.title, gated, len(diffusion_model.blocks))
+        if config.strict:
+            raise ValueError(f"{message}. strict=True refuses to run this node on it")
+        hook.announce(message)
+    elif gated:
+        hook.announce(f"{hook.title}: tail='coarse' on a distilled FastH3 checkpoint runs this node's tiling "
+                      f"({config.tiling}) with the checkpoint's coarse gate; the weights were trained for VSA's "
+                      "pattern (4x4x4-token cubes, 10% kept), which ComfyUI's core 'Model Sparse Attention' node "
+                      "runs with method vsa")
     patched = install(model_patcher, hook)
-    notice = gate_notice(model_patcher.get_model_object("diffusion_model"), config)
+    notice = gate_notice(diffusion_model, config)
     if notice is not None:
         log.warning("%s: %s", hook.title, notice)
         hook.notices.append(notice)

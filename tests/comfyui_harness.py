@@ -33,20 +33,21 @@ SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-vide
 
 
 
-def save_tiny_h3(path: Path, **extra) -> None:
-    """A random-weight H3 of the tiny shape `TINY`, as ComfyUI's loader expects it (`extra`:
-    more constructor arguments, e.g. current upstream's gate_compress=True)."""
+def save_tiny_h3(path: Path, dims: dict | None = None, **extra) -> None:
+    """A random-weight H3 of the tiny shape `TINY` (or `dims`), as ComfyUI's loader expects it
+    (`extra`: more constructor arguments, e.g. current upstream's gate_compress=True)."""
     import comfy.ops
     import safetensors.torch
     from comfy.ldm.minimax.model import MiniMaxH3Model
 
-    model = MiniMaxH3Model(**TINY, **extra, operations=comfy.ops.disable_weight_init)
+    dims = TINY if dims is None else dims
+    model = MiniMaxH3Model(**dims, **extra, operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(0)
     sd = {}
     for key, p in model.state_dict().items():
         scale = 0.1 if p.dim() > 1 else 0.02
         sd[key] = torch.randn(p.shape, generator=g) * scale + (1.0 if key.endswith("norm.weight") else 0.0)
-    sd["rope.inv_freq"] = 1.0 / (100.0 ** (torch.arange(TINY["rope_inv_freq_len"]) / TINY["rope_inv_freq_len"]))
+    sd["rope.inv_freq"] = 1.0 / (100.0 ** (torch.arange(dims["rope_inv_freq_len"]) / dims["rope_inv_freq_len"]))
     safetensors.torch.save_file(sd, str(path))
 
 

@@ -165,7 +165,9 @@ def test_checkpoint_formats_the_device_cannot_multiply_in_are_refused(tmp_path: 
     args = build_parser().parse_args(["e2e", "--comfyui", str(tmp_path), "--weights", "nvfp4"])
     assert args.func(args) == 2
     assert "e2e: --weights nvfp4: nvfp4 matmuls need sm100 or newer" in capsys.readouterr().err
-    assert build_parser().parse_args(["e2e"]).weights == "bf16"
+    assert build_parser().parse_args(["e2e"]).weights is None  # the preset's
+    assert e2e.resolve_preset("ksampler-19-cfg3", None, None, None, None, None)[3] == "bf16"
+    assert e2e.resolve_preset("turbo-8", None, None, None, None, None)[3] == "int8_convrot"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["e2e", "--weights", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err

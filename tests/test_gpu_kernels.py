@@ -309,3 +309,29 @@ def test_route_blocks_kernels_select_exactly(monkeypatch, scores, B, H, J, D, gr
             worst_in = part.masked_fill(~chosen, float("inf")).amin(-1)
             best_out = part.masked_fill(chosen, float("-inf")).amax(-1)
             assert bool((worst_in >= best_out - 2 * SCORE_TOL).all())
+
+
+def test_the_measured_sparse_choice_runs_the_fastest_candidate_within_the_bound(tmp_path):
+    """`kernel="auto"` on this GPU: the candidates that run here are measured once per bound; the call returns
+    the chosen kernel's own bits, a bf16 bound ranks bf16 kernels only, and the choice is saved."""
+    import json
+
+    from adaptive_sparse_attention.kernels.sparse_choice.choice import SparseChoices, named, run
+
+    layout = awkward_layout(large=True)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    q, k, v = (torch.randn(1, 4, layout.total, 128, generator=g, device=DEVICE).to(torch.bfloat16) for _ in range(3))
+    choices = SparseChoices(tmp_path / "sparse.json", persist=True)
+    measured = 0
+    for precision in ("bf16", "8-bit"):
+        out, info = sparse_attention(q, k, v, layout, SparseConfig(topk_ratio=0.25, precision=precision),
+                                     return_info=True, choices=choices)
+        ranking = choices.choices[choices.key(q, info.plan, precision)].ranking
+        if len(SparseChoices.candidates(q, info.plan, precision)) < 2:
+            assert ranking == () and info.kernel in ("triton", "cudnn")
+            continue
+        measured += 1
+        assert ranking and info.kernel == ranking[0]
+        assert precision == "8-bit" or all(named(n).precision == "bf16" for n in ranking)
+        assert torch.equal(out, run(named(info.kernel), q, k, v, info.plan)[0])
+    assert len(json.loads((tmp_path / "sparse.json").read_text())) == measured

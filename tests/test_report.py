@@ -28,6 +28,10 @@ def test_report_of_a_run_and_its_text():
     tracker.precision = ("8-bit", "auto: ComfyUI runs attention_sage")
     for _ in range(3):
         tracker.note_dense_kernel("SDPA cuDNN")
+    measured = "sparse attention for bfloat16 B1 H56 D128 ... runs on cuDNN-frontend (measured, ...)"
+    for _ in range(2):
+        tracker.note_sparse_kernel("cuDNN-frontend", measured)
+    tracker.note_sparse_kernel("Triton bf16", "")  # after cuDNN-frontend raised, say
     assert tracker.last_report is None
     tracker.finish()
     report = tracker.last_report
@@ -36,7 +40,8 @@ def test_report_of_a_run_and_its_text():
                       "est_saved_s": pytest.approx(4.5), "dense_reasons": {"warmup (step 1 of 4)": 3,
                                                                            "layer 2 is in dense_layers": 3},
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
-                      "dense_kernels": {"SDPA cuDNN": 3}, "kernel_notes": []}
+                      "dense_kernels": {"SDPA cuDNN": 3}, "sparse_kernels": {"cuDNN-frontend": 2, "Triton bf16": 1},
+                      "sparse_choices": [measured], "notes": []}
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
     assert tracker.last_report is report
     assert tracker.stats.sparse_blocks == 0
@@ -50,6 +55,8 @@ def test_report_of_a_run_and_its_text():
         "call per shape)",
         "Precision: 8-bit (auto: ComfyUI runs attention_sage)",
         "Dense attention (our override) ran on: SDPA cuDNN (3 calls)",
+        "Sparse attention ran on: Triton bf16 (1 calls); cuDNN-frontend (2 calls)",
+        f"Sparse kernel choice: {measured}",
         "Why blocks ran dense:",
         "- layer 2 is in dense_layers: 3 block calls",
         "- warmup (step 1 of 4): 3 block calls"]

@@ -15,6 +15,7 @@ OPTIONS = {
     "kernel_check.py": ["--out", "--quick", "--shapes", "--ratios", "--block-sizes", "--skip"],
     "reblock_device_check.py": ["--preset", "--scene", "--heads", "--out"],
     "kernel_split.py": ["--shapes", "--ratios", "--out"],
+    "sparse_choice.py": ["--sizes", "--ratios", "--bounds", "--out"],
 }
 
 

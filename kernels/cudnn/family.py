@@ -4,7 +4,7 @@ It implements the attention only; the planner's stages run on the next family by
 """
 from __future__ import annotations
 
-from ..vocabulary import Family, Host, Implementation, Requirement, Target, dtype_in, head_dim_in
+from ..vocabulary import Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, head_dim_in
 from .cudnn_attention import BLOCK_SIZE, DTYPES, HEAD_DIMS
 from .cudnn_attention import FAMILIES as GPU_FAMILIES  # sm major versions it is enabled for
 from .op import CudnnAttention
@@ -37,4 +37,6 @@ REQUIRES = (
                 f"precision {t.precision!r} is not supported (its 8-bit path returns no log-sum-exp to merge the tail "
                 "with; the Triton kernel has the 8-bit loop)"))
 
-CUDNN = Family("cudnn", (Implementation("attention", "cudnn", CudnnAttention, REQUIRES),), auto="cuda", compiles=True)
+ATTENTION = Implementation("attention", "cudnn", CudnnAttention, REQUIRES)
+CUDNN_BF16 = SparseKernel("cudnn", "cuDNN-frontend", ATTENTION)  # a candidate of the measured sparse choice
+CUDNN = Family("cudnn", (ATTENTION,), auto="cuda", compiles=True)

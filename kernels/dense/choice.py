@@ -38,7 +38,7 @@ from ...timer import median_ms
 from ...version import __version__
 from ..registry import DENSE_KERNELS
 from ..triton.offsets import wide_rows
-from .store import ChoiceFile
+from .store import ChoiceFile, choice_path
 
 log = logger()
 
@@ -165,12 +165,7 @@ def default_cache_path(user_dir: str | os.PathLike | None = None) -> Path:
         cache folder. A path that cannot hold a file (a folder, ``/``) is warned about when first
         used, and the choices are then kept in memory only.
     """
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    if user_dir is not None:
-        return Path(user_dir) / "adaptive_sparse_attention" / "dense_choices.json"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "adaptive_sparse_attention" / "dense_kernels.json"
+    return choice_path(CACHE_ENV, user_dir, "dense_choices.json", "dense_kernels.json")
 
 
 def relative_l2(out: torch.Tensor, reference: torch.Tensor) -> float:

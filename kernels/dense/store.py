@@ -1,6 +1,6 @@
 """`ChoiceFile`: a small JSON map of str -> str that several processes read and extend safely.
 
-The measured dense-kernel choices outlive a process in such a file. Whatever is at the path is
+The measured dense- and sparse-kernel choices outlive a process in such files. Whatever is at the path is
 untrusted: a file that is not a regular file (a FIFO, a directory, a device), too large, not JSON,
 nested, or not a flat map of strings is ignored with one warning, and a FIFO is never opened
 (opening one for reading blocks until a writer appears). Writes merge with what other processes
@@ -36,6 +36,18 @@ log = logger()
 MAX_BYTES = 256 * 1024  # a few hundred entries of about 150 bytes; anything larger is not ours
 MAX_ENTRIES = 512  # the oldest entries beyond this are dropped when saving
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def choice_path(env: str, user_dir: str | os.PathLike | None, user_name: str, cache_name: str) -> Path:
+    """Where a choice file lives: the environment variable `env` if set, else `user_name` in the pack's
+    folder of `user_dir` (ComfyUI's user directory), else `cache_name` in the pack's folder of the user's
+    cache folder (``XDG_CACHE_HOME`` or ``~/.cache``)."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    if user_dir is not None:
+        return Path(user_dir) / "adaptive_sparse_attention" / user_name
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "adaptive_sparse_attention" / cache_name
 
 
 def flat_strings(text: str) -> dict[str, str]:
@@ -78,7 +90,7 @@ class ChoiceFile:
         """Log `message` as a warning the first time a problem of this `kind` occurs, else at debug level."""
         level = logging.DEBUG if kind in self.warned else logging.WARNING
         self.warned.add(kind)
-        log.log(level, "dense-kernel choice file %s: %s", self.path, message)
+        log.log(level, "kernel choice file %s: %s", self.path, message)
 
     def unusable(self) -> str | None:
         """Why the path cannot hold the file (a folder, a device, a FIFO), or None."""

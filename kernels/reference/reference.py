@@ -9,6 +9,7 @@ float32 otherwise; returns the input dtype and an fp32/fp64 natural-log LSE.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -23,7 +24,8 @@ LN2 = math.log(2.0)
 
 
 def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, *,
-                           eight_bit: EightBitConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           eight_bit: EightBitConfig | None = None, query_blocks: Sequence[int] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q, k, v [B, H, S, D] under `plan`, the oracle every fast path is tested against
     (and the `torch` backend's kernel: differentiable, any device and dtype).
 
@@ -33,6 +35,8 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         eight_bit: the selected key blocks in the 8-bit arithmetic of the Triton kernel with this
             config (`quantise.quantise_blocks_torch`, P quantised per key tile of `block_n` rows,
             `triton/attention.py` `_quantised_keys`); the dense prefix and the tail as without it.
+        query_blocks: compute only these query blocks (ascending tiled block indices; rows of the
+            others get zeros and EMPTY_ROW_LSE): the check of a kernel on sampled rows. None: all.
     Returns:
         (out [B, H, S, D] in q's dtype, lse [B, H, S] natural log in the compute dtype; a row with
         nothing allowed gets zeros and EMPTY_ROW_LSE).
@@ -45,12 +49,11 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     kt = pack(k, plan.k_perm).to(acc)
     vt = pack(v, plan.k_perm).to(acc)
     key_valid = (torch.arange(bs, device=q.device).view(1, bs) < plan.block_len.view(J, 1)).reshape(-1)
-    out_t = torch.empty_like(qt)
-    lse_t = torch.empty(B, H, J * bs, dtype=acc, device=q.device)
+    out_t = torch.zeros_like(qt) if query_blocks is not None else torch.empty_like(qt)
+    lse_t = torch.full((B, H, J * bs), EMPTY_ROW_LSE, dtype=acc, device=q.device)
     quantised = None if eight_bit is None else _QuantisedKeys(q, k, v, plan, eight_bit, acc)
     step = max(1, CHUNK_ELEMENTS // max(1, B * H * bs * J * bs) // (1 if eight_bit is None else 4))
-    for i0 in range(0, J, step):
-        i1 = min(J, i0 + step)
+    for i0, i1 in _chunks(range(J) if query_blocks is None else query_blocks, step):
         rows = slice(i0 * bs, i1 * bs)
         qc = qt[:, :, rows]
         logits = torch.matmul(qc, kt.transpose(-1, -2)) * scale
@@ -95,6 +98,17 @@ def block_sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     out = unpack(out_t, plan.q_perm, S).to(q.dtype)
     lse = unpack(lse_t.unsqueeze(-1), plan.q_perm, S).squeeze(-1)
     return out, lse
+
+
+def _chunks(blocks: Sequence[int], step: int) -> list[tuple[int, int]]:
+    """[i0, i1) spans of at most `step` consecutive blocks covering the ascending `blocks`."""
+    spans: list[tuple[int, int]] = []
+    for b in blocks:
+        if spans and spans[-1][1] == b and b - spans[-1][0] < step:
+            spans[-1] = (spans[-1][0], b + 1)
+        else:
+            spans.append((b, b + 1))
+    return spans
 
 
 def _prefix_mask(plan: BlockSparsePlan, i0: int, i1: int) -> torch.Tensor:

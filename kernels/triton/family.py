@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..vocabulary import Family, Host, Implementation, Requirement, Target, dtype_in, float32_inputs, head_dim_in
+from ..vocabulary import (Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, float32_inputs,
+                          head_dim_in)
 from .configs import CONFIGS, TRITON_DTYPES
 from .op import TritonAttention
 
@@ -86,6 +87,10 @@ def _triton(operation: str, load: Callable[[], Callable], accepts: Callable[...,
     return Implementation(operation, "triton", load, REQUIRES, accepts, label)
 
 
+ATTENTION = Implementation("attention", "triton", TritonAttention, ATTENTION_REQUIRES)
+TRITON_BF16 = SparseKernel("triton", "Triton bf16", ATTENTION)  # candidates of the measured sparse choice
+TRITON_8BIT = SparseKernel("triton-8bit", "Triton 8-bit", ATTENTION, precision="8-bit")
+
 TRITON = Family("triton", (
     _triton("block_sums", lambda: _stats().block_sums_triton),
     _triton("block_summaries", lambda: _stats().block_summaries_triton),
@@ -100,5 +105,5 @@ TRITON = Family("triton", (
     _triton("metric_project", lambda: _features().metric_project_triton, _projection_rank,
             "rank a power of two >= 16"),
     _triton("partition_level", lambda: _split().partition_level_triton),
-    Implementation("attention", "triton", TritonAttention, ATTENTION_REQUIRES),
+    ATTENTION,
 ), auto="cuda", compiles=True)

@@ -1,0 +1,277 @@
+"""Block-sparse attention under ``auto`` on the fastest kernel here that meets the run's error bound.
+
+The candidates are the rows of `registry.SPARSE_KERNELS` that run for the call (today cuDNN-frontend
+and Triton in bf16, Triton's 8-bit loop). Per GPU, shape class and precision bound, each is run once
+on the call's real plan, checked on sampled rows against the float32 reference (`sample.Sample`),
+within `dense.choice.tolerance` of the bound ("bf16": 3 units of an exact kernel's rounding error;
+"8-bit": 10 units, so a bf16 kernel meets an 8-bit bound too: the setting bounds the error, it does
+not name a kernel), and timed; a candidate that raises or misses the bound is said and skipped. The
+ones that met it, fastest first, are the choice: kept in memory (bounded), saved in a small JSON
+file (`dense/store.ChoiceFile`) so later processes take the same kernel after one check on their
+first call, and named once in the console. Afterwards a call is a dictionary lookup on metadata:
+no host synchronisation.
+
+At call time a chosen kernel that raises (issue 46: cuDNN-frontend's op raised UnicodeDecodeError in
+a process where other CuTe DSL / 8-bit kernels had run) is said once per owner, dropped for this
+process, and the call runs on the next kernel of the choice (same plan, same outputs), in the end on
+the registry's family; strict mode raises instead. Fewer than two candidates: nothing to choose, the
+registry's family runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...notices import Notices, logger
+from ...timer import median_ms
+from ...version import __version__
+from ..dense.choice import describe, device_key, tolerance
+from ..dense.store import ChoiceFile, choice_path
+from ..plan import BlockSparsePlan, QuerySummaries
+from ..registry import SPARSE_KERNELS, current_host
+from ..vocabulary import SparseKernel, Target
+from .sample import Sample
+
+log = logger()
+
+CACHE_ENV = "ADAPTIVE_SPARSE_SPARSE_CACHE"
+REPS = 3  # timed calls per candidate, after one untimed
+MAX_CHOICES = 64  # shape classes kept in memory; a model uses a handful
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The choice of one shape class: the candidates that met the bound, fastest first (empty: the
+    registry's family runs), and the line the console and the report show."""
+
+    ranking: tuple[str, ...]
+    summary: str
+
+
+def default_cache_path(user_dir: str | os.PathLike | None = None) -> Path:
+    """Where the measured sparse choices are saved: ``ADAPTIVE_SPARSE_SPARSE_CACHE`` if set, else
+    ``<user_dir>/adaptive_sparse_attention/sparse_choices.json`` (ComfyUI's user directory), else
+    ``adaptive_sparse_attention/sparse_kernels.json`` in the user's cache folder."""
+    return choice_path(CACHE_ENV, user_dir, "sparse_choices.json", "sparse_kernels.json")
+
+
+def shape_class(q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
+    """What the ranking depends on besides the GPU, from metadata only: dtype, batch, heads, head size,
+    power-of-two row bucket, block size, the routing's share of candidate blocks, the tail, the bound."""
+    B, H, S, D = q.shape
+    bucket = 1 << max(0, math.ceil(math.log2(max(1, S))))
+    share = max((g.budget / max(1, g.hi - g.lo) for g in plan.groups), default=1.0)
+    tail = "none" if plan.tail is None else "query" if isinstance(plan.tail, QuerySummaries) else "block"
+    return (f"{str(q.dtype).removeprefix('torch.')} B{B} H{H} D{D} rows<={bucket} block {plan.block_size} "
+            f"ratio {share:.2f} tail {tail} bound {precision}")
+
+
+class SparseChoices:
+    """The sparse kernel of each shape class: measured, or saved by an earlier process and checked.
+
+    One object per owner (a node's patched model, shared by its clones: the choices are facts of the
+    machine; or a layout, for calls of the engine API); its memory holds at most MAX_CHOICES classes.
+
+    Args:
+        path: the JSON file of saved choices; None: `default_cache_path()`.
+        timer: milliseconds of one call of a thunk; None: CUDA events on a GPU, the wall clock on the CPU.
+        persist: whether the file is read and written; None: on CUDA only (CPU timings vary run to run).
+    """
+
+    def __init__(self, path: Path | None = None, timer: Callable[[Callable[[], object]], float] | None = None,
+                 persist: bool | None = None):
+        self.file = ChoiceFile(default_cache_path() if path is None else path)
+        self.timer = timer
+        self.persist = persist
+        self.lock = threading.Lock()
+        self.choices: dict[str, Choice] = {}
+        self.devices: dict[tuple[str, int | None], str] = {}
+        self.notices = Notices(limit=MAX_CHOICES)
+
+    @property
+    def path(self) -> Path:
+        """The JSON file of saved choices."""
+        return self.file.path
+
+    def key(self, q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
+        """The stored key of a call: the GPU and build (`dense.choice.device_key`), then `shape_class`."""
+        device = self.devices.get((q.device.type, q.device.index))
+        if device is None:
+            device = self.describe_device(q.device)
+        return f"{device}|{shape_class(q, plan, precision)}"
+
+    @torch.compiler.disable
+    def describe_device(self, device: torch.device) -> str:
+        """The key prefix of `device`, computed once per device (outside torch.compile)."""
+        text = device_key(device) if device.type == "cuda" else f"pack {__version__}|{device.type}|torch {torch.__version__}"
+        self.devices[(device.type, device.index)] = text
+        return text
+
+    @staticmethod
+    def candidates(q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> tuple[SparseKernel, ...]:
+        """The `SPARSE_KERNELS` rows that run this call and may meet `precision`'s bound (an 8-bit kernel
+        only under an 8-bit bound), in the table's order."""
+        target = Target.of(q.device, q.dtype, q.shape[-1], plan.block_size)
+        host = current_host()
+        return tuple(k for k in SPARSE_KERNELS if (k.precision == "bf16" or precision == "8-bit")
+                     and k.unavailable(target, host) is None)
+
+    def choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+               precision: str) -> tuple[str, Choice]:
+        """(key, choice) of this call: a lookup, or on a class's first use the measurement (`first_use`)."""
+        key = self.key(q, plan, precision)
+        found = self.choices.get(key)
+        return key, found if found is not None else self.first_use(key, q, k, v, plan, precision)
+
+    @torch.compiler.disable
+    def first_use(self, key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                  precision: str) -> Choice:
+        """The saved choice of `key` if it still runs and meets the bound here, else a measurement; said
+        once, kept in memory, saved when measured (where `persist`)."""
+        with self.lock:
+            found = self.choices.get(key)
+            if found is not None:
+                return found
+            kernels = self.candidates(q, plan, precision)
+            if len(kernels) < 2:
+                return self.remember(key, Choice((), ""))
+            persist = q.is_cuda if self.persist is None else self.persist
+            device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+            with device, torch.no_grad():
+                sample = Sample.of(q, k, v, plan)
+                bound = tolerance(q.dtype, precision)
+                shape = shape_class(q, plan, precision)
+                found = self.saved(key, shape, kernels, q, k, v, plan, sample, bound) if persist else None
+                if found is None:
+                    found = self.measure(shape, kernels, q, k, v, plan, sample, bound)
+                    if persist and found.ranking:
+                        self.file.save(key, ",".join(found.ranking))
+            log.info("%s", found.summary)
+            return self.remember(key, found)
+
+    def saved(self, key: str, shape: str, kernels: tuple[SparseKernel, ...], q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, plan: BlockSparsePlan, sample: Sample, bound: float) -> Choice | None:
+        """The choice an earlier process saved for `key`, when its first kernel still runs and meets the bound."""
+        text = self.file.read().get(key)
+        if text is None:
+            return None
+        names = {kernel.name: kernel for kernel in kernels}
+        ranking = tuple(n for n in text.split(",") if n in names)
+        first = names.get(ranking[0]) if ranking else None
+        try:
+            ok = first is not None and sample.error(run(first, q, k, v, plan)[0]) <= bound
+        except Exception:  # checked below: measured again
+            ok = False
+        if not ok:
+            self.notices.say(f"the saved sparse kernel {text!r} for {shape} does not run or meet the bound here: "
+                             "measuring again", logging.INFO)
+            return None
+        return Choice(ranking, f"sparse attention for {shape} runs on {first.label} (saved in {self.path}, checked)")
+
+    def measure(self, shape: str, kernels: tuple[SparseKernel, ...], q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, plan: BlockSparsePlan, sample: Sample, bound: float) -> Choice:
+        """Every candidate run on the plan, checked on the sample and timed; the ones within `bound`, fastest first."""
+        timer = self.timer or (lambda fn: median_ms(fn, q.device, reps=REPS))
+        times: dict[str, float] = {}
+        said: list[str] = []
+        for kernel in kernels:
+            try:
+                error = sample.error(run(kernel, q, k, v, plan)[0])
+                if not error <= bound:
+                    self.skip(said, f"sparse kernel {kernel.label} differs from the float32 reference on the sampled "
+                                    f"rows of {shape} (relative L2 {error:.2e}, more than the {bound:.1e} allowed)")
+                    continue
+                times[kernel.name] = timer(lambda: run(kernel, q, k, v, plan))
+                said.append(f"{kernel.label} {times[kernel.name]:.3g} ms (error {error:.1e})")
+            except Exception as exc:  # a kernel that cannot run here, or fails on this process's state
+                self.skip(said, f"sparse kernel {kernel.label} failed on {shape} ({describe(exc)})")
+        order = [kernel.name for kernel in kernels]
+        ranking = tuple(sorted(times, key=lambda n: (times[n], order.index(n))))
+        labels = {kernel.name: kernel.label for kernel in kernels}
+        outcome = (f"runs on {labels[ranking[0]]}" if ranking else
+                   "runs on the registry's kernel: no candidate met the bound")
+        return Choice(ranking, f"sparse attention for {shape} {outcome} (measured, bound {bound:.1e} relative L2: "
+                               + "; ".join(said) + ")")
+
+    def skip(self, said: list[str], message: str) -> None:
+        """Say once that a candidate is skipped, and keep the reason for the choice's summary."""
+        self.notices.say(f"{message}: skipped", logging.WARNING)
+        said.append(message.removeprefix("sparse kernel "))
+
+    def remember(self, key: str, choice: Choice) -> Choice:
+        """Keep `choice` in memory, dropping the oldest beyond MAX_CHOICES."""
+        self.choices[key] = choice
+        while len(self.choices) > MAX_CHOICES:
+            del self.choices[next(iter(self.choices))]
+        return choice
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, precision: str,
+               fallback: tuple[str, Any], strict: bool, notices: Notices) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+        """(out, lse) of q, k, v under `plan` on the chosen kernel, with its name and the choice's summary.
+
+        Args:
+            q, k, v: [B, H, S, D], model order.
+            plan: the call's plan.
+            precision: the run's bound, "bf16" or "8-bit" (`SparseConfig.exact_precision`).
+            fallback: (name, attention) of the registry's family, run at `precision` where nothing is chosen.
+            strict: a chosen kernel that raises raises (else: said once into `notices`, the next one runs).
+            notices: the owner's once-only record.
+        Returns:
+            (out [B, H, S, D] in q's dtype, lse [B, H, S] fp32, the kernel that ran, the choice's summary).
+        """
+        key, choice = self.choice(q, k, v, plan, precision)
+        for name in choice.ranking:
+            kernel = named(name)
+            try:
+                out, lse = run(kernel, q, k, v, plan)
+                return out, lse, name, choice.summary
+            except Exception as exc:
+                rest = tuple(n for n in self.choices.get(key, choice).ranking if n != name)
+                self.remember(key, replace(choice, ranking=rest))
+                message = f"sparse kernel {kernel.label} raised {describe(exc)} ({origin(exc)})"
+                if strict:
+                    raise RuntimeError(f"{message} (strict mode)") from exc
+                notices.say(f"{message}; it is skipped for this shape in this process and the call runs on "
+                            f"{named(rest[0]).label if rest else fallback[0]}")
+        name, attention = fallback
+        out, lse = attention.attend_blocks(q, k, v, plan, precision=precision)
+        return out, lse, name, choice.summary
+
+
+def origin(exc: BaseException) -> str:
+    """Where `exc` was raised: the innermost frame's file, line and function (what a report of a failure
+    inside another package, such as issue 46's, needs first)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    last = frames[-1]
+    return f"raised at {last.filename}:{last.lineno} in {last.name}"
+
+
+def label(name: str, precision: str = "bf16") -> str:
+    """How reports name the attention kernel `name` (a `SPARSE_KERNELS` row, or a family run at `precision`)."""
+    row = next((r for r in SPARSE_KERNELS if r.name == name), None) or next(
+        (r for r in SPARSE_KERNELS if r.attention.family == name and r.precision == precision), None)
+    if row is not None:
+        return row.label
+    return "the torch reference" if name == "torch" else f"kernel={name!r} ({precision})"
+
+
+def named(name: str) -> SparseKernel:
+    """The `SPARSE_KERNELS` row called `name`."""
+    return next(row for row in SPARSE_KERNELS if row.name == name)
+
+
+def run(kernel: SparseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        plan: BlockSparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `kernel` on q, k, v under `plan`, at its own precision."""
+    return kernel.attention.load().attend_blocks(q, k, v, plan, precision=kernel.precision)
