@@ -1,5 +1,5 @@
 """A run whose sparse blocks run the pure-torch reference kernel says so: the reason and what to install,
-once per run at WARNING level and at the top of the run's report; a negative saving reads as time lost."""
+once per run at WARNING level and in the run's report; a negative saving reads as time lost."""
 from __future__ import annotations
 
 import logging
@@ -41,8 +41,7 @@ def test_the_report_puts_the_notice_first_and_says_time_lost(caplog):
     notice = reference_kernel_notice("torch", SparseConfig(), CPU, torch.float32, 32)
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
         for _ in range(3):  # every sparse call of the run reaches it; said and kept once
-            tracker.log_once(notice)
-            tracker.note_kernel(notice)
+            tracker.say_in_report(notice)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, f"adaptive sparse attention: {notice}")]
     tracker.note_block(1, sparse=True, density=0.5, layer=0)
@@ -50,7 +49,7 @@ def test_the_report_puts_the_notice_first_and_says_time_lost(caplog):
     tracker.note_timing(("shape",), sparse_ms=300.0, dense_ms=100.0)
     tracker.finish()
     lines = format_report(tracker.last_report).splitlines()
-    assert lines[0] == f"Warning: {notice}"
-    assert lines[4] == ("Sparse attention time: 3.00 s; estimated time lost: 2.00 s (sparse attention was SLOWER than "
+    assert lines[-1] == f"Note: {notice}"
+    assert lines[3] == ("Sparse attention time: 3.00 s; estimated time lost: 2.00 s (sparse attention was SLOWER than "
                         "torch's dense attention, timed on one call per shape)")
-    assert tracker.stats.kernel_notes == []  # the next run says it again
+    assert tracker.stats.notes == []  # the next run says it again
