@@ -28,7 +28,7 @@ from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .reference_notice import reference_kernel_notice
 from .schedule import schedule_reason, warmup_reason, warmup_sigma
-from .warm_start import WarmStart, start_during_warmup, wait_before_sparse
+from .warm_start import WarmStart, start_during_warmup, take_over_before_sparse
 
 DEVICES = ("cuda", "cpu")
 
@@ -240,8 +240,9 @@ class SparseAttentionHook(BlockHook):
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
-        first sparse step waits for what is left of it, then loads them from Triton's cache. Where the
-        sparse blocks run the torch reference kernel, it says so once per run (`reference_kernel_notice`)."""
+        first sparse step stops a child still running, loads what it finished from Triton's cache and
+        compiles only the rest. Where the sparse blocks run the torch reference kernel, it says so once
+        per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim
         family = resolve_family(config.kernel, device, dtype, head_dim=head_dim, block_size=config.block_size)
         notice = reference_kernel_notice(family, self.config, device, dtype, head_dim)
@@ -250,7 +251,7 @@ class SparseAttentionHook(BlockHook):
         with outside_allocation_graph():
             if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
                 return
-            wait_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, progress_text)
+            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim)
             prepare_kernels(layout, config, dtype, device, head_dim, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:

@@ -9,10 +9,12 @@ So at the first warmup step of a layout whose kernels compile, `WarmStart` start
 ``install.py prepare --shape SPEC`` with ComfyUI's own Python (`sys.executable`) and environment
 (hence the same caches); it runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
 and head size, which launches exactly the kernels the sparse steps launch. The first warmup step
-after the child ended prepares in this process, which now loads them from the cache; a sparse step
-that comes first waits for what is left of the child (progress on the running node). A child that
-fails or runs past its budget is said once, and this process compiles the kernels itself, as it
-does without the child.
+after the child ended prepares in this process, which now loads them from the cache. A sparse step
+that comes before the child ended stops it and prepares in this process: what the child finished
+loads from the cache and only the rest compiles here, so the step waits only for what is not ready
+(waiting for the child instead would also wait for its start-up, seconds even on a warm cache, which
+is most of a few-step run's warmup). A child that fails or runs past its budget is said once, and
+this process compiles the kernels itself, as it does without the child.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
@@ -45,8 +47,6 @@ PACK_DIR = Path(__file__).resolve().parent.parent
 CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute;
 # the child also exits by itself then: bench.prepare.SHAPE_BUDGET_S)
 MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shapes
-POLL_S = 0.1  # how often a wait looks at the child
-PROGRESS_S = 2.0  # how often a wait shows its progress
 
 
 def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
@@ -87,6 +87,7 @@ class Job:
     budget_s: float
     problem: str | None = None  # why it failed, once it has
     reported: bool = False  # its outcome was said (once)
+    stopped: bool = False  # a sparse step came first and stopped it
     ended: float | None = None
 
     def poll(self) -> int | None:
@@ -160,7 +161,7 @@ class WarmStart:
             if job is not None:
                 if job.poll() is None:
                     return True
-                self.report(job, 0.0)
+                self.report(job)
                 return False
             for old in [k for k, job in self.jobs.items() if job.poll() is not None]:
                 if len(self.jobs) < self.limit:
@@ -183,41 +184,39 @@ class WarmStart:
                      "while the dense warmup steps run", process.pid)
             return True
 
-    def wait(self, key: tuple, progress: Callable[[str], None] | None = None) -> float | None:
-        """Wait for the child of `key` to end, showing `progress` every PROGRESS_S seconds.
+    def take_over(self, key: tuple) -> bool | None:
+        """Before the first sparse step of `key`: end its child. A child still running is stopped (this
+        process then prepares: it loads from Triton's cache what the child finished and compiles the rest).
 
         Returns:
-            Seconds waited when its child compiled the kernels (0.0 when it had already), None when there
-            is no child for `key` or it failed (said once: this process then compiles them itself).
+            True when the child had compiled the kernels, False when it was stopped or failed (said once),
+            None when there is no child for `key`.
         """
-        job = self.jobs.get(key)
-        if job is None:
-            return None
-        start = shown = time.perf_counter()
-        if job.poll() is None:
-            log.info("adaptive sparse attention: the first sparse step waits for the child process compiling the "
-                     "kernels (pid %d, running for %.0f s)", job.process.pid, start - job.started)
-        while job.poll() is None:
-            time.sleep(POLL_S)
-            now = time.perf_counter()
-            if progress is not None and now - shown >= PROGRESS_S:
-                shown = now
-                last = job.last_line()[:160]
-                progress(f"adaptive sparse attention: waiting for the sparse-attention kernels compiling in a child "
-                         f"process: {now - job.started:.0f} s since it started" + (f" ({last})" if last else ""))
-        waited = time.perf_counter() - start
-        self.report(job, waited)
-        return None if job.problem is not None else waited
+        with self.lock:
+            job = self.jobs.get(key)
+            if job is None:
+                return None
+            if job.poll() is None:
+                job.stopped = True
+                job.problem = (f"a sparse step came {time.perf_counter() - job.started:.1f} s after it started; "
+                               "this process compiles what it had not cached yet")
+                job.stop()
+                job.poll()
+            self.report(job)
+            return job.problem is None
 
     @staticmethod
-    def report(job: Job, waited: float) -> None:
-        """Say once how an ended child went: its time and the wait, or why it failed."""
+    def report(job: Job) -> None:
+        """Say once how an ended child went: its time, or why it was stopped or failed."""
         if job.reported:
             return
         job.reported = True
         if job.problem is None:
-            log.info("adaptive sparse attention: the child process compiled the kernels in %.1f s; the first sparse "
-                     "step waited %.1f s for it", job.ended - job.started, waited)
+            log.info("adaptive sparse attention: the child process compiled the kernels in %.1f s",
+                     job.ended - job.started)
+        elif job.stopped:
+            log.info("adaptive sparse attention: the child process compiling the kernels was stopped (%s)",
+                     job.problem)
         else:
             log.warning("adaptive sparse attention: the child process compiling the kernels failed (%s); they "
                         "compile in this process instead", job.problem)
@@ -243,11 +242,9 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
                       shape_spec(layout, config, dtype, device, head_dim))
 
 
-def wait_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
-                       device: torch.device, head_dim: int, progress: Callable[[str], None] | None = None
-                       ) -> float | None:
-    """Before a sparse step of a layout not prepared yet: wait for what is left of its child, if any
-    (`WarmStart.wait`: seconds waited, or None)."""
+def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
+                            device: torch.device, head_dim: int) -> bool | None:
+    """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`)."""
     if not warm.jobs or prepared(layout, config, dtype, device, head_dim):
         return None
-    return warm.wait(job_key(layout, config, dtype, device, head_dim), progress)
+    return warm.take_over(job_key(layout, config, dtype, device, head_dim))

@@ -1,6 +1,6 @@
 """The kernels of a run compile in a child process while the dense warmup steps run (`nodes/warm_start.py`):
-the first sparse step waits only for what is left, a failing or stuck child is said once and this process
-compiles itself, progress is shown, children are bounded and always reaped. The children here are real
+a sparse step that comes first stops the child and prepares itself (so it waits only for what is not in the cache),
+a failing or stuck child is said once and this process compiles itself, children are bounded and always reaped. The children here are real
 processes running stand-in compile jobs, and once the real ``install.py prepare --shape`` command."""
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
-from adaptive_sparse_attention.nodes import warm_start
 from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, prepare_command, shape_spec,
-                                                        start_during_warmup, wait_before_sparse)
+                                                        start_during_warmup, take_over_before_sparse)
 
 LAYOUT = [(0, 64, "text"), (64, 64 + 4 * 8 * 8, "video", (4, 8, 8))]
 
@@ -29,18 +28,25 @@ def sleeping(seconds: float, line: str = "compiling") -> str:
     return f"import time; print({line!r}, flush=True); time.sleep({seconds})"
 
 
-def test_the_first_sparse_step_waits_only_for_what_is_left():
-    warm = WarmStart(stand_in(sleeping(2.0)))
+def ended(warm: WarmStart, key: tuple) -> None:
+    """Block until the child of `key` ended (as the dense warmup steps would, if they lasted long enough)."""
+    while warm.jobs[key].poll() is None:
+        time.sleep(0.05)
+
+
+def test_a_sparse_step_before_the_child_ended_stops_it_and_prepares_itself(caplog):
+    warm = WarmStart(stand_in(sleeping(30.0)))
     assert warm.start(("shape",), "{}")
-    dense_steps = 1.2
-    time.sleep(dense_steps)  # the dense warmup steps run meanwhile
-    waited = warm.wait(("shape",))
+    time.sleep(0.5)  # the one dense warmup step of a few-step run
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        assert warm.take_over(("shape",)) is False  # stopped: this process prepares (loads what is cached)
+        assert warm.take_over(("shape",)) is False
+    assert time.perf_counter() - started < 5  # no wait for the child
     job = warm.jobs[("shape",)]
-    child_s = job.ended - job.started
-    assert child_s >= 2.0
-    assert waited is not None and waited <= child_s - dense_steps + 0.3
-    assert warm.wait(("shape",)) < 0.05  # later sparse steps do not wait
-    assert warm.start(("shape",), "{}") is False  # ended: a warmup step now prepares here, from the cache
+    assert job.process.returncode is not None  # reaped: no zombie
+    assert [r.levelno for r in caplog.records if "was stopped" in r.getMessage()] == [logging.INFO]
+    assert warm.start(("shape",), "{}") is False  # ended: no second child for the shape
 
 
 def test_warmup_steps_leave_the_preparation_to_a_running_child():
@@ -55,9 +61,9 @@ def test_warmup_steps_leave_the_preparation_to_a_running_child():
 def test_a_child_done_before_the_first_sparse_step_costs_no_wait(caplog):
     warm = WarmStart(stand_in("print('ready')"))
     assert warm.start(("shape",), "{}")
-    time.sleep(1.5)
+    ended(warm, ("shape",))  # the dense warmup steps outlasted the child
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
-        assert warm.wait(("shape",)) < 0.05
+        assert warm.take_over(("shape",)) is True
     assert any("the child process compiled the kernels" in r.getMessage() for r in caplog.records)
 
 
@@ -65,8 +71,9 @@ def test_a_failing_child_is_said_once_and_this_process_compiles(caplog):
     warm = WarmStart(stand_in("print('CUDA error: no kernel image is available'); raise SystemExit(3)"))
     assert warm.start(("shape",), "{}")
     with caplog.at_level(logging.WARNING, logger="adaptive_sparse_attention"):
-        assert warm.wait(("shape",)) is None
-        assert warm.wait(("shape",)) is None
+        ended(warm, ("shape",))
+        assert warm.take_over(("shape",)) is False
+        assert warm.take_over(("shape",)) is False
         assert warm.start(("shape",), "{}") is False  # a later warmup step compiles here, no second child
     failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert failed == ["adaptive sparse attention: the child process compiling the kernels failed (exit code 3: "
@@ -82,23 +89,13 @@ def test_a_child_that_does_not_start_is_said_and_this_process_compiles(caplog, t
     assert any("did not start" in r.getMessage() for r in caplog.records)
 
 
-def test_the_wait_shows_progress_with_the_child_output(monkeypatch):
-    monkeypatch.setattr(warm_start, "PROGRESS_S", 0.3)
-    warm = WarmStart(stand_in(sleeping(1.5, "kernel 3 of 12")))
-    assert warm.start(("shape",), "{}")
-    shown = []
-    assert warm.wait(("shape",), shown.append) is not None
-    assert len(shown) >= 2
-    assert all("waiting for the sparse-attention kernels compiling in a child process" in s for s in shown)
-    assert "(kernel 3 of 12)" in shown[-1]
-
-
 def test_a_child_past_its_budget_is_stopped_and_reaped():
     warm = WarmStart(stand_in(sleeping(60)), budget_s=0.5)
     assert warm.start(("shape",), "{}")
     started = time.perf_counter()
-    assert warm.wait(("shape",)) is None
+    ended(warm, ("shape",))
     assert time.perf_counter() - started < 10
+    assert warm.take_over(("shape",)) is False
     job = warm.jobs[("shape",)]
     assert job.process.returncode is not None  # reaped: no zombie
     assert job.problem == "still running after 0 s, stopped"
@@ -134,7 +131,8 @@ def test_the_real_child_command_prepares_a_shape():
     assert warm.command is prepare_command
     key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64)
     assert warm.start(key, spec)
-    assert warm.wait(key) is not None, warm.jobs[key].last_line()
+    ended(warm, key)
+    assert warm.take_over(key) is True, warm.jobs[key].last_line()
     assert warm.jobs[key].last_line() == "prepare --shape: nothing compiles for this shape"
 
 
@@ -158,8 +156,8 @@ def test_no_child_where_nothing_compiles_or_without_a_gpu():
     warm = WarmStart(stand_in("raise SystemExit(1)"))
     assert not start_during_warmup(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"), 64)
     assert warm.jobs == {}
-    assert wait_before_sparse(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"),
-                              64) is None
+    assert take_over_before_sparse(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"),
+                                   64) is None
 
 
 @pytest.mark.gpu
@@ -175,8 +173,8 @@ def test_the_child_fills_tritons_cache_for_the_run_shape(tmp_path, monkeypatch):
     assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)
     assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)  # one child for the shape
     assert len(warm.jobs) == 1
-    waited = wait_before_sparse(warm, layout, config, torch.bfloat16, device, 128)
     job = next(iter(warm.jobs.values()))
-    assert waited is not None, job.last_line()
+    job.process.wait()
+    assert take_over_before_sparse(warm, layout, config, torch.bfloat16, device, 128) is True, job.last_line()
     assert job.last_line().startswith("prepare --shape: ready in")
     assert any(cache.rglob("*.cubin"))

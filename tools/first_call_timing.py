@@ -75,7 +75,7 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
     from adaptive_sparse_attention import SparseConfig, sparse_attention
     from adaptive_sparse_attention.backend.warmup import prepare_kernels
     from adaptive_sparse_attention.kernels.dense.choice import DenseChoices, HostAttention
-    from adaptive_sparse_attention.nodes.warm_start import WarmStart, start_during_warmup, wait_before_sparse
+    from adaptive_sparse_attention.nodes.warm_start import WarmStart, start_during_warmup, take_over_before_sparse
 
     device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
     config = SparseConfig(precision="bf16", kernel=kernel)
@@ -94,7 +94,7 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
 
             row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim)
             row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
-            row["wait_s"] = wait_before_sparse(warm, layout, config, dtype, device, dim)
+            row["wait_s"] = synced(lambda: take_over_before_sparse(warm, layout, config, dtype, device, dim))
         row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
         row["first_s"] = synced(lambda: sparse_attention(q, k, v, layout, config))
         row["warm_s"] = statistics.median(synced(lambda: sparse_attention(q, k, v, layout, config)) for _ in range(3))
