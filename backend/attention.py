@@ -11,6 +11,7 @@ from ..kernels.plan import BlockSparsePlan
 from ..kernels.registry import Kernels
 from .config import SparseConfig
 from .layout import SequenceLayout
+from .plan_reuse import PlanSlot
 from .planner import build_plan, call_kernels
 from .tail import coarse_branch
 
@@ -89,7 +90,8 @@ def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
                      config: SparseConfig | None = None, *, return_info: bool = False,
                      coarse_gate: torch.Tensor | None = None, timings: bool = False,
-                     choices: SparseChoices | None = None, ran: Callable[[str, str], None] | None = None):
+                     choices: SparseChoices | None = None, ran: Callable[[str, str], None] | None = None,
+                     plan_slot: PlanSlot | None = None):
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
     Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
@@ -108,6 +110,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
             layout's own, kept in memory only.
         ran: receives, per call, the report's name of the attention kernel that ran and the measured
             choice's summary ("" where nothing was measured).
+        plan_slot: the plan kept from this block's last evaluated step, reused where its rule
+            allows (`plan_reuse.PlanSlot`; ``plan_reuse="on"`` in the node).
     Returns:
         The output [B, H, S, D] (same order and dtype as q), and the info with `return_info`.
     """
@@ -115,7 +119,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     check_inputs(q, k, v, layout, config, coarse_gate)
     kernels = call_kernels(q, layout, config)
     marks = [_now(q, timings)]  # 0.0 without timings: nothing for torch.compile to break on
-    plan = build_plan(q, k, v, layout, config, kernels=kernels)
+    plan = build_plan(q, k, v, layout, config, kernels=kernels, slot=plan_slot)
     marks.append(_now(q, timings))
     out, ran_on = attend(q, k, v, plan, layout, config, kernels, choices, ran)
     if config.tail == "coarse" and coarse_gate is not None:

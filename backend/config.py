@@ -15,7 +15,8 @@ from typing import Any
 from ..kernels.registry import FAMILIES
 from .rules import Choice, Flag, Integer, LayerIndices, Number, Rule
 
-WARMUP_MODES = ("fidelity", "speed", "dense")
+WARMUP_MODES = ("fidelity", "speed", "dense", "ramp")  # append only: saved workflows store the value
+PLAN_REUSES = ("off", "on")
 SPARSE_SCOPES = ("target-video", "joint-video")
 TAIL_GRANULARITIES = ("query", "block")
 TILINGS = ("reblock", "cube")
@@ -66,7 +67,9 @@ class SparseConfig:
         "the tail summaries. Lower is faster; 1.0 is exact dense attention.")
     warmup_mode: str = setting("fidelity", Choice(WARMUP_MODES),
         "fidelity: the first warmup_ratio of denoising steps run dense (the layout of the video is decided "
-        "there). speed: sparse from the first step. dense: never sparse, for A/B comparisons.")
+        "there). speed: sparse from the first step. dense: never sparse, for A/B comparisons. ramp: the first "
+        "step dense, then the density falls with the sigma to topk_ratio at the end of the warmup_ratio share "
+        "(for few-step runs, where a dense warmup is a large share of the time).")
     warmup_ratio: float = setting(0.2, Number(0.0, 1.0),
         "Share of the denoising schedule that runs dense in fidelity mode: calls whose sigma is above the "
         "model's sigma at this share (as ComfyUI's start/end percent); with the simple scheduler the first "
@@ -119,6 +122,11 @@ class SparseConfig:
         "the 8-bit bound too); the 8-bit loop: INT8 Q.K^T after smoothing K, FP8 "
         "(INT8 before RTX 40xx) P.V, fp32 softmax statistics and accumulation over the selected video key blocks; "
         "context keys, summaries and routing keep their precision.")
+    plan_reuse: str = setting("off", Choice(PLAN_REUSES),
+        "on: a block keeps its tiling and key-block choice from its last evaluated step (per cond/uncond branch "
+        "and shape) while a cheap check on the GPU says its block statistics have not moved enough to change them, "
+        "and rebuilds them when they have (saves planner time; the run report counts the rebuilds). off: planned "
+        "afresh at every step.")
     backend: InitVar[str | None] = None  # the old name of `kernel`: refused with a message that says so
 
     def __post_init__(self, backend: str | None) -> None:

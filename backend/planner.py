@@ -14,6 +14,7 @@ from ..notices import Notices
 from .config import SparseConfig
 from .indexer import fp8_unavailable_reason
 from .layout import SequenceLayout
+from .plan_reuse import PlanSlot, plan_facts
 from .pooling import block_means
 from .routing import route_blocks, route_plan
 from .tail import block_reduce, mean_summaries, reweight_summaries, target_anchor
@@ -52,7 +53,8 @@ def make_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, config
 
 
 def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-               config: SparseConfig, tiling: Tiling | None = None, kernels: Kernels | None = None) -> BlockSparsePlan:
+               config: SparseConfig, tiling: Tiling | None = None, kernels: Kernels | None = None,
+               slot: PlanSlot | None = None) -> BlockSparsePlan:
     """Plan sparse attention of q, k, v [B, H, S, D] (model order) under `config`.
 
     Args:
@@ -61,17 +63,31 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         config: the engine's settings.
         tiling: a tiling to use instead of the one `config.tiling` builds.
         kernels: the kernels to plan with (`kernels.registry.resolve`); default: `call_kernels`.
+        slot: the plan kept from this block's last evaluated step (`plan_reuse.PlanSlot`): its tiling
+            and routing are reused when its rule allows, and a fresh plan is kept there otherwise.
+            Not with `tiling`.
     Returns:
         The plan. With ``tail="coarse"`` it has no tail: the coarse branch is an additive term
         (`tail.coarse_branch`).
     """
+    if slot is not None and tiling is not None:
+        raise ValueError("build_plan: give a tiling or a plan slot to reuse, not both")
     kernels = call_kernels(q, layout, config) if kernels is None else kernels
-    tiling = make_tiling(q, k, layout, config, kernels) if tiling is None else tiling
+    facts = None if slot is None else plan_facts(q, config, (layout.signature(), kernels.family))
+    kept = None if slot is None else slot.reusable(facts)
+    tiling = (make_tiling(q, k, layout, config, kernels) if kept is None else kept.tiling) if tiling is None else tiling
     q_mean = block_means(q, tiling.q_perm, tiling, kernels)
     k_mean = block_means(k, tiling.k_perm, tiling, kernels)
     dense_hi, groups = route_plan(tiling, config.sparse_scope, config.topk_ratio, layout.cache)
-    q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups, routing_scores(config, q.device, layout.cache.notices), kernels,
-                                    group_span(groups))
+    if kept is None:
+        q2k_idx, q2k_num = route_blocks(q_mean, k_mean, dense_hi, groups,
+                                        routing_scores(config, q.device, layout.cache.notices), kernels,
+                                        group_span(groups))
+        if slot is not None:
+            slot.keep(facts, tiling, q2k_idx, q2k_num, q_mean, k_mean)
+    else:
+        q2k_idx, q2k_num = kept.q2k_idx, kept.q2k_num
+        slot.check(q_mean, k_mean, group_span(groups))
     tail: Tail = None
     if config.tail in ("mean", "reweight"):
         if config.tail == "mean":

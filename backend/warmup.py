@@ -22,7 +22,7 @@ from .layout import SequenceLayout
 from .planner import layout_kernels
 
 log = logger()
-SCHEDULE_FIELDS = ("warmup_mode", "warmup_ratio", "dense_layers", "min_tokens", "strict", "dense_attention")
+SCHEDULE_FIELDS = ("warmup_mode", "warmup_ratio", "dense_layers", "min_tokens", "strict", "dense_attention", "plan_reuse")
 
 
 def kernel_fields(config: SparseConfig) -> tuple:

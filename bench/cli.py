@@ -13,6 +13,8 @@
 - bench-long: long clips (30 s, 60 s) on the GPU: planner memory and time, kernel time, dense
   cuDNN where it fits (bench/long_clips.py).
 - routing-quality: 8-bit routing scores against the fp32 selection (bench/routing_quality.py).
+- steps: denoising trajectories of the scenes: the warmup ramp's error per step beside dense warmup,
+  and plans reused across steps beside fresh ones (bench/steps.py).
 - GPU timings of one part, each in its own module of this folder: planner-timing, reblock-timing,
   tiling-ceiling (recall of many tilings; also on the CPU), ulysses-timing (sequence parallel, one
   process per rank under torchrun).
@@ -34,7 +36,7 @@ import torch
 
 from ..kernels import registry
 from ..nodes.capture import capture_header, load_capture
-from . import (long_clips, planner_timing, prepare, reblock_timing, routing_quality, tiling_ceiling,
+from . import (long_clips, planner_timing, prepare, reblock_timing, routing_quality, steps, tiling_ceiling,
                ulysses_timing)
 from .checkpoints import WEIGHTS
 from .e2e import RUNS
@@ -307,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("reblock-timing", reblock_timing, "GPU: the reblock tiling, its stages and the plan against the kernel"),
             ("tiling-ceiling", tiling_ceiling, "recall of many tilings per head, the best per head, where recall is lost"),
             ("ulysses-timing", ulysses_timing, "sequence-parallel attention, one rank per process: run under torchrun"),
-            ("routing-quality", routing_quality, "8-bit routing scores against the fp32 selection on the bench scenes")):
+            ("routing-quality", routing_quality, "8-bit routing scores against the fp32 selection on the bench scenes"),
+            ("steps", steps, "denoising trajectories: the warmup ramp's error per step, plans reused across steps")):
         p = sub.add_parser(name, help=text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)
         p.set_defaults(func=module.run)

@@ -30,6 +30,14 @@ over `pan` and `cuts`: 0.69 at `cpu-small` (checked by `tests/test_scenes.py`), 
 0.69 at h3-10s (4-head samples), while the best 10% of video tokens per query would capture
 0.79-0.93, leaving room for better tilings. `gaussian` is the unstructured control.
 
+Denoising drift. `make_scene(..., noise=s)` gives the scene as a denoising step at flow sigma s
+sees it: the content of every generated token (video and audio; text is clean conditioning) is
+x_s = (1 - s) x_0 + s e, with x_0 the clean content above and e one fixed Gaussian draw per token
+(its own generator, so one seed's trajectory shares its heads, positions and noise at every s), and
+Q/K/V are assembled from x_s exactly as from x_0 (rotated content, RMS-normalised with the
+positional, context and per-token parts). Positions (RoPE) do not move; following s down a sigma
+schedule moves Q/K the way a flow-matching trajectory moves them: fast where s changes fast.
+
 All random draws use a CPU generator seeded per scene, so a seed gives the same scene on every
 device up to floating-point rounding; the per-head assembly runs on the target device one head
 at a time, writing straight into the output dtype (bf16 at full H3 size fits on one GPU).
@@ -295,16 +303,31 @@ def _head(tok: _Tokens, kind: HeadKind, D: int, factors: tuple[float, float], ge
     return q, k, v
 
 
+def noised(tok: _Tokens, noise: float, seed: int) -> _Tokens:
+    """The tokens at flow sigma `noise`: generated rows' content (1 - s) x_0 + s e (see the module)."""
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"make_scene: noise={noise!r} is not allowed: expected a flow sigma in [0, 1]")
+    if noise == 0.0:
+        return tok
+    e = torch.randn(tok.content.shape, generator=torch.Generator().manual_seed(seed)) / math.sqrt(CONTENT_DIM)
+    generated = (tok.is_video | ~torch.isnan(tok.pos[:, 0])).view(-1, 1)  # video and audio rows (text has no t)
+    content = torch.where(generated, (1.0 - noise) * tok.content + noise * e, tok.content)
+    return _Tokens(tok.pos, content, tok.is_video, tok.is_context, tok.noise)
+
+
 def make_scene(name: str, size: SceneSize | str, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Scene:
+               dtype: torch.dtype = torch.float32, noise: float = 0.0) -> Scene:
     """Generate scene `name` ("pan": one shot with a camera pan; "cuts": three shots; "gaussian":
-    i.i.d. N(0, 1) control) at `size` (a SceneSize or a key of SIZES), deterministic per seed."""
+    i.i.d. N(0, 1) control) at `size` (a SceneSize or a key of SIZES), deterministic per seed;
+    `noise`: the flow sigma of a denoising step (0: the clean scene; see the module docstring)."""
     if isinstance(size, str):
         if size not in SIZES:
             raise ValueError(f"make_scene: size={size!r} is not allowed: expected one of {', '.join(SIZES)}")
         size = SIZES[size]
     if name not in SCENES:
         raise ValueError(f"make_scene: name={name!r} is not allowed: expected one of {', '.join(SCENES)}")
+    if noise != 0.0 and name == "gaussian":
+        raise ValueError(f"make_scene: noise={noise!r} is not allowed for the gaussian control: expected 0")
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed * 1000 + SCENES.index(name))
     H, S, D = size.heads, size.total, size.head_dim
@@ -316,7 +339,7 @@ def make_scene(name: str, size: SceneSize | str, seed: int = 0, device: torch.de
             for t in (q, k, v):
                 t[0, h] = torch.randn(S, D, generator=gen).to(device, dtype)
         return Scene(name, seed, q, k, v, size.layout(), ("gaussian",) * H)
-    tok = _tokens(size, cuts=0 if name == "pan" else 2, gen=gen)
+    tok = noised(_tokens(size, cuts=0 if name == "pan" else 2, gen=gen), noise, seed * 1000 + SCENES.index(name) + 7919)
     tok = _Tokens(*(getattr(tok, f.name).to(device) for f in fields(_Tokens)))
     factors = size_factors(size)
     for h, kind in enumerate(kinds):

@@ -52,6 +52,12 @@ def format_report(report: dict | None) -> str:
         lines.append("Sparse attention ran on: " + "; ".join(
             f"{name} ({n} calls)" for name, n in sorted(report["sparse_kernels"].items())))
     lines += [f"Sparse kernel choice: {summary}" for summary in report.get("sparse_choices", [])]
+    plans = report.get("plans") or {}
+    if plans.get("reused"):
+        lines.append(f"Plans reused across steps: {plans['reused']}; built {plans['built']}, of which "
+                     f"{plans['rebuilds']} rebuilds (" + ", ".join(
+                         f"{why.removeprefix('built: ')} {n}" for why, n in plans.items() if why.startswith("built: "))
+                     + ")")
     if report["blocks_sparse"] == 0:
         lines.insert(0, "The sparse path did not run in this sampling run.")
     lines += [f"Note: {note}" for note in report.get("notes", ())]

@@ -1,7 +1,8 @@
 """What one sampling run did: its counters, logged reasons, timers and report (`RunTracker`).
 
 `RunTracker` holds everything that belongs to one run (its sigmas, reasons already logged,
-counters, timings) and is reset when the next run starts, so nothing grows across runs.
+counters, timings, the plans kept between its steps) and is reset when the next run starts, so
+nothing grows across runs; the kept plans also go when the run's schedule reaches its end.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backend.plan_reuse import PlanStore
 from ..notices import Notices, logger
 from .schedule import denoising_step
 
@@ -64,6 +66,7 @@ class RunTracker:
         self.last_report: dict | None = None  # `report()` of the latest run that ran any block, as of its last sampler call
         self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
         self.precision: tuple[str, str] = ("bf16", "not resolved yet")  # (precision, why), set per sampler call
+        self.plans = PlanStore()  # plans kept between evaluated steps (plan_reuse="on"), bounded, per run
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def step_of(self, transformer_options: dict) -> tuple[int | None, float | None, tuple[int, int] | None]:
@@ -197,6 +200,9 @@ class RunTracker:
             line += "; dense attention on " + ", ".join(sorted(s.dense_kernels))
         if s.sparse_kernels:
             line += "; sparse attention on " + ", ".join(sorted(s.sparse_kernels))
+        plans = self.plans.summary()
+        if plans["reused"]:
+            line += f"; plans reused {plans['reused']}, built {plans['built']} ({plans['rebuilds']} rebuilds)"
         return line
 
     def report(self) -> dict:
@@ -218,7 +224,7 @@ class RunTracker:
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
                 "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
                 "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices),
-                "notes": list(s.notes)}
+                "notes": list(s.notes), "plans": self.plans.summary()}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""
@@ -240,6 +246,7 @@ class RunTracker:
             line = self.summary()
             if line:
                 log.info("%s", line)
+            self.plans.drop_plans()  # the run's schedule ended: its kept plans go (the counts stay for the report)
             return line
 
     def finish(self) -> str | None:
@@ -255,5 +262,6 @@ class RunTracker:
             self.notices.clear()
             self.densities.clear()
             self.timed.clear()
+            self.plans.clear()
             self.stats = RunStats()
             return line

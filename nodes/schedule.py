@@ -8,6 +8,17 @@ exactly the dense steps the whole schedule would. With ComfyUI's "simple" schedu
 spaced evenly in the model's time) that is the first ``ceil(warmup_ratio * steps)`` steps
 (`warmup_steps`); other schedulers differ. Without the model's sampling object (a sampler that never ran the
 model's ON_PRE_RUN callbacks) the rule falls back to counting the steps of the call's own schedule.
+
+In `ramp` mode the same span runs at falling density instead of dense (`ramp_ratio`): with r the
+topk_ratio, s_w the warmup sigma and s_0 the model's start sigma (its ``sigma_max``: the first sigma
+of a full schedule), a call at sigma s runs at density
+    1                                      for s >= s_0 (the first step of a full schedule: dense),
+    r + (1 - r) * (s - s_w) / (s_0 - s_w)  for s_w < s < s_0 (linear in sigma),
+    r                                      for s <= s_w (the sparse steps, as in fidelity mode),
+with the same float tolerance as the warmup rule. It depends on the call's sigma and the model's
+sampling only, so split sampler runs and EasyCache-skipped steps leave every other step's density
+as in the whole run. Without the model's sampling it is linear in the call's own step index:
+1 - (1 - r) * step / n over the n = ceil(warmup_ratio * steps) warmup steps.
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ def warmup_steps(config: SparseConfig, total: int) -> int:
         return total
     if config.warmup_mode == "speed":
         return 0
-    return min(total, math.ceil(round(config.warmup_ratio * total, 9)))
+    return min(total, math.ceil(round(config.warmup_ratio * total, 9)))  # fidelity (and ramp's span)
 
 
 def warmup_sigma(config: SparseConfig, percent_to_sigma: Callable[[float], Any]) -> float:
@@ -46,17 +57,59 @@ def warmup_sigma(config: SparseConfig, percent_to_sigma: Callable[[float], Any])
     return float(percent_to_sigma(config.warmup_ratio))
 
 
-def warmup_reason(config: SparseConfig, sigma: float | None, threshold: float | None,
-                  segment: tuple[int, int] | None) -> str | None:
-    """Why a model call at `sigma` is a warmup step, or None.
+def start_sigma(sampling: Any) -> float:
+    """The sigma a full schedule of the model starts at: its sampling's ``sigma_max`` (1.0 for flow
+    models such as H3), else ``percent_to_sigma(0)``."""
+    top = getattr(sampling, "sigma_max", None)
+    return float(sampling.percent_to_sigma(0.0) if top is None else top)
+
+
+def ramp_ratio(config: SparseConfig, sigma: float | None, threshold: float | None, start: float | None,
+               segment: tuple[int, int] | None) -> float:
+    """The density a model call runs at: `config.topk_ratio`, or in `ramp` mode the ramp of the module
+    docstring (1.0: the call runs dense).
 
     Args:
-        config: the node's settings (only `fidelity` mode has a warmup).
+        config: the node's settings.
+        sigma: the call's sigma (None: unknown, the ramp does not apply).
+        threshold: `warmup_sigma` of the model (None: unknown, the step-count rule applies).
+        start: `start_sigma` of the model (None likewise).
+        segment: (step, total) in the call's own schedule: the rule without the model's sigmas.
+    Returns:
+        A density in [topk_ratio, 1].
+    """
+    r = config.topk_ratio
+    if config.warmup_mode != "ramp" or sigma is None:
+        return r
+    if threshold is not None and start is not None:
+        if sigma <= threshold * (1.0 + SIGMA_RTOL):
+            return r
+        if sigma >= start * (1.0 - SIGMA_RTOL) or start <= threshold:
+            return 1.0
+        return min(1.0, r + (1.0 - r) * (sigma - threshold) / (start - threshold))
+    if segment is None:
+        return r
+    n = warmup_steps(config, segment[1])
+    return r if segment[0] >= n else 1.0 - (1.0 - r) * segment[0] / n
+
+
+def warmup_reason(config: SparseConfig, sigma: float | None, threshold: float | None,
+                  segment: tuple[int, int] | None, start: float | None = None) -> str | None:
+    """Why a model call at `sigma` is a warmup step that runs dense, or None.
+
+    Args:
+        config: the node's settings (`fidelity` mode has a dense warmup; `ramp` mode runs dense
+            where `ramp_ratio` is 1).
         sigma: the call's sigma (None: unknown, no warmup applies).
         threshold: `warmup_sigma` of the model, or None when the model's sampling is unknown;
             a call is a warmup call when its sigma is above it (beyond float rounding).
         segment: (step, total) in the call's own schedule: the rule without a threshold.
+        start: `start_sigma` of the model (ramp mode).
     """
+    if config.warmup_mode == "ramp":
+        if config.topk_ratio >= 1.0 or ramp_ratio(config, sigma, threshold, start, segment) < 1.0:
+            return None  # topk_ratio 1.0: every call is exact on the sparse path, as in the other modes
+        return f"warmup (ramp: dense at sigma {sigma:.4g}, the start of the schedule)"
     if config.warmup_mode != "fidelity" or sigma is None:
         return None
     if threshold is not None:

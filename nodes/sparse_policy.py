@@ -11,6 +11,7 @@ import torch
 from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
+from ..backend.plan_reuse import PlanSlot
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
@@ -27,7 +28,7 @@ from .core_sparse import (core_sparse_blocks, core_sparse_message, core_sparse_o
 from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .reference_notice import reference_kernel_notice
-from .schedule import schedule_reason, warmup_reason, warmup_sigma
+from .schedule import ramp_ratio, schedule_reason, start_sigma, warmup_reason, warmup_sigma
 from .warm_start import WarmStart, start_during_warmup, take_over_before_sparse
 
 DEVICES = ("cuda", "cpu")
@@ -59,6 +60,7 @@ class SparseAttentionHook(BlockHook):
         self.pays_from: dict[tuple, str | None] = {}  # (device, dtype) -> the measured crossover (`saved`)
         # size messages said at WARNING, shared with the clones of this model (later runs say them at INFO)
         self.said: set[str] = parent.said if isinstance(parent, SparseAttentionHook) else set()
+        self.start_sigma: float | None = None
         self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
 
     def set_precision(self, precision: str, reason: str) -> None:
@@ -75,6 +77,7 @@ class SparseAttentionHook(BlockHook):
         super().on_pre_run(patcher)
         sampling = patcher.get_model_object("model_sampling")
         self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
+        self.start_sigma = None if sampling is None else start_sigma(sampling)
         override = patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
         if isinstance(override, DenseOverride):
             override = None
@@ -137,8 +140,14 @@ class SparseAttentionHook(BlockHook):
                             "sampler decides for the whole model; this report shows what it ran")
 
     def warmup(self, ctx: CallContext) -> str | None:
-        """Why the call's step is a warmup step, or None (`schedule.warmup_reason`)."""
-        return warmup_reason(self.config, ctx.sigma, self.warmup_sigma, ctx.segment)
+        """Why the call's step is a warmup step that runs dense, or None (`schedule.warmup_reason`)."""
+        return warmup_reason(self.config, ctx.sigma, self.warmup_sigma, ctx.segment, self.start_sigma)
+
+    def step_config(self, ctx: CallContext) -> SparseConfig:
+        """The engine config of a sparse call: `engine_config` at the density `schedule.ramp_ratio` gives
+        (another topk_ratio only on the ramped steps of `warmup_mode="ramp"`)."""
+        ratio = ramp_ratio(self.config, ctx.sigma, self.warmup_sigma, self.start_sigma, ctx.segment)
+        return self.engine_config if ratio == self.engine_config.topk_ratio else self.engine_config.replace(topk_ratio=ratio)
 
     @property
     def title(self) -> str:
@@ -211,8 +220,8 @@ class SparseAttentionHook(BlockHook):
         self.tracker.notices.fallback(f"{self.title}: layer {layer} runs dense: {problem}", None, self.config.strict)
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
-        """(step, layout) when `choose` lets this call run sparse, else None (the call is counted
-        dense with its reason)."""
+        """(step, layout, engine config of the step, cond/uncond branch) when `choose` lets this call
+        run sparse, else None (the call is counted dense with its reason)."""
         if self.left_to is not None:
             self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=self.left_to)
             return None
@@ -224,7 +233,7 @@ class SparseAttentionHook(BlockHook):
         reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, self.warmup(ctx))
         if reason is None:
             self.note_other_override(to)
-            return ctx.step, layout
+            return ctx.step, layout, self.step_config(ctx), tuple(to.get("cond_or_uncond") or ())
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
@@ -276,27 +285,30 @@ class SparseAttentionHook(BlockHook):
         """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in
         a run measures the density, the second is timed against dense attention for the report.
         Eager inside a compiled model too (its caller, `HookedAttention`, is skipped by torch.compile)."""
-        step, layout = token
+        step, layout, config, branch = token
         timer = self.tracker.start_timer(x[0] if isinstance(x, list) else x)
-        key = layout.signature()
+        key = (layout.signature(), config.topk_ratio)
         tracker = self.tracker
 
         density = tracker.densities.get(key)
         timed = key in tracker.timed
+        group = 0  # the head group of the next `run` (its plan slot)
 
         kernel = dict(choices=self.sparse_choices, ran=tracker.note_sparse_kernel)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-            nonlocal density
-            if density is None:  # measured once per shape and run: it needs a host sync
-                o, info = sparse_attention(q, k, v, layout, self.engine_config, return_info=True, coarse_gate=g,
+            nonlocal density, group
+            slot = None if config.plan_reuse != "on" else tracker.plans.slot((branch, layer, layout.signature(), group))
+            group += 1
+            if density is None:  # measured once per shape, density and run: it needs a host sync
+                o, info = sparse_attention(q, k, v, layout, config, return_info=True, coarse_gate=g, plan_slot=slot,
                                            **kernel)
                 density = tracker.densities.setdefault(key, info.density)
             elif not timed:  # the next call (kernels compiled): vs dense
-                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, self.engine_config, g, **kernel)
+                o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, config, g, slot, **kernel)
                 tracker.note_timing(key, sparse_ms, dense_ms)
             else:
-                o = sparse_attention(q, k, v, layout, self.engine_config, coarse_gate=g, **kernel)
+                o = sparse_attention(q, k, v, layout, config, coarse_gate=g, plan_slot=slot, **kernel)
             return o
 
         out = self.output(attn, x, rope_freqs, transformer_options, run)
@@ -344,8 +356,8 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
 
 
 def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-                        config: SparseConfig, gate: torch.Tensor | None, **kernel: Any
-                        ) -> tuple[torch.Tensor, float, float]:
+                        config: SparseConfig, gate: torch.Tensor | None, slot: PlanSlot | None = None,
+                        **kernel: Any) -> tuple[torch.Tensor, float, float]:
     """One sparse call timed against torch's dense SDPA on the same tensors (for the run report).
 
     Dense attention runs on the first head only and is scaled by the number of heads, to keep the
@@ -359,7 +371,7 @@ def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
         return time.perf_counter()
 
     t0 = now()
-    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate, **kernel)
+    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate, plan_slot=slot, **kernel)
     t1 = now()
     torch.nn.functional.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])
     t2 = now()

@@ -132,6 +132,7 @@ GPU_TOOLS = {
     "tiling-ceiling": ["--preset", "--scene", "--part", "--out"],
     "ulysses-timing": ["--out", "--video", "--heads", "--ratio", "--tiling"],
     "routing-quality": ["--size", "--scenes", "--ratios", "--tiling", "--rows", "--device", "--seed", "--out"],
+    "steps": ["--size", "--scenes", "--ratios", "--steps", "--shift", "--warmup-ratio", "--tiling", "--device", "--out"],
 }
 
 

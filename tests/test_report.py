@@ -41,7 +41,12 @@ def test_report_of_a_run_and_its_text():
                                                                            "layer 2 is in dense_layers": 3},
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
                       "dense_kernels": {"SDPA cuDNN": 3}, "sparse_kernels": {"cuDNN-frontend": 2, "Triton bf16": 1},
-                      "sparse_choices": [measured], "notes": []}
+                      "sparse_choices": [measured], "notes": [], "plans": {"reused": 0, "built": 0, "rebuilds": 0}}
+    assert "Plans reused" not in format_report(report)  # plan_reuse off: no line
+    reused = dict(report, plans={"reused": 40, "built": 10, "rebuilds": 6, "built: first": 4,
+                                 "built: statistics moved": 6})
+    assert ("Plans reused across steps: 40; built 10, of which 6 rebuilds (first 4, statistics moved 6)"
+            in format_report(reused))
     tracker.finish()  # the next run's start (nothing ran yet) keeps the last report
     assert tracker.last_report is report
     assert tracker.stats.sparse_blocks == 0

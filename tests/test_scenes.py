@@ -70,3 +70,22 @@ def test_calibration_at_cpu_small():
     gauss_mass, gauss_recall = video_stats(make_scene("gaussian", "cpu-small", seed=0))
     assert gauss_recall < 0.25
     assert gauss_mass < 0.1
+
+
+def test_noise_moves_generated_tokens_along_a_flow_trajectory_and_keeps_the_text():
+    """make_scene(noise=s): x_s = (1 - s) x_0 + s e on video and audio content; text keys stay, the
+    distance from the clean scene grows with s, and noise 0 is the clean scene itself."""
+    clean = make_scene("pan", TINY, seed=1)
+    torch.testing.assert_close(make_scene("pan", TINY, seed=1, noise=0.0).q, clean.q, rtol=0, atol=0)
+    video = slice(TINY.text + TINY.audio, TINY.total)
+    moved = [float((make_scene("pan", TINY, seed=1, noise=s).k[..., video, :] - clean.k[..., video, :]).norm())
+             for s in (0.1, 0.5, 0.9)]
+    assert 0 < moved[0] < moved[1] < moved[2]
+    noisy = make_scene("pan", TINY, seed=1, noise=0.9)
+    torch.testing.assert_close(noisy.k[..., :TINY.text, :], clean.k[..., :TINY.text, :], rtol=0, atol=0)
+    assert not torch.equal(noisy.v[..., TINY.text:TINY.text + TINY.audio, :],
+                           clean.v[..., TINY.text:TINY.text + TINY.audio, :])  # audio is generated too
+    with pytest.raises(ValueError, match="noise=1.5 is not allowed"):
+        make_scene("pan", TINY, noise=1.5)
+    with pytest.raises(ValueError, match="gaussian control"):
+        make_scene("gaussian", TINY, noise=0.5)

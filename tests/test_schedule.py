@@ -9,8 +9,9 @@ import torch
 
 from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.nodes.run_tracker import RunTracker
-from adaptive_sparse_attention.nodes.schedule import (denoising_step, schedule_reason, warmup_reason, warmup_sigma,
-                                                        warmup_steps)
+from adaptive_sparse_attention.backend.config import WARMUP_MODES
+from adaptive_sparse_attention.nodes.schedule import (denoising_step, ramp_ratio, schedule_reason, start_sigma,
+                                                        warmup_reason, warmup_sigma, warmup_steps)
 
 
 def karras_like(steps: int) -> torch.Tensor:
@@ -97,6 +98,73 @@ def test_a_split_schedule_runs_the_dense_steps_of_the_whole_one():
     assert [p[0] for p in parts] == [u[0] for u in unsplit] == [0, 1, 2, 3]
     assert [warmup_reason(cfg, p[1], threshold, p[2]) is not None for p in parts] == [True, False, False, False]
     assert split.run_sigmas == whole.run_sigmas  # one run across both calls
+
+
+def test_ramp_is_appended_to_the_warmup_modes():
+    """Saved workflows store the value: the earlier choices keep their places."""
+    assert WARMUP_MODES == ("fidelity", "speed", "dense", "ramp")
+
+
+def ramp(cfg: SparseConfig, sampling, sigmas) -> list[float]:
+    """The density of a call at every sigma (1.0 where the warmup rule runs it dense)."""
+    threshold, start = warmup_sigma(cfg, sampling.percent_to_sigma), start_sigma(sampling)
+    out = []
+    for s in sigmas:
+        dense = warmup_reason(cfg, float(s), threshold, None, start) is not None
+        out.append(1.0 if dense else ramp_ratio(cfg, float(s), threshold, start, None))
+    return out
+
+
+def test_ramp_is_dense_at_the_start_linear_in_sigma_and_floored_at_topk_ratio():
+    sampling = flow_sampling(10.0)
+    cfg = SparseConfig(topk_ratio=0.1, warmup_ratio=0.5, warmup_mode="ramp")
+    sw = warmup_sigma(cfg, sampling.percent_to_sigma)
+    mid = (1.0 + sw) / 2
+    assert ramp(cfg, sampling, [1.0, mid, sw, sw / 2, 0.0]) == pytest.approx([1.0, 0.55, 0.1, 0.1, 0.1])
+    assert warmup_reason(cfg, 1.0, sw, None, 1.0).startswith("warmup (ramp: dense at sigma 1")
+    assert warmup_reason(cfg, mid, sw, None, 1.0) is None  # a ramped step runs sparse
+    dens = ramp(cfg, sampling, simple_schedule(sampling, 20)[:-1])
+    assert dens[0] == 1.0 and dens == sorted(dens, reverse=True) and min(dens) == 0.1
+    # the other modes run topk_ratio on every sparse call
+    for mode in ("fidelity", "speed"):
+        assert ramp_ratio(cfg.replace(warmup_mode=mode), mid, sw, 1.0, None) == 0.1
+
+
+def test_ramp_spans_the_fidelity_warmup_and_is_speed_without_one():
+    sampling = flow_sampling(3.0)
+    for steps in (4, 8, 20):
+        sched = simple_schedule(sampling, steps)[:-1]
+        cfg = SparseConfig(topk_ratio=0.2, warmup_ratio=0.2, warmup_mode="ramp")
+        above = [d > 0.2 for d in ramp(cfg, sampling, sched)]
+        assert above == [i < warmup_steps(cfg, steps) for i in range(steps)]  # the fidelity span, no more
+        assert ramp(cfg.replace(warmup_ratio=0.0), sampling, sched) == [0.2] * steps
+
+
+def test_ramp_without_the_model_sampling_counts_the_calls_steps():
+    cfg = SparseConfig(topk_ratio=0.1, warmup_ratio=0.5, warmup_mode="ramp")
+    assert [ramp_ratio(cfg, 0.5, None, None, (i, 8)) for i in range(8)] == pytest.approx(
+        [1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1, 0.1])
+    assert ramp_ratio(cfg, None, 0.5, 1.0, (0, 8)) == 0.1  # no sigma: no ramp
+    assert warmup_reason(cfg, 0.5, None, (0, 8)) is not None  # step 0 dense
+
+
+def test_start_sigma_is_the_models_sigma_max():
+    from types import SimpleNamespace
+
+    assert start_sigma(SimpleNamespace(sigma_max=14.6, percent_to_sigma=lambda p: 999999999.9)) == 14.6
+    assert start_sigma(flow_sampling(3.0)) == 1.0
+
+
+def test_a_split_schedule_ramps_as_the_whole_one():
+    """KSamplerAdvanced 0-4 then 4-8: every call's density is the unsplit run's (by sigma)."""
+    sampling = flow_sampling(3.0)
+    cfg = SparseConfig(topk_ratio=0.1, warmup_ratio=0.6, warmup_mode="ramp")
+    sched = simple_schedule(sampling, 8)
+    whole = ramp(cfg, sampling, sched[:-1])
+    split = ramp(cfg, sampling, sched[:4]) + ramp(cfg, sampling, sched[4:-1])
+    assert split == whole and len(set(whole)) > 3  # several ramped densities, the same in both
+    easycache = [d for i, d in enumerate(whole) if i not in (2, 3)]  # steps a step cache skipped change nothing
+    assert ramp(cfg, sampling, [s for i, s in enumerate(sched[:-1]) if i not in (2, 3)]) == easycache
 
 
 def test_a_run_ends_when_the_sigma_goes_up(caplog):

@@ -66,10 +66,12 @@ def default_cache_path(user_dir: str | os.PathLike | None = None) -> Path:
 
 def shape_class(q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
     """What the ranking depends on besides the GPU, from metadata only: dtype, batch, heads, head size,
-    power-of-two row bucket, block size, the routing's share of candidate blocks, the tail, the bound."""
+    power-of-two row bucket, block size, the routing's share of candidate blocks (to the nearest 0.05:
+    a ramped warmup runs a new share every step, and kernels rank alike within 0.05), the tail, the bound."""
     B, H, S, D = q.shape
     bucket = 1 << max(0, math.ceil(math.log2(max(1, S))))
     share = max((g.budget / max(1, g.hi - g.lo) for g in plan.groups), default=1.0)
+    share = round(share * 20) / 20
     tail = "none" if plan.tail is None else "query" if isinstance(plan.tail, QuerySummaries) else "block"
     return (f"{str(q.dtype).removeprefix('torch.')} B{B} H{H} D{D} rows<={bucket} block {plan.block_size} "
             f"ratio {share:.2f} tail {tail} bound {precision}")

@@ -1,0 +1,193 @@
+"""Plans reused across evaluated steps: the rule, its check, and the store that owns the kept plans.
+
+One `PlanSlot` holds the plan of one (branch, block, shape, head group) from its last evaluated
+step: the tiling, the routing (q2k tables) and the block means of Q and K it was routed on. The
+next evaluated step of that slot reuses the tiling and the routing (the tail summaries are always
+built from the step's own K and V) unless one of these holds, and then plans afresh:
+- nothing is kept yet, or the step's facts differ (shape, dtype, device, or a setting the plan
+  depends on: tiling, reblock layout, ratio, scope, block size, routing scores, kernels);
+- the check failed: the predicted drift of the block means passed `DRIFT_LIMIT`.
+
+The check. At every step that reuses a plan, the block means of Q and K on the kept tiling (the
+planner needs them anyway, for the tail) are compared with the means the kept routing was chosen
+on, over the sparse span of blocks: drift = max over (batch, head, Q or K) of
+||mean - mean_at_build|| / ||mean_at_build||. Denoising moves Q/K steadily, so the next step's
+drift is predicted as drift + (drift - previous drift) (the previous being 0 at the build), and the
+plan is rebuilt at the next step when the prediction passes `DRIFT_LIMIT`. A rebuilt plan carries the
+last one-step drift seen before it: when that alone passes the limit (late, fast-moving steps), the
+step after the rebuild plans afresh too.
+
+No host synchronisation: the check is a tensor on the device; its verdict is copied to the host
+asynchronously (pinned memory and an event on CUDA) and read at the slot's next evaluated step,
+one model call or more later, when the device has long finished it. The decision therefore lags one
+step, and a verdict that is not ready
+yet (the event not reached: the host ran a whole step ahead) counts as failed, never waited for.
+Selecting between old and new plans with `torch.where` would need the new plan built every step and
+save nothing.
+
+Ownership: a `PlanStore` belongs to one patched model's run state (`nodes/run_tracker.py`), holds at
+most `MAX_SLOTS` slots (least recently used first out) and is cleared when the run ends. Steps a step
+cache (EasyCache) skipped never reach the planner, so they do not count. A slot of a 10 s H3 block
+(56 heads, ratio 0.1) keeps about 65 MB on the GPU: permutations 16 MB, q2k table 15 MB (30 at 0.2),
+bf16 block means 33 MB; 50 blocks x 2 branches (cfg > 1) about 6.5 GB.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from ..kernels.plan import Tiling
+from .config import SparseConfig
+
+DRIFT_LIMIT = 0.08  # predicted relative drift of the block means that forces a rebuild (tuned on the bench scenes)
+MAX_SLOTS = 512  # slots a store keeps (50 blocks x 2 branches x a few head groups)
+PLAN_FIELDS = ("tiling", "reblock_layout", "topk_ratio", "sparse_scope", "block_size", "routing_scores", "kernel",
+               "precision")
+
+
+def plan_facts(q: torch.Tensor, config: SparseConfig, layout_signature: Hashable) -> tuple:
+    """What a kept plan must share with a step to be reused: q's shape, dtype and device, the layout and
+    the settings the tiling and routing depend on."""
+    return (tuple(q.shape), q.dtype, str(q.device), layout_signature,
+            tuple(getattr(config, name) for name in PLAN_FIELDS))
+
+
+@dataclass
+class Kept:
+    """A plan kept from an evaluated step: its tiling and routing, and the means it was routed on."""
+
+    facts: tuple
+    tiling: Tiling
+    q2k_idx: torch.Tensor
+    q2k_num: torch.Tensor
+    q_ref: torch.Tensor
+    k_ref: torch.Tensor
+    last_drift: torch.Tensor  # drift at the latest step that used it (0 at the build), on the device
+
+
+def drift(q_mean: torch.Tensor, k_mean: torch.Tensor, q_ref: torch.Tensor, k_ref: torch.Tensor,
+          span: tuple[int, int]) -> torch.Tensor:
+    """Max over (batch, head, Q or K) of ||mean - ref|| / ||ref|| over blocks [lo, hi), fp32 scalar tensor.
+
+    Args:
+        q_mean, k_mean: block means [B, H, J, D] of this step on the kept tiling.
+        q_ref, k_ref: the means the kept routing was chosen on (kept in bf16).
+        span: the sparse blocks [lo, hi) (`kernels.plan.group_span`).
+    Returns:
+        The drift, a 0-dim fp32 tensor on the means' device (never read on the host here).
+    """
+    lo, hi = span
+    worst = []
+    for mean, ref in ((q_mean, q_ref), (k_mean, k_ref)):
+        m, r = mean[:, :, lo:hi].float(), ref[:, :, lo:hi].float()
+        worst.append(((m - r).flatten(2).norm(dim=-1) / r.flatten(2).norm(dim=-1).clamp_min(1e-12)).amax())
+    return torch.stack(worst).amax()
+
+
+class PlanSlot:
+    """The plan of one (branch, block, shape, head group) between its evaluated steps (see the module)."""
+
+    def __init__(self, store: PlanStore):
+        self.store = store
+        self.kept: Kept | None = None
+        self.verdict: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # rebuild at the next step?
+        self.host: torch.Tensor | None = None  # pinned buffer the verdict is copied into (CUDA)
+        self.step_drift: torch.Tensor | None = None  # the drift of the latest step over the one before, on the device
+
+    def reusable(self, facts: tuple) -> Kept | None:
+        """The kept plan when this step may reuse it, else None (the store counts why: never host-synchronises)."""
+        kept, reason = self.kept, None
+        if kept is None:
+            reason = "first"
+        elif kept.facts != facts:
+            reason = "shape or settings changed"
+        elif self.verdict is not None:
+            flag, event = self.verdict
+            if event is not None and not event.query():
+                reason = "check not ready"
+            elif bool(flag):
+                reason = "statistics moved"
+        self.store.count(reason or "reused")
+        return kept if reason is None else None
+
+    def keep(self, facts: tuple, tiling: Tiling, q2k_idx: torch.Tensor, q2k_num: torch.Tensor,
+             q_mean: torch.Tensor, k_mean: torch.Tensor) -> None:
+        """Keep a freshly built plan and the means it was routed on; the next step reuses it unless the
+        last one-step drift seen (before this rebuild) alone passes the limit."""
+        refs = (m.to(torch.bfloat16) for m in (q_mean, k_mean))  # bf16 rounding (0.4%) is far below DRIFT_LIMIT
+        self.kept = Kept(facts, tiling, q2k_idx, q2k_num, *refs, q_mean.new_zeros((), dtype=torch.float32))
+        self.verdict = None
+        if self.step_drift is not None and self.step_drift.device == q_mean.device:
+            self.post(self.step_drift > DRIFT_LIMIT)
+
+    def check(self, q_mean: torch.Tensor, k_mean: torch.Tensor, span: tuple[int, int]) -> None:
+        """Run the check on this step's means over the kept plan and post its verdict for the next step."""
+        kept = self.kept
+        now = drift(q_mean, k_mean, kept.q_ref, kept.k_ref, span)
+        self.step_drift = now - kept.last_drift
+        kept.last_drift = now
+        self.post((now + self.step_drift) > DRIFT_LIMIT)
+
+    def post(self, rebuild: torch.Tensor) -> None:
+        """Make `rebuild` (a bool tensor) the verdict the next step reads, copied without a host sync."""
+        if rebuild.is_cuda:
+            if self.host is None:
+                self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.host.copy_(rebuild, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.verdict = (self.host, event)
+        else:
+            self.verdict = (rebuild, None)
+
+
+class PlanStore:
+    """The kept plans of one patched model's run: at most `MAX_SLOTS` slots, and how often each happened.
+
+    Thread-safe (ComfyUI's multi-GPU sampling runs model calls in threads)."""
+
+    def __init__(self, bound: int = MAX_SLOTS):
+        self.bound = bound
+        self.slots: OrderedDict[Hashable, PlanSlot] = OrderedDict()
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def slot(self, key: Hashable) -> PlanSlot:
+        """The slot of `key` (branch, block, layout, head group), made on first use."""
+        with self.lock:
+            slot = self.slots.get(key)
+            if slot is None:
+                slot = self.slots[key] = PlanSlot(self)
+                while len(self.slots) > self.bound:
+                    self.slots.popitem(last=False)
+            self.slots.move_to_end(key)
+            return slot
+
+    def count(self, what: str) -> None:
+        """Count one planning decision: "reused", or why the plan was built afresh."""
+        with self.lock:
+            self.counts[what] = self.counts.get(what, 0) + 1
+
+    def summary(self) -> dict[str, int]:
+        """Counts of this run: reused, built (all fresh plans) and rebuilds (fresh plans where a kept one
+        existed), with the reasons."""
+        with self.lock:
+            counts = dict(self.counts)
+        built = sum(n for why, n in counts.items() if why != "reused")
+        return {"reused": counts.get("reused", 0), "built": built, "rebuilds": built - counts.get("first", 0),
+                **{f"built: {why}": n for why, n in sorted(counts.items()) if why != "reused"}}
+
+    def drop_plans(self) -> None:
+        """Drop every kept plan, keeping the counts (the run's schedule ended; its report still reads them)."""
+        with self.lock:
+            self.slots.clear()
+
+    def clear(self) -> None:
+        """Drop every kept plan and count (the run ended)."""
+        with self.lock:
+            self.slots.clear()
+            self.counts.clear()

@@ -1,0 +1,175 @@
+"""Denoising trajectories of the bench scenes: the warmup ramp's error per step, plans reused across steps.
+
+    python -m adaptive_sparse_attention steps [--size cpu-small] [--scenes pan,cuts] [--ratios 0.1,0.2]
+        [--steps 8] [--shift 10] [--warmup-ratio 0.2] [--tiling reblock] [--device auto] [--out FILE]
+
+A trajectory is the scene at the flow sigmas of ComfyUI's "simple" schedule of `--steps` steps at
+`--shift` (s_i = shift t / (1 + (shift - 1) t), t = 1 - i / steps; `bench/scenes.py`, "Denoising
+drift", says how the scene moves with s). Every step is one op call on that step's Q/K/V, its output
+compared with dense attention (relative L2 on the target-video rows). Two tables:
+
+- warmup: per step, the density and error of `fidelity` (dense warmup, then topk_ratio) beside
+  `ramp` (`nodes/schedule.ramp_ratio` with the model's warmup and start sigmas, 1.0 for flow);
+- plan reuse: over the sparse steps (sigma at or below the warmup sigma), the error of a fresh plan
+  at every step beside the plan the node's rule keeps (`backend/plan_reuse.py`, one slot as one block
+  of one branch has), their worst per-step ratio (acceptance: at most 1.05), the rebuilds, and the
+  planner time of both (host clock around the planner with the device synchronised; on the CPU the
+  torch reference's time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..backend.attention import sparse_attention
+from ..backend.config import SparseConfig
+from ..backend.plan_reuse import DRIFT_LIMIT, PlanStore
+from ..nodes.schedule import ramp_ratio, warmup_reason
+from .metrics import output_errors
+from .runner import bench_dtype, environment
+from .scenes import SIZES, STRUCTURED_SCENES, make_scene
+
+REUSE_BOUND = 1.05  # reused-plan error over fresh-plan error, per step, at equal density
+
+
+def flow_sigma(shift: float, t: float) -> float:
+    """ComfyUI's flow sigma at time t with `shift` (``time_snr_shift``)."""
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def simple_sigmas(steps: int, shift: float) -> list[float]:
+    """The `steps` sigmas a "simple" schedule evaluates (the final 0 left out)."""
+    return [flow_sigma(shift, 1.0 - i / steps) for i in range(steps)]
+
+
+def video_error(out: torch.Tensor, ref: torch.Tensor, layout) -> float:
+    """Relative L2 of out against dense on the target-video rows."""
+    return output_errors(out, ref, layout)["video"]["rel_l2"]
+
+
+def timed_call(q, k, v, layout, config: SparseConfig, slot=None) -> tuple[torch.Tensor, float]:
+    """(output, planner ms) of one call."""
+    out, info = sparse_attention(q, k, v, layout, config, return_info=True, timings=True, plan_slot=slot)
+    return out, info.timings_ms["plan"]
+
+
+def warmup_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, threshold: float) -> dict:
+    """One step: fidelity's and ramp's (density, error) (a dense step: density 1, error 0)."""
+    row = {"step": step, "sigma": sigma}
+    for mode in ("fidelity", "ramp"):
+        mode_config = config.replace(warmup_mode=mode)
+        if warmup_reason(mode_config, sigma, threshold, None, 1.0) is not None:
+            row[mode] = (1.0, 0.0)
+            continue
+        ratio = ramp_ratio(mode_config, sigma, threshold, 1.0, None)
+        out = sparse_attention(q, k, v, layout, mode_config.replace(topk_ratio=ratio))
+        row[mode] = (ratio, video_error(out, ref, layout))
+    return row
+
+
+def reuse_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, slot) -> dict:
+    """One sparse step: a fresh plan's and the slot's plan's error and planner ms."""
+    fresh, fresh_ms = timed_call(q, k, v, layout, config)
+    kept, kept_ms = timed_call(q, k, v, layout, config, slot)
+    return {"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout),
+            "reused": video_error(kept, ref, layout), "fresh_ms": fresh_ms, "reused_ms": kept_ms}
+
+
+def reuse_rows(scene_at, sigmas: list[tuple[int, float]], config: SparseConfig) -> tuple[list[dict], dict]:
+    """`reuse_row` over (step, sigma) pairs with one slot (`scene_at(sigma)` -> q, k, v, layout, dense
+    output); also the store's counts."""
+    store = PlanStore()
+    slot = store.slot("block")
+    rows = []
+    for step, sigma in sigmas:
+        q, k, v, layout, ref = scene_at(sigma)
+        if not rows:  # the layout's caches are built before anything is timed
+            sparse_attention(q, k, v, layout, config)
+        rows.append(reuse_row(q, k, v, layout, ref, step, sigma, config, slot))
+    return rows, store.summary()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", default="cpu-small", choices=sorted(SIZES))
+    parser.add_argument("--scenes", default=",".join(STRUCTURED_SCENES))
+    parser.add_argument("--ratios", default="0.1,0.2")
+    parser.add_argument("--steps", type=int, default=8, help="steps of the simple schedule (default 8)")
+    parser.add_argument("--shift", type=float, default=10.0, help="flow shift (default 10, H3's video shift)")
+    parser.add_argument("--warmup-ratio", type=float, default=0.2)
+    parser.add_argument("--tiling", default="reblock", choices=("reblock", "cube"))
+    parser.add_argument("--kernel", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Both tables for every scene and ratio; writes JSON with the environment to args.out when given.
+    Returns 0 when every scene's worst reused/fresh ratio is within REUSE_BOUND, else 1."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = bench_dtype(device)
+    sigmas = simple_sigmas(args.steps, args.shift)
+    threshold = flow_sigma(args.shift, 1.0 - args.warmup_ratio) if 0 < args.warmup_ratio < 1 else (
+        1.0 if args.warmup_ratio <= 0 else 0.0)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    results, worst = [], 0.0
+    for name in args.scenes.split(","):
+        configs = {r: SparseConfig(topk_ratio=r, tiling=args.tiling, min_tokens=0, kernel=args.kernel,
+                                   warmup_ratio=args.warmup_ratio) for r in ratios}
+        stores = {r: PlanStore() for r in ratios}
+        rows = {r: {"scene": name, "ratio": r, "warmup": [], "reuse": []} for r in ratios}
+        for step, sigma in enumerate(sigmas):  # one step's scene at a time
+            s = make_scene(name, args.size, args.seed, device, dtype, noise=min(1.0, sigma))
+            ref = torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v)
+            for r in ratios:
+                rows[r]["warmup"].append(warmup_row(s.q, s.k, s.v, s.layout, ref, step, sigma, configs[r], threshold))
+                if sigma <= threshold * (1 + 1e-4):  # a sparse step of the run
+                    if not rows[r]["reuse"]:  # the layout's caches are built before anything is timed
+                        sparse_attention(s.q, s.k, s.v, s.layout, configs[r])
+                    rows[r]["reuse"].append(reuse_row(s.q, s.k, s.v, s.layout, ref, step, sigma, configs[r],
+                                                      stores[r].slot("block")))
+            del s, ref
+        for r in ratios:
+            reuse = rows[r]["reuse"]
+            step_ratios = [x["reused"] / x["fresh"] for x in reuse]
+            worst = max([worst] + step_ratios)
+            rows[r].update(plans=stores[r].summary(), worst_reuse_ratio=max(step_ratios, default=None))
+            results.append(rows[r])
+            print(f"{name} r={r:g}: worst reused/fresh {max(step_ratios, default=float('nan')):.4f}, "
+                  f"{rows[r]['plans']}", file=sys.stderr, flush=True)
+    print(render(results, args, threshold))
+    print(f"\nworst reused/fresh error over every sparse step: {worst:.4f} (acceptance <= {REUSE_BOUND}): "
+          f"{'PASS' if worst <= REUSE_BOUND else 'FAIL'}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment(device), "args": {k: v for k, v in vars(args).items() if k != "func"},
+                       "drift_limit": DRIFT_LIMIT,
+                       "results": results}, f, indent=1)
+    return 0 if worst <= REUSE_BOUND else 1
+
+
+def render(results: list[dict], args: argparse.Namespace, threshold: float) -> str:
+    """The two markdown tables."""
+    lines = [f"{args.size}, {args.steps} steps, shift {args.shift:g}, warmup_ratio {args.warmup_ratio:g} "
+             f"(warmup sigma {threshold:.4f}), tiling {args.tiling}", "",
+             "| scene | ratio | step | sigma | fidelity density | fidelity err | ramp density | ramp err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for w in r["warmup"]:
+            lines.append(f"| {r['scene']} | {r['ratio']:g} | {w['step']} | {w['sigma']:.4f} | {w['fidelity'][0]:.3f} | "
+                         f"{w['fidelity'][1]:.4f} | {w['ramp'][0]:.3f} | {w['ramp'][1]:.4f} |")
+    lines += ["", "| scene | ratio | sparse steps | fresh err (mean) | reused err (mean) | worst reused/fresh | "
+              "plans built (rebuilds) | reused | planner ms fresh | planner ms reused | saved |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rows, n = r["reuse"], max(1, len(r["reuse"]))
+        fresh_ms, kept_ms = sum(x["fresh_ms"] for x in rows), sum(x["reused_ms"] for x in rows)
+        p = r["plans"]
+        lines.append(f"| {r['scene']} | {r['ratio']:g} | {len(rows)} | {sum(x['fresh'] for x in rows) / n:.4f} | "
+                     f"{sum(x['reused'] for x in rows) / n:.4f} | {r['worst_reuse_ratio'] or float('nan'):.4f} | "
+                     f"{p['built']} ({p['rebuilds']}) | {p['reused']} | {fresh_ms / n:.1f} | {kept_ms / n:.1f} | "
+                     f"{(1 - kept_ms / fresh_ms) * 100 if fresh_ms else 0:.0f}% |")
+    return "\n".join(lines)

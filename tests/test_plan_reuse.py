@@ -1,0 +1,134 @@
+"""Plans reused across evaluated steps (backend/plan_reuse.py, the planner's `slot`): the rule, the
+check, the store's bound and counts, the run tracker that owns the store, and the error bound on a
+drifting scene (bench/steps.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptive_sparse_attention import SparseConfig, sparse_attention
+from adaptive_sparse_attention.backend.plan_reuse import DRIFT_LIMIT, PlanStore, drift
+from adaptive_sparse_attention.backend.planner import build_plan, make_tiling
+from adaptive_sparse_attention.bench.scenes import make_scene
+from adaptive_sparse_attention.bench.steps import REUSE_BOUND, reuse_rows, simple_sigmas
+from adaptive_sparse_attention.nodes.run_tracker import RunTracker
+
+CFG = SparseConfig(topk_ratio=0.2, min_tokens=0, kernel="torch", tiling="cube")  # reblock: where the tiling matters
+
+
+@pytest.fixture(scope="module")
+def scene():
+    return make_scene("pan", "demo", noise=0.5)
+
+
+def same_plan(a, b) -> bool:
+    return (torch.equal(a.q_perm, b.q_perm) and torch.equal(a.k_perm, b.k_perm) and torch.equal(a.q2k_idx, b.q2k_idx)
+            and torch.equal(a.q2k_num, b.q2k_num))
+
+
+def test_the_next_step_reuses_the_tiling_and_routing_and_the_output_is_the_fresh_one(scene):
+    store = PlanStore()
+    slot = store.slot(("cond", 0))
+    cfg = CFG.replace(tiling="reblock")
+    first = build_plan(scene.q, scene.k, scene.v, scene.layout, cfg, slot=slot)
+    again = build_plan(scene.q, scene.k, scene.v, scene.layout, cfg, slot=slot)
+    assert again.tiling is first.tiling and again.q2k_idx is first.q2k_idx  # kept, not rebuilt
+    fresh = sparse_attention(scene.q, scene.k, scene.v, scene.layout, cfg)
+    kept = sparse_attention(scene.q, scene.k, scene.v, scene.layout, cfg, plan_slot=slot)
+    torch.testing.assert_close(kept, fresh, rtol=0, atol=0)
+    assert store.summary() == {"reused": 2, "built": 1, "rebuilds": 0, "built: first": 1}
+
+
+def test_a_shape_or_setting_change_rebuilds(scene):
+    store = PlanStore()
+    slot = store.slot("block")
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=slot)
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG.replace(topk_ratio=0.3), slot=slot)  # a ramped step
+    half = [t[:, :1] for t in (scene.q, scene.k, scene.v)]
+    plan = build_plan(*half, scene.layout, CFG.replace(topk_ratio=0.3), slot=slot)  # another head count
+    assert plan.q_perm.shape[1] == 1
+    assert store.summary() == {"reused": 0, "built": 3, "rebuilds": 2, "built: first": 1,
+                               "built: shape or settings changed": 2}
+    with pytest.raises(ValueError, match="a tiling or a plan slot"):
+        build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, tiling=make_tiling(scene.q, scene.k, scene.layout, CFG),
+                   slot=slot)
+
+
+def test_moved_statistics_rebuild_at_the_next_step_and_small_moves_do_not(scene):
+    store = PlanStore()
+    slot = store.slot("block")
+    moved = make_scene("pan", "demo", noise=0.1)  # far along the trajectory: the block means moved a lot
+    near = make_scene("pan", "demo", noise=0.499)  # a hair: well inside the limit
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=slot)
+    build_plan(near.q, near.k, near.v, near.layout, CFG, slot=slot)  # reused; the check passes
+    build_plan(near.q, near.k, near.v, near.layout, CFG, slot=slot)  # reused
+    assert store.summary()["reused"] == 2
+    build_plan(moved.q, moved.k, moved.v, moved.layout, CFG, slot=slot)  # reused (decided one step ago); fails now
+    fresh = build_plan(moved.q, moved.k, moved.v, moved.layout, CFG)
+    rebuilt = build_plan(moved.q, moved.k, moved.v, moved.layout, CFG, slot=slot)
+    assert same_plan(rebuilt, fresh)
+    assert store.summary() == {"reused": 3, "built": 2, "rebuilds": 1, "built: first": 1, "built: statistics moved": 1}
+
+
+def test_drift_is_the_worst_relative_change_of_the_block_means():
+    ref = torch.ones(1, 2, 4, 3)
+    now = ref.clone()
+    now[0, 1, 2] += 0.5  # one block of head 1 of Q moved
+    assert float(drift(now, ref, ref, ref, (0, 4))) == pytest.approx(0.5 * 3 ** 0.5 / (12 ** 0.5))
+    assert float(drift(now, ref, ref, ref, (0, 2))) == 0.0  # outside the sparse span: not counted
+    assert float(drift(ref, ref, ref, ref, (0, 4))) == 0.0
+
+
+def test_the_store_is_bounded_and_a_run_end_drops_the_plans_not_the_counts(scene):
+    store = PlanStore(bound=2)
+    for key in "abc":
+        build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=store.slot(key))
+    assert list(store.slots) == ["b", "c"]
+    store.drop_plans()
+    assert not store.slots and store.summary()["built"] == 3
+    store.clear()
+    assert store.summary() == {"reused": 0, "built": 0, "rebuilds": 0}
+
+
+def test_the_run_tracker_owns_the_store_and_reports_it(scene):
+    tracker = RunTracker("adaptive sparse attention")
+    slot = tracker.plans.slot("block")
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=slot)
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=slot)
+    tracker.note_block(0, sparse=True, density=0.3)
+    assert tracker.report()["plans"] == {"reused": 1, "built": 1, "rebuilds": 0, "built: first": 1}
+    assert "plans reused 1, built 1 (0 rebuilds)" in tracker.summary()
+    tracker.finish()
+    assert not tracker.plans.slots and tracker.report()["plans"]["built"] == 0
+
+
+def test_reused_plans_stay_within_the_bound_of_fresh_ones_along_a_trajectory():
+    """The bench's rule on a small drifting scene: every sparse step of an 8-step shift-3 schedule,
+    reused-plan error within REUSE_BOUND of a fresh plan's (bench/steps.py runs the CPU and GPU sizes)."""
+    cache = {}
+
+    def scene_at(sigma):
+        if sigma not in cache:
+            s = make_scene("cuts", "demo", noise=sigma)
+            cache[sigma] = (s.q, s.k, s.v, s.layout, torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v))
+        return cache[sigma]
+
+    sigmas = list(enumerate(simple_sigmas(6, 3.0)))[2:]
+    rows, counts = reuse_rows(scene_at, sigmas, CFG.replace(topk_ratio=0.1))
+    assert counts["reused"] >= 1 and counts["built"] + counts["reused"] == len(sigmas)
+    assert max(r["reused"] / r["fresh"] for r in rows) <= REUSE_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_verdict_comes_back_without_a_host_sync_on_cuda(scene):
+    q, k, v = (t.cuda() for t in (scene.q, scene.k, scene.v))
+    store = PlanStore()
+    slot = store.slot("block")
+    cfg = CFG.replace(kernel="auto")
+    for _ in range(3):
+        build_plan(q, k, v, scene.layout, cfg, slot=slot)
+    flag, event = slot.verdict
+    assert flag.is_pinned() and event is not None
+    torch.cuda.synchronize()
+    assert store.summary()["reused"] == 2 and not bool(flag) and DRIFT_LIMIT > 0
