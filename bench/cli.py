@@ -35,15 +35,15 @@ import time
 import torch
 
 from ..kernels import registry
-from ..nodes.capture import load_capture
+from ..nodes.capture import capture_header, load_capture
 from . import (long_clips, planner_timing, prepare, reblock_timing, routing_quality, steps, tiling_ceiling,
                ulysses_timing)
 from .checkpoints import WEIGHTS
 from .e2e import RUNS
 from .e2e_graphs import ATTENTION_BACKENDS, DEFAULT_PRESET
 from .e2e_graphs import PRESETS as E2E_PRESETS
-from .methods import DEFAULT_METHOD
-from .report import acceptance, column_notes, markdown_table, render_markdown, write_outputs
+from .methods import DEFAULT_METHOD, sol_unavailable_reason, split_spec
+from .report import RECALL_BOUND, column_notes, markdown_table, render_markdown, verdicts, write_outputs
 from .runner import PRESETS, Case, resolve_kernel, run_cases, run_preset
 
 BENCH_METHODS = ["dense", "ours:reblock:reweight:query", "ours:reblock:mean:query", "ours:reblock:none:query",
@@ -145,12 +145,33 @@ def evaluate_file(path: str, methods: list[str], ratios: list[float], device: to
                      rows_per_group, warmup=1, reps=3, seed=seed)
 
 
+def capture_problem(path: str) -> str | None:
+    """Why `path` cannot be evaluated (missing, unreadable, not a capture file), in one line, or None."""
+    made_by = 'expected a file written by the "Capture H3 Attention" node (in ComfyUI\'s output folder)'
+    if not os.path.exists(path):
+        return f"evaluate: {path}: no such file; {made_by}"
+    if not os.path.isfile(path):
+        return f"evaluate: {path} is not a file; {made_by}"
+    try:
+        capture_header(path)
+    except (OSError, ValueError) as err:
+        return f"evaluate: {' '.join(str(err).split())}; {made_by}"
+    return None
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    problem = capture_problem(args.file)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     methods = args.methods.split(",") if args.methods else EVALUATE_METHODS
     rows = evaluate_file(args.file, methods, args.ratios, _device(args.device), args.kernel, args.rows, args.seed)
     print(markdown_table(rows))
     print("\n" + column_notes())
-    for line in acceptance(rows, structured=("L",)):
+    sol_asked = any(split_spec(m)[0] == "sol:topk" for m in methods)
+    print("\nVerdicts (acceptance bound: the node's defaults at topk_ratio 0.1 keep at least "
+          f"{RECALL_BOUND:.0%} of the attention mass, and a lower rel L2 than sol_attn at top-k 0.2 where it runs):")
+    for line in verdicts(rows, sol_unavailable_reason() if sol_asked else None):
         print(line)
     return 1 if any("error" in r for r in rows) else 0
 

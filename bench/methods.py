@@ -65,6 +65,17 @@ class Prepared:
         return (self.output or self.call)()
 
 
+def kitchen_version() -> str:
+    """comfy-kitchen's installed version, read from its distribution's metadata as install.py reads it
+    (the module has no ``__version__``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("comfy-kitchen")
+    except PackageNotFoundError:
+        return "(version unknown: no distribution metadata)"
+
+
 def sol_unavailable_reason() -> str | None:
     """Why comfy-kitchen's `sol_attn` cannot run here (ComfyUI pins releases that predate it), or None."""
     if importlib.util.find_spec("comfy_kitchen") is None:
@@ -72,8 +83,7 @@ def sol_unavailable_reason() -> str | None:
     import comfy_kitchen
 
     if not hasattr(comfy_kitchen, "sol_attn"):
-        return (f"comfy-kitchen {getattr(comfy_kitchen, '__version__', '(unknown version)')} has no sol_attn "
-                "(it came in 0.2.40)")
+        return f"comfy-kitchen {kitchen_version()} has no sol_attn (it came in 0.2.40)"
     return None
 
 
@@ -140,7 +150,7 @@ def dense_unavailable_reason(name: str, device: torch.device) -> str | None:
     import comfy_kitchen
 
     if not hasattr(comfy_kitchen, "int8_attention"):
-        return f"comfy-kitchen {getattr(comfy_kitchen, '__version__', '(unknown version)')} has no int8_attention"
+        return f"comfy-kitchen {kitchen_version()} has no int8_attention"
     if not comfy_kitchen.int8_attention_is_available():
         return "comfy-kitchen's int8_attention is not available on this GPU or build"
     return None

@@ -12,6 +12,7 @@ from typing import Callable
 from ..backend.config import SparseConfig
 from .methods import DEFAULT_METHOD
 
+RECALL_BOUND = 0.85  # acceptance: the node's defaults at topk_ratio 0.1 keep at least this share of the mass
 COLUMNS = ("case", "method", "ratio", "density", "recall", "rel_l2", "cosine", "ctx_rel_l2", "logmass_err", "ms",
            "plan_ms", "speedup")
 HEADERS = ("scene", "method", "ratio", "density", "recall", "rel L2", "cosine", "ctx rel L2", "log-mass err",
@@ -91,7 +92,7 @@ def acceptance(rows: list[dict], structured: tuple[str, ...] = ("pan", "cuts")) 
             if ours is None:
                 lines.append(f"{case}: INCOMPLETE ({method} at 0.1 missing)")
                 continue
-            ok_recall = ours["recall"] >= 0.85
+            ok_recall = ours["recall"] >= RECALL_BOUND
             text = f"{case}: {method} at 0.1 rel L2 {ours['rel_l2']:.4f}, recall {ours['recall']:.3f}"
             if sol is None:
                 lines.append(f"{text}; sol_attn top-k 0.2 missing -> recall {'PASS' if ok_recall else 'FAIL'}, L2 INCOMPLETE")
@@ -100,6 +101,56 @@ def acceptance(rows: list[dict], structured: tuple[str, ...] = ("pan", "cuts")) 
             verdict = "PASS" if ok_l2 and ok_recall else "FAIL"
             lines.append(f"{text}; sol_attn top-k 0.2 rel L2 {sol['rel_l2']:.4f} -> {verdict}"
                          f" (L2 {'ok' if ok_l2 else 'worse'}, recall {'ok' if ok_recall else '< 0.85'})")
+    return lines
+
+
+WHAT_TO_DO_WORSE = ("for this layer and step, raise topk_ratio (the table shows the other ratios), list the layer in "
+                    "dense_layers, or raise warmup_ratio if the step is an early one")
+
+
+def verdicts(rows: list[dict], sol_missing: str | None = None) -> list[str]:
+    """`evaluate`'s verdict on each captured call, in words for a user: pass, worse than the acceptance
+    bound, or incomplete, each with what to do. The bound: the node's defaults at topk_ratio 0.1 keep
+    at least RECALL_BOUND of dense attention's mass on the video rows and, where comfy-kitchen's
+    sol_attn ran, have a lower rel L2 than sol_attn top-k at 0.2.
+
+    Args:
+        rows: result rows of `evaluate` (cases L<layer>s<step>).
+        sol_missing: why sol_attn could not run here (None: it could, or was not asked for).
+    Returns:
+        One line per captured call.
+    """
+    method = config_default_method()
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ours = _find(rows, case, method, 0.1)
+        if ours is None:
+            failed = next((r["error"] for r in rows if r["case"] == case and r["method"] == method and "error" in r),
+                          None)
+            why = f"it failed: {failed}" if failed else "it was not asked for"
+            lines.append(f"{case}: incomplete: the node's defaults ({method}) at topk_ratio 0.1 were not measured "
+                         f"({why}); run evaluate without --methods and with 0.1 in --ratios")
+            continue
+        if ours.get("recall") is None:
+            lines.append(f"{case}: incomplete capture: the captured call has no generated-video rows to route, so "
+                         "there is nothing to judge; capture a step of a run that generates video")
+            continue
+        sol = _find(rows, case, "sol:topk", 0.2)
+        low_recall = ours["recall"] < RECALL_BOUND
+        worse_l2 = sol is not None and ours["rel_l2"] >= sol["rel_l2"]
+        facts = (f"the node's defaults at topk_ratio 0.1 keep {ours['recall']:.1%} of the attention mass (bound: at "
+                 f"least {RECALL_BOUND:.0%}), rel L2 {ours['rel_l2']:.3f}")
+        if sol is not None:
+            facts += f" (comfy-kitchen's sol_attn at top-k 0.2: {sol['rel_l2']:.3f}; bound: below it)"
+        if low_recall or worse_l2:
+            lines.append(f"{case}: worse than the acceptance bound: {facts}; {WHAT_TO_DO_WORSE}")
+        elif sol is None:
+            missing = sol_missing or "its row is missing"
+            lines.append(f"{case}: pass on recall, error comparison incomplete: {facts}; comfy-kitchen's sol_attn did "
+                         f"not run ({missing}), so the rel L2 bound was not checked: nothing to do unless you want "
+                         "that comparison (it needs comfy-kitchen 0.2.40 or later)")
+        else:
+            lines.append(f"{case}: pass: {facts}")
     return lines
 
 

@@ -99,6 +99,10 @@ class BlockHook(ABC):
     """
 
     kind = "hook"
+    # An observer only looks at the calls it takes (its `attend` returns `fallback`'s output for the same
+    # input): its attention runs outermost and passes the call on, so it sees the calls another hook takes,
+    # whichever node is nearer the sampler (`nodes/model_patches.py`).
+    observes = False
 
     def __init__(self) -> None:
         self.start_state(None)

@@ -52,18 +52,47 @@ def save_capture(path: str, entries: list[dict[str, Any]], layout: SequenceLayou
     save_file(tensors, path, metadata=header)
 
 
-def load_capture(path: str, device: torch.device | str = "cpu"
-                 ) -> tuple[list[dict[str, Any]], SequenceLayout, dict[str, Any]]:
-    """Read a file written by `save_capture`: (entries, layout, meta)."""
+def capture_header(path: str) -> tuple[list[dict[str, Any]], SequenceLayout, dict[str, Any]]:
+    """The index, layout and meta of a capture file, read from its header alone (no tensor is loaded).
+
+    Raises:
+        OSError: the file cannot be opened.
+        ValueError: it is not a safetensors file, not a capture file, of a newer version, or its header
+            is incomplete; the message says which.
+    """
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt", device=str(device)) as f:
-        header = f.metadata() or {}
-        if header.get("format") != FORMAT:
-            raise ValueError(f"load_capture: {path} is not a capture file (format {header.get('format')!r}, expected {FORMAT!r})")
-        if int(header.get("version", 0)) > VERSION:
-            raise ValueError(f"load_capture: {path} has version {header['version']}; this code reads up to {VERSION}")
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            header, names = f.metadata() or {}, set(f.keys())
+    except OSError:
+        raise
+    except Exception as err:  # safetensors raises its own error type for a file that is not one
+        raise ValueError(f"{path} is not a safetensors file ({' '.join(str(err).split())})") from None
+    if header.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a capture file (format {header.get('format')!r}, expected {FORMAT!r})")
+    if int(header.get("version", 0)) > VERSION:
+        raise ValueError(f"{path} has capture version {header['version']}; this pack reads up to {VERSION} "
+                         "(update the pack)")
+    try:
         index = json.loads(header["entries"])
+        layout = layout_from_json(json.loads(header["layout"]))
+        meta = json.loads(header.get("meta", "{}"))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path} has an incomplete capture header ({type(err).__name__}: {err})") from None
+    missing = [f"{i}.{n}" for i in range(len(index)) for n in ("q", "k", "v") if f"{i}.{n}" not in names]
+    if missing:
+        raise ValueError(f"{path} lacks the tensors {', '.join(missing[:6])}: the file is incomplete")
+    return index, layout, meta
+
+
+def load_capture(path: str, device: torch.device | str = "cpu"
+                 ) -> tuple[list[dict[str, Any]], SequenceLayout, dict[str, Any]]:
+    """Read a file written by `save_capture`: (entries, layout, meta); errors as `capture_header`."""
+    from safetensors import safe_open
+
+    index, layout, meta = capture_header(path)
+    with safe_open(path, framework="pt", device=str(device)) as f:
         entries = [{"layer": e["layer"], "step": e["step"], **{n: f.get_tensor(f"{i}.{n}") for n in ("q", "k", "v")}}
                    for i, e in enumerate(index)]
-    return entries, layout_from_json(json.loads(header["layout"])), json.loads(header["meta"])
+    return entries, layout, meta

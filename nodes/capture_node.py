@@ -1,7 +1,8 @@
 """The "Capture H3 Attention" node: saves real Q/K/V of chosen blocks and steps for offline evaluation.
 
 The hook produces q, k, v (after RMS-norm and RoPE) with the same producer the sparse path uses,
-keeps CPU copies, and lets the block's attention run unchanged. Entries of one denoising step are
+keeps CPU copies, and lets the block's attention run unchanged (an observer hook: it sees the calls
+the sparse node takes in either node order, `BlockHook.observes`). Entries of one denoising step are
 written together (one safetensors file per step, via `nodes.capture.save_capture`) into
 ComfyUI's output folder, so host memory holds at most one step's captures. Only the conditional
 call of a CFG pair is captured.
@@ -32,6 +33,7 @@ class CaptureHook(BlockHook):
     """Copies q, k, v of the chosen (layer, step) calls and writes them per step."""
 
     kind = "capture"
+    observes = True  # before or after the sparse node, it captures the same q, k, v
 
     def __init__(self, layers: tuple[int, ...], steps: tuple[int, ...], filename_prefix: str, output_dir: str):
         self.layers, self.steps = set(layers), set(steps)
@@ -121,7 +123,8 @@ class CaptureH3Attention(io.ComfyNode):
             description=("Saves the real attention inputs (q, k, v after norm and RoPE) and the packed-sequence "
                          "layout of the chosen blocks and denoising steps to safetensors files in the output "
                          "folder, for `python install.py evaluate FILE` (in the pack's folder, with ComfyUI's Python). "
-                         "Sampling is unchanged."),
+                         "Sampling is unchanged. Before or after the Adaptive Sparse Attention node it captures the "
+                         "same inputs."),
             inputs=[io.Model.Input("model", tooltip="A MiniMax-H3 model.")] + [io_input(w) for w in CAPTURE_WIDGETS],
             outputs=[io.Model.Output(tooltip="The same model, capturing while it samples.")],
         )

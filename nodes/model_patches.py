@@ -22,6 +22,10 @@ from values a compiled frame could not guard on (TorchCompileModel drops every g
 ``transformer_options``), and what they call of ComfyUI's (the original block, ComfyUI's attention in
 dense calls) is compiled as it is without this pack.
 
+Two of the pack's hooks of different kinds on one model (the capture node's and the sparse node's)
+both run on a call both take, in either node order: the observer's attention (`BlockHook.observes`)
+stays outermost and passes the call on to the other's (`stacked`, `dispatch_over`).
+
 These callables are shared by every clone of the patched model (ComfyUI copies model_options by
 reference), so they hold only the hook's key, the block index and the chained patch; the hook
 and the attention modules come from the call (`CallContext`, stored under the key by the
@@ -115,10 +119,11 @@ class HookedAttention:
 
 
 class AttentionDispatch:
-    """Object patch for ``blocks.{i}.attn.forward`` (older upstream): runs the hook on marked calls."""
+    """Object patch for ``blocks.{i}.attn.forward`` (older upstream): runs the hook on marked calls
+    (`observes`: the hook of this key is an observer, `BlockHook.observes`)."""
 
-    def __init__(self, key: str, layer: int, previous: Callable | None):
-        self.key, self.layer, self.previous = key, layer, previous
+    def __init__(self, key: str, layer: int, previous: Callable | None, observes: bool = False):
+        self.key, self.layer, self.previous, self.observes = key, layer, previous, observes
 
     @torch.compiler.disable(recursive=False)
     def __call__(self, x: Any, rope_freqs: Any = None, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
@@ -184,24 +189,45 @@ class BlockReplacement:
         """The block args of this call: decided by the hook (`BlockHook.decide`), with its attention
         (or the mark for it) when it takes the call, else with the dense attention it chooses."""
         current = args.get("attention")
-        if isinstance(current, HookedAttention):  # a hook nearer the sampler already took this call
-            return args
+        taken = isinstance(current, HookedAttention)
         ctx = call_context(args.get("transformer_options", {}), self.key)
         hook, attn = ctx.hook, ctx.attn(self.layer)
+        if taken and not (hook.observes or current.hook.observes):  # a hook nearer the sampler took this call
+            return args
         token = hook.decide(self.layer, attn, args, ctx)
         if token is None:
             args = hook.dense_args(args)
         elif self.via_args:
-            if current is not None:
+            if current is not None and not taken:
                 hook.tracker.log_once("the block attention set by another patch is replaced in the calls "
                                       f"{hook.title} takes over")
-            return dict(args, attention=HookedAttention(hook, self.layer, token, attn,
-                                                        current if current is not None else attn))
+            return dict(args, attention=stacked(HookedAttention(hook, self.layer, token, attn, attn), current))
         if self.via_args:
             return args
         to = dict(args["transformer_options"])
         to[self.key] = Mark(self.layer, token, attn, ctx)
         return dict(args, transformer_options=to)
+
+
+def stacked(taken: HookedAttention, current: Any) -> HookedAttention:
+    """The attention of a call `taken.hook` takes, over `current` (the block attention set before it:
+    None, another patch's, or a hook's): an observer hook's attention stays outermost and passes the
+    call on, so an observer and a hook that computes the attention both run, in either node order."""
+    if isinstance(current, HookedAttention) and current.hook.observes and not taken.hook.observes:
+        inner = HookedAttention(taken.hook, taken.layer, taken.token, taken.attn, current.fallback)
+        return HookedAttention(current.hook, current.layer, current.token, current.attn, inner)
+    taken.fallback = current if current is not None else taken.attn
+    return taken
+
+
+def dispatch_over(earlier: Any, hook: BlockHook, layer: int) -> AttentionDispatch:
+    """The ``attn.forward`` object patch of `hook` over `earlier` (the patch there before, or None): an
+    earlier one of the same kind is replaced, and an observer's stays outermost (as in `stacked`)."""
+    if ours(earlier, hook.key):
+        earlier = earlier.previous
+    if isinstance(earlier, AttentionDispatch) and earlier.observes and not hook.observes:
+        return AttentionDispatch(earlier.key, layer, dispatch_over(earlier.previous, hook, layer), observes=True)
+    return AttentionDispatch(hook.key, layer, earlier, hook.observes)
 
 
 def ours(patch: Any, key: str) -> bool:
@@ -228,8 +254,7 @@ def block_hooks(diffusion_model: Any, hook: BlockHook, previous_replacements: di
         replacements[i] = BlockReplacement(hook.key, i, via_args, previous)
         if via_args is False:
             key = f"diffusion_model.blocks.{i}.attn.forward"
-            earlier = object_patches.get(key)
-            patches[key] = AttentionDispatch(hook.key, i, earlier.previous if ours(earlier, hook.key) else earlier)
+            patches[key] = dispatch_over(object_patches.get(key), hook, i)
     return replacements, patches
 
 

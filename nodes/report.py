@@ -14,6 +14,16 @@ def spans(values: list[int]) -> str:
     return ", ".join(out) or "none"
 
 
+def saving(seconds: float | None) -> str:
+    """The estimated time saved, or plainly the time lost when sparse attention was the slower one."""
+    if seconds is None:
+        return "estimated time saved: not measured (no block ran sparse twice with one shape)"
+    if seconds < 0:
+        return (f"estimated time lost: {-seconds:.2f} s (sparse attention was SLOWER than torch's dense attention, "
+                "timed on one call per shape)")
+    return f"estimated time saved: {seconds:.2f} s (vs torch's dense attention, timed on one call per shape)"
+
+
 def format_report(report: dict | None) -> str:
     """Several lines: steps and blocks that ran sparse, density, time, and why blocks ran dense.
 
@@ -31,11 +41,7 @@ def format_report(report: dict | None) -> str:
         f"layers that ran sparse: {spans(report['layers_sparse'])}; layers always dense: "
         f"{spans(report['layers_dense_only'])}",
         f"Mean density of sparse blocks: {report['mean_density']:.3f}",
-        f"Sparse attention time: {report['attention_s']:.2f} s; " + (
-            "estimated time saved: not measured (no block ran sparse twice with one shape)"
-            if report["est_saved_s"] is None else
-            f"estimated time saved: {report['est_saved_s']:.2f} s (vs torch's dense attention, timed on one call "
-            "per shape)"),
+        f"Sparse attention time: {report['attention_s']:.2f} s; " + saving(report["est_saved_s"]),
     ]
     if "precision" in report:
         lines.append(f"Precision: {report['precision']} ({report['precision_reason']})")

@@ -22,4 +22,6 @@ def io_input(widget: Widget) -> Any:
         kwargs.update(min=widget.min, max=widget.max, step=widget.step)
     if widget.advanced and _HAS_ADVANCED:
         kwargs["advanced"] = True
+    if widget.optional:
+        kwargs["optional"] = True
     return _KINDS[widget.kind].Input(widget.name, **kwargs)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..backend.index_lists import parse_layer_list
 from .sparse_policy import apply_sparse_attention
 from .h3_model import h3_diffusion_model
 from .schema import io_input
 from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,
-                      check_dense_layers, config_from_widgets, model_layer_count, validation_answer)
+                      check_block_size, check_dense_layers, config_from_widgets, model_layer_count,
+                      validation_answer)
 
 
 class AdaptiveSparseAttentionH3(io.ComfyNode):
@@ -31,19 +31,26 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, dense_layers: str | None = None) -> bool | str:
-        """Refuse a malformed or unbounded dense_layers when the prompt is queued (ComfyUI checks the
-        ranges and choices of the other widgets; a value linked from another node is None here and
-        is checked in `execute`)."""
-        if dense_layers is None:
-            return True
-        return validation_answer(lambda: parse_layer_list(dense_layers, f"{SPARSE_NODE_NAME}.dense_layers"))
+    def validate_inputs(cls, dense_layers: str | None = None, block_size: int | None = None) -> bool | str:
+        """Refuse, when the prompt is queued, a malformed dense_layers or one beyond any model (the
+        model's own block count is known only when the node runs: `execute` says it in the same
+        words) and a block_size that is not an allowed value (ComfyUI checks the ranges and choices
+        of the other widgets). A value linked from another node is None here and is checked in
+        `execute`."""
+        def check() -> None:
+            if dense_layers is not None:
+                check_dense_layers(dense_layers)
+            if block_size is not None:
+                check_block_size(block_size)
+
+        return validation_answer(check)
 
     @classmethod
     def execute(cls, model, **widgets) -> io.NodeOutput:
         """A clone of `model` whose H3 blocks run sparse attention under the widgets' config (the
-        model checked first, then the dense layers against its block count)."""
+        model checked first, then the dense layers against its block count); an optional widget a
+        prompt leaves out takes its default."""
         h3_diffusion_model(model, SPARSE_NODE_NAME)
-        config = config_from_widgets(widgets)
-        check_dense_layers(config, model_layer_count(model))
-        return io.NodeOutput(apply_sparse_attention(model, config))
+        if "dense_layers" in widgets:
+            check_dense_layers(widgets["dense_layers"], model_layer_count(model))
+        return io.NodeOutput(apply_sparse_attention(model, config_from_widgets(widgets)))

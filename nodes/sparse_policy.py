@@ -16,6 +16,7 @@ from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.dense.pays_from import describe, pays_at, saved
+from ..kernels.registry import resolve_family
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
@@ -26,6 +27,7 @@ from .core_sparse import (core_sparse_blocks, core_sparse_message, core_sparse_o
                           refuse_core_sparse)
 from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
+from .reference_notice import reference_kernel_notice
 from .schedule import ramp_ratio, schedule_reason, start_sigma, warmup_reason, warmup_sigma
 from .warm_start import WarmStart, start_during_warmup, take_over_before_sparse
 
@@ -248,8 +250,13 @@ class SparseAttentionHook(BlockHook):
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
         first sparse step stops a child still running, loads what it finished from Triton's cache and
-        compiles only the rest."""
+        compiles only the rest. Where the sparse blocks run the torch reference kernel, it says so once
+        per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim
+        family = resolve_family(config.kernel, device, dtype, head_dim=head_dim, block_size=config.block_size)
+        notice = reference_kernel_notice(family, self.config, device, dtype, head_dim)
+        if notice is not None:  # once per run, in the console (WARNING) and in the run's report
+            self.tracker.say_in_report(notice)
         with outside_allocation_graph():
             if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
                 return

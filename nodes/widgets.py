@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..backend.config import SparseConfig, settings
-from ..backend.index_lists import MAX_LAYERS, MAX_STEPS, check_indices, parse_layer_list
+from ..backend.index_lists import MAX_LAYERS, MAX_STEPS, parse_layer_list
 from ..backend.rules import Choice, Flag, Integer, LayerIndices, Number
 from ..backend.value_checks import show
 
@@ -45,6 +45,7 @@ class Widget:
     max: float | None = None
     step: float | None = None
     advanced: bool = False
+    optional: bool = False  # a prompt may leave it out: the node then takes `default`
 
     def accepts(self, value: Any) -> bool:
         """Whether `value` is a valid setting of this widget (as stored in a workflow)."""
@@ -60,7 +61,7 @@ class Widget:
         return numeric and self.min <= value <= self.max
 
 
-def config_widget(name: str, step: float | None = None, advanced: bool = False) -> Widget:
+def config_widget(name: str, step: float | None = None, advanced: bool = False, optional: bool = False) -> Widget:
     """The widget of SparseConfig field `name`: its kind, default, bounds or choices and tooltip
     are read from the field's declaration (`backend/config.py`), so the two cannot differ.
 
@@ -68,13 +69,14 @@ def config_widget(name: str, step: float | None = None, advanced: bool = False) 
         name: the SparseConfig field.
         step: the increment of a number widget (an int choice's step must walk exactly its choices).
         advanced: whether the widget folds away in the UI.
+        optional: whether a prompt may leave it out (an input added after the first release).
     Returns:
         The widget.
     """
     declared = settings()[name]
     rule = declared.rule
     default = ",".join(map(str, declared.default)) if isinstance(rule, LayerIndices) else declared.default
-    shown = dict(name=name, default=default, tooltip=declared.meaning, advanced=advanced)
+    shown = dict(name=name, default=default, tooltip=declared.meaning, advanced=advanced, optional=optional)
     if isinstance(rule, (Number, Integer)):
         return Widget(kind="float" if isinstance(rule, Number) else "int", min=rule.lo, max=rule.hi, step=step,
                       **shown)
@@ -90,6 +92,9 @@ def config_widget(name: str, step: float | None = None, advanced: bool = False) 
 
 
 # Every SparseConfig field but `kernel` (left to `auto` on the node), in the order the node shows them.
+# Saved UI workflows fill widgets by position: the order never changes and a new widget goes at the end.
+# Widgets added after the first release (0.1.0) are optional, so an API prompt saved before them still
+# runs with their defaults; ComfyUI lists optional inputs after the required ones, which keeps this order.
 SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("topk_ratio", step=0.01),
     config_widget("warmup_mode"),
@@ -103,10 +108,10 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("min_tokens", step=1, advanced=True),
     config_widget("block_size", step=64, advanced=True),
     config_widget("strict", advanced=True),
-    config_widget("dense_attention", advanced=True),
-    config_widget("routing_scores", advanced=True),
-    config_widget("precision"),  # saved workflows fill widgets by position: a new one goes at the end
-    config_widget("plan_reuse", advanced=True),
+    config_widget("dense_attention", advanced=True, optional=True),
+    config_widget("routing_scores", advanced=True, optional=True),
+    config_widget("precision", optional=True),
+    config_widget("plan_reuse", advanced=True, optional=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (
@@ -120,11 +125,13 @@ CAPTURE_WIDGETS: tuple[Widget, ...] = (
 
 
 def config_from_widgets(values: dict[str, Any]) -> SparseConfig:
-    """The `SparseConfig` of the sparse node's widget values (validated by SparseConfig)."""
-    missing = [w.name for w in SPARSE_WIDGETS if w.name not in values]
+    """The `SparseConfig` of the sparse node's widget values (validated by SparseConfig); an optional
+    widget left out (a prompt saved before it existed; None where ComfyUI passes that) takes its default."""
+    missing = [w.name for w in SPARSE_WIDGETS if w.name not in values and not w.optional]
     if missing:
         raise ValueError(f"{SPARSE_NODE_NAME}: missing widget values {missing}")
-    return SparseConfig(**{w.name: values[w.name] for w in SPARSE_WIDGETS})
+    return SparseConfig(**{w.name: values[w.name] for w in SPARSE_WIDGETS
+                           if w.name in values and not (w.optional and values[w.name] is None)})
 
 
 MAX_PREFIX_CHARS = 200  # characters of the capture node's filename_prefix
@@ -148,9 +155,24 @@ def model_layer_count(model: Any) -> int | None:
     return len(blocks) if blocks is not None and hasattr(blocks, "__len__") else None
 
 
-def check_dense_layers(config: SparseConfig, num_layers: int | None) -> None:
-    """Raise ValueError naming the dense_layers the model does not have."""
-    check_indices(config.dense_layers, f"{SPARSE_NODE_NAME}.dense_layers", *layer_bound(num_layers))
+def check_dense_layers(text: str, num_layers: int | None = None) -> tuple[int, ...]:
+    """The sparse node's dense_layers widget text parsed, or ValueError/TypeError naming the widget,
+    its text and the layers allowed: those the model has, or at most MAX_LAYERS when the model is not
+    known yet (when the prompt is queued). One message for both moments.
+
+    Args:
+        text: the widget's text, e.g. "0-2,49".
+        num_layers: the model's block count, or None.
+    Returns:
+        The sorted layer indices.
+    """
+    return parse_layer_list(text, f"{SPARSE_NODE_NAME}.dense_layers", *layer_bound(num_layers))
+
+
+def check_block_size(value: Any) -> int:
+    """The sparse node's block_size when it is one of SparseConfig's allowed values (ComfyUI's own
+    check of an int widget knows only its min and max), else ValueError naming the widget."""
+    return settings()["block_size"].rule.check(f"{SPARSE_NODE_NAME}.block_size", value)
 
 
 def capture_selection(layers: str, steps: str, num_layers: int | None = None

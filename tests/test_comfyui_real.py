@@ -302,6 +302,9 @@ def test_server_prompt_runs_the_sparse_path(server):
     report = history["outputs"]["8"]["text"][0]  # what the report node shows, read through the API
     assert report.startswith("Sparse steps (0-based): 1-3; dense-only steps: 0\nBlock calls: 12 sparse, 4 dense; "
                              "layers that ran sparse: 0-1; layers always dense: none\n"), report
+    # on the CPU the sparse blocks run the torch reference kernel: the report says so
+    assert "\nNote: sparse blocks run the pure-torch reference kernel, which is correct but slower than dense " \
+           "attention: the model runs on the CPU; " in report, report
     assert re.search(r"Why blocks ran dense:\n- warmup \(sigma above [0-9.]+, the sigma at warmup_ratio=0.25\): "
                      r"4 block calls$", report), report
     assert progress_text == {"8": report}  # the text the frontend draws on the node
@@ -315,10 +318,12 @@ def test_workflow_node_types_exist_in_object_info(server):
     assert {"AdaptiveSparseAttentionH3", "CaptureH3Attention", "SparseAttentionReportH3"} <= set(info)
     assert info["SparseAttentionReportH3"]["output_node"] is True
     assert "/extensions/adaptive_sparse_attention/report.js" in get_json(url + "/extensions")  # WEB_DIRECTORY
-    ours = info["AdaptiveSparseAttentionH3"]["input"]["required"]
+    ours = info["AdaptiveSparseAttentionH3"]["input_order"]
     from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
 
-    assert list(ours) == ["model"] + [w.name for w in SPARSE_WIDGETS]
+    # the frontend lays widgets out required first, then optional: the order of SPARSE_WIDGETS
+    assert ours["required"] + ours["optional"] == ["model"] + [w.name for w in SPARSE_WIDGETS]
+    assert ours["optional"] == [w.name for w in SPARSE_WIDGETS if w.optional]
     from adaptive_sparse_attention.nodes.widgets import SPARSE_SEARCH_ALIASES
 
     assert info["AdaptiveSparseAttentionH3"]["search_aliases"] == list(SPARSE_SEARCH_ALIASES)
@@ -402,6 +407,7 @@ def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
         (sparse_prompt(dense_layers="0-99999999999999999999"), "dense_layers", "out of range: expected indices 0-1023"),
         (sparse_prompt(dense_layers="0-2," * 2000), "dense_layers", "at most 1024 characters"),
         (sparse_prompt(dense_layers="0;rm -rf /"), "dense_layers", "is not an index or a range"),
+        (sparse_prompt(block_size=100), "block_size", "=100 is not allowed: expected one of 64, 128"),
         (capture_prompt(layers="1-" + "9" * 500), "layers", "out of range"),
         (capture_prompt(steps="1e9"), "steps", "is not an index or a range"),
         (capture_prompt(filename_prefix="a\x00b"), "filename_prefix", "printable characters"),
@@ -416,7 +422,9 @@ def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
         assert any(f".{widget}=" in d and text in d for d in details), (widget, details)
     when_run = [
         (sparse_prompt(topk_ratio=float("nan")), "SparseConfig.topk_ratio=nan is not allowed"),
-        (sparse_prompt(dense_layers="0,1,2-5"), "dense_layers: indices 2-5 out of range: expected 0-1 (the model has 2"),
+        (sparse_prompt(dense_layers="0,1,2-5"), "Adaptive Sparse Attention (MiniMax-H3).dense_layers='0,1,2-5' is "
+                                                 "not allowed: 2-5 out of range: expected indices 0-1 (the model has 2 "
+                                                 "layers)"),
         (capture_prompt(layers="0-7"), "layers='0-7' is not allowed: 2-7 out of range: expected indices 0-1"),
         (capture_prompt(filename_prefix="../../outside"), "must name a file inside the output folder"),
     ]
@@ -429,6 +437,22 @@ def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
         assert errors[0]["exception_type"] in ("ValueError", "TypeError")
     get_json(url + "/system_stats")
     assert run_prompt(url, log_path, sparse_prompt(topk_ratio=0.5))["status"]["status_str"] == "success"
+
+
+def test_a_prompt_saved_before_the_later_widgets_is_queued_and_runs(server):
+    """An API prompt without the widgets added after the first release (precision among them) passes
+    ComfyUI's validation at /prompt and runs with their defaults."""
+    from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS
+
+    url, log_path = server
+    prompt = sparse_prompt()
+    later = [w.name for w in SPARSE_WIDGETS if w.optional]
+    assert "precision" in later
+    for name in later:
+        del prompt["2"]["inputs"][name]
+    history = run_prompt(url, log_path, prompt)
+    assert history["status"]["status_str"] == "success", json.dumps(history["status"])[:3000]
+    assert history["outputs"]["7"]["finite"] == [True, True]
 
 
 def test_bundled_workflows_are_listed_and_served_as_templates(server):

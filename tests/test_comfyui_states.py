@@ -68,7 +68,8 @@ def test_multigpu_cfg_split_runs_each_device_with_its_own_state(comfy, two_devic
             half = {**WHOLE_RUN, "blocks_dense": 2, "blocks_sparse": 6}
             assert report_of(clone) == half
             assert report_of(split) == half
-    assert not caplog.records
+    # nothing but the CPU's reference-kernel warning (the CPU runs the torch kernel; once per run and device)
+    assert not [r for r in caplog.records if "pure-torch reference kernel" not in r.getMessage()]
 
 
 def copied(value):

@@ -235,6 +235,25 @@ def test_output_names_are_comfyuis():
     assert [o["name"] for o in node["outputs"]] == ["images", "audio", "fps", "bit_depth"]
 
 
+# The sparse node's widgets in the order saved UI workflows store their values (by position): those of
+# the first release (0.1.0), then each one added since, at the end. Reordering or renaming any of them
+# breaks saved workflows; one added later must be optional, so saved API prompts keep running.
+FIRST_RELEASE = ("topk_ratio", "warmup_mode", "sparse_scope", "tail_granularity", "warmup_ratio", "tiling",
+                 "reblock_layout", "tail", "dense_layers", "min_tokens", "block_size", "strict")
+ADDED_LATER = ("dense_attention", "routing_scores", "precision", "plan_reuse")
+
+
+def test_widget_order_is_kept_and_widgets_added_later_are_optional():
+    assert tuple(w.name for w in SPARSE_WIDGETS) == FIRST_RELEASE + ADDED_LATER
+    assert tuple(w.name for w in SPARSE_WIDGETS if w.optional) == ADDED_LATER
+    first = {w.name: w.default for w in SPARSE_WIDGETS if not w.optional}
+    assert config_from_widgets(first) == SparseConfig()  # a prompt saved by the first release
+    assert config_from_widgets({**first, "precision": "bf16"}).precision == "bf16"
+    assert config_from_widgets({**first, "precision": None}) == SparseConfig()
+    with pytest.raises(ValueError, match=r"missing widget values \['strict'\]"):
+        config_from_widgets({k: v for k, v in first.items() if k != "strict"})
+
+
 # The widgets as they were before `precision` was added: a workflow saved then has these values.
 BEFORE_PRECISION = ("topk_ratio", "warmup_mode", "sparse_scope", "tail_granularity", "warmup_ratio", "tiling",
                     "reblock_layout", "tail", "dense_layers", "min_tokens", "block_size", "strict", "dense_attention",
