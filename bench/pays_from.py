@@ -17,7 +17,7 @@ from ..backend.config import SparseConfig
 from ..kernels.dense.choice import DenseChoices
 from ..kernels.dense.pays_from import crossover, pays_from_key
 from ..timer import median_ms
-from .scenes import SceneSize
+from .scenes import SceneSize, strided_qkv
 
 LADDER = (2, 4, 7, 12, 17, 24, 37)  # latent frames: about 2,300 to 38,000 tokens
 
@@ -43,8 +43,6 @@ def measure(sizes: list[SceneSize], device: torch.device, dtype: torch.dtype, co
     Returns:
         (the saved value, [(tokens, sparse ms, dense ms)]).
     """
-    from .prepare import strided_qkv
-
     timings = []
     for size in sizes:
         q, k, v = strided_qkv(size.total, size.heads, size.head_dim, dtype, device)

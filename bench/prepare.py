@@ -31,7 +31,7 @@ from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from ..notices import logger
-from .scenes import SIZES
+from .scenes import SIZES, strided_qkv
 
 log = logger()
 CLIPS = {"5s": "h3-5s", "10s": "h3-10s", "14s": "h3-14s", "30s": "h3-30s"}
@@ -43,15 +43,6 @@ def comfy_user_dir(pack_dir: Path) -> Path | None:
     if pack_dir.parent.name == "custom_nodes" and (pack_dir.parent.parent / "main.py").is_file():
         return pack_dir.parent.parent / "user"
     return None
-
-
-def strided_qkv(rows: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random q, k, v [1, H, S, D] laid out as ComfyUI's H3 attention hands them to the dense kernel:
-    strided views of one fused [S, 3 * H * D] projection (so the dense choice's key matches)."""
-    g = torch.Generator(device).manual_seed(0)
-    qkv = torch.randn(1, rows, 3, heads, head_dim, generator=g, device=device, dtype=dtype)
-    return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
 
 
 def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: SparseConfig,

@@ -364,3 +364,12 @@ def h3_qkv(layout: SequenceLayout, heads: int, dim: int, dtype: torch.dtype,
     g = torch.Generator(device="cuda").manual_seed(seed)
     buf = torch.randn(1, layout.total, 3, heads, dim, device="cuda", dtype=dtype, generator=g)
     return tuple(buf[:, :, i].transpose(1, 2) for i in range(3))
+
+
+def strided_qkv(rows: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v [1, H, S, D] laid out as ComfyUI's H3 attention hands them to the dense kernel:
+    strided views of one fused [S, 3 * H * D] projection (so the dense choice's key matches)."""
+    g = torch.Generator(device).manual_seed(0)
+    qkv = torch.randn(1, rows, 3, heads, head_dim, generator=g, device=device, dtype=dtype)
+    return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))

@@ -58,8 +58,10 @@ def core_sparse_message(title: str, order: str, blocks: int) -> str:
 
 
 def gated_blocks(diffusion_model: Any) -> int:
-    """Blocks whose attention carries a ``to_gate_compress`` layer (distilled FastH3 checkpoints)."""
-    return sum(getattr(b.attn, "to_gate_compress", None) is not None for b in diffusion_model.blocks)
+    """Blocks whose attention carries a ``to_gate_compress`` layer (distilled FastH3 checkpoints); a model
+    without H3's block list (a stand-in, another wrapper) has none."""
+    blocks = getattr(diffusion_model, "blocks", None) or ()
+    return sum(getattr(getattr(b, "attn", None), "to_gate_compress", None) is not None for b in blocks)
 
 
 def fasth3_message(title: str, gated: int, total: int) -> str:

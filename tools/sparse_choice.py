@@ -17,7 +17,7 @@ import torch
 
 from adaptive_sparse_attention.backend.attention import sparse_attention
 from adaptive_sparse_attention.backend.config import SparseConfig
-from adaptive_sparse_attention.bench.prepare import strided_qkv
+from adaptive_sparse_attention.bench.scenes import strided_qkv
 from adaptive_sparse_attention.bench.scenes import SIZES
 from adaptive_sparse_attention.bench.timing import bench_ms
 from adaptive_sparse_attention.kernels.sparse_choice.choice import SparseChoices
