@@ -17,6 +17,7 @@ def test_every_package_folder_is_listed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(("adaptive_sparse_attention",) + p.parent.relative_to(ROOT).parts)
              for p in ROOT.rglob("__init__.py")
-             if not {"tests", ".venv", "build", "docs", "tools"} & set(p.relative_to(ROOT).parts)}
+             if not any(part.startswith(".") or part in ("tests", "build", "docs", "tools")
+                        for part in p.relative_to(ROOT).parts)}
     assert found - listed == set(), f"package folders missing from pyproject.toml: {sorted(found - listed)}"
     assert listed - found == set(), f"pyproject.toml lists packages that do not exist: {sorted(listed - found)}"
