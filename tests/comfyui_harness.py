@@ -7,10 +7,15 @@ settings, `summaries` reads the run summaries our node logs.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -91,3 +96,46 @@ def sparse(model, **changes):
 
 def summaries(caplog) -> list[tuple[int, ...]]:
     return [tuple(map(int, m.groups())) for r in caplog.records if (m := SUMMARY.search(r.getMessage()))]
+
+
+def layer_qkv(attn, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [1, H, S, D] as the model's own Attention.forward hands them to attention."""
+    import comfy.ldm.minimax.model as h3
+
+    seen = {}
+
+    def capture(q, k, v, heads, **kwargs):
+        seen.update(q=q.take(), k=k.take(), v=v.take())
+        return torch.zeros(1, x.shape[0], heads * attn.head_dim, dtype=x.dtype)
+    original = h3.optimized_attention
+    h3.optimized_attention = capture
+    try:
+        attn(x, rope_freqs=rope, transformer_options={})
+    finally:
+        h3.optimized_attention = original
+    return seen["q"], seen["k"], seen["v"]
+
+
+CORE_SPARSE = "comfy_extras.nodes_sparse_attention"  # ComfyUI's core "Model Sparse Attention" (newer than the pin)
+
+
+@contextmanager
+def core_sparse_node(form: str, selection: dict) -> Iterator[Callable | None]:
+    """apply(model) of ComfyUI's core sparse node: the real one with `selection` where this ComfyUI has it
+    (None for the form "chains", which only the stand-in has), else core_sparse_standin.py in `form`."""
+    if importlib.util.find_spec(CORE_SPARSE) is not None:
+        real = importlib.import_module(CORE_SPARSE)
+
+        def apply(model):
+            return real.BlockSparseAttention.execute(model, selection=selection, start_percent=0.2,
+                                                     end_percent=1.0).result[0]
+        yield None if form == "chains" else apply
+        return
+    spec = importlib.util.spec_from_file_location(CORE_SPARSE, Path(__file__).with_name("core_sparse_standin.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[CORE_SPARSE] = module
+    try:
+        spec.loader.exec_module(module)
+        yield functools.partial(module.apply_block_sparse_attention, form=form)
+    finally:
+        del sys.modules[CORE_SPARSE]

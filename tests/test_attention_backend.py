@@ -6,29 +6,12 @@ test_comfyui_attention_backend.py runs the real node before and after ours.
 """
 from __future__ import annotations
 
-import functools
-import sys
-import types
-
 import torch
+from attention_standins import ATTENTION, Patcher, comfy_function, launched
 
 from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.nodes.precision import MODEL_CHOICE, identity, model_choice, resolve_precision
 from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
-
-ATTENTION = "comfy.ldm.modules.attention"
-
-
-def comfy_function(name: str, module: str = ATTENTION, result=None):
-    """A function named as ComfyUI's `name`, wrapped as ComfyUI's wrap_attn wraps its attention functions."""
-    def inner(*args, **kwargs):
-        return result
-    inner.__module__, inner.__qualname__, inner.__name__ = module, name, name
-
-    @functools.wraps(inner)
-    def wrapper(*args, **kwargs):
-        return inner(*args, **kwargs)
-    return wrapper
 
 
 def set_model_optimized_attention(optimized_attention):
@@ -38,26 +21,6 @@ def set_model_optimized_attention(optimized_attention):
     optimized_attention_override.__module__ = "comfy.model_patcher"
     optimized_attention_override.__qualname__ = MODEL_CHOICE.removeprefix("comfy.model_patcher.")
     return optimized_attention_override
-
-
-class Patcher:
-    """What the hook reads of a ModelPatcher when sampling starts."""
-
-    def __init__(self, diffusion_model, override=None):
-        self.diffusion_model = diffusion_model
-        self.model_options = {"transformer_options": {} if override is None else
-                              {"optimized_attention_override": override}}
-
-    def get_model_object(self, name):
-        return self.diffusion_model if name == "diffusion_model" else None
-
-
-def launched(monkeypatch, bound: str):
-    """A model whose module bound `optimized_attention` at import, as ComfyUI's H3 module does."""
-    module = types.ModuleType("fake_h3_model")
-    module.optimized_attention = comfy_function(bound)
-    monkeypatch.setitem(sys.modules, "fake_h3_model", module)
-    return type("MiniMaxH3Model", (torch.nn.Module,), {"__module__": "fake_h3_model"})()
 
 
 def test_the_chosen_function_is_read_from_comfyuis_override():

@@ -32,7 +32,8 @@ import os
 import pytest
 import torch
 
-from comfyui_harness import CKPT, TINY, comfy, needs_comfyui, sample, save_tiny_h3, sparse, summaries  # noqa: F401
+from comfyui_harness import (CKPT, TINY, comfy, layer_qkv, needs_comfyui, sample, save_tiny_h3, sparse,  # noqa: F401
+                             summaries)
 from gguf_files import write_gguf
 
 from adaptive_sparse_attention.backend import producer
@@ -85,24 +86,6 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def layer_qkv(attn, x, rope, head_dim):
-    """q, k, v [1, H, S, D] as the model's own Attention.forward hands them to attention."""
-    import comfy.ldm.minimax.model as h3
-
-    seen = {}
-
-    def capture(q, k, v, heads, **kwargs):
-        seen.update(q=q.take(), k=k.take(), v=v.take())
-        return torch.zeros(1, x.shape[0], heads * head_dim, dtype=x.dtype)
-    original = h3.optimized_attention
-    h3.optimized_attention = capture
-    try:
-        attn(x, rope_freqs=rope, transformer_options={})
-    finally:
-        h3.optimized_attention = original
-    return seen["q"], seen["k"], seen["v"]
-
-
 def block_inputs(seq: int, hidden: int, rot_pairs: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(seq, hidden, generator=g).to(dtype)
@@ -144,7 +127,7 @@ def test_qkv_equals_the_gguf_layers_own_bit_for_bit(comfy, gguf_pack, gguf_files
     assert weight_path(attn.qkv_proj) == "cast"
     x, rope = block_inputs(53, dims["hidden_size"], 3 * dims["rope_inv_freq_len"], torch.float32)
     rows = 16  # 4 chunks, the last of 5 rows
-    chunked = [torch.cat(t, dim=2) for t in zip(*(layer_qkv(attn, x[a:a + rows], rope[:, a:a + rows], D)
+    chunked = [torch.cat(t, dim=2) for t in zip(*(layer_qkv(attn, x[a:a + rows], rope[:, a:a + rows])
                                                    for a in range(0, x.shape[0], rows)))]
     groups = [(0, H)] if chunks is None else [(0, 1), (1, 2)]
     with qkv_projection(attn.qkv_proj, x, H, D) as projection:

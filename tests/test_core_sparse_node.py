@@ -8,40 +8,22 @@ Uses the real core node when the checkout has it, else both forms of `core_spars
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from comfyui_harness import CKPT, comfy, needs_comfyui, sample, sparse  # noqa: F401 (comfy is a fixture)
+from comfyui_harness import CKPT, comfy, core_sparse_node, needs_comfyui, sample, sparse  # noqa: F401 (fixture)
 
 pytestmark = needs_comfyui
 MESSAGE = r"Model Sparse Attention.*applied {} this node.*Keep one of the two nodes"
-NAME = "comfy_extras.nodes_sparse_attention"
 
 
 @pytest.fixture(scope="module", params=["real-or-replaces", "chains"])
 def core_node(comfy, request):  # noqa: F811
     """apply(model) of the core node: the real one when ComfyUI has it, else a stand-in form."""
-    if importlib.util.find_spec(NAME) is not None:
-        if request.param == "chains":
-            pytest.skip("this ComfyUI has the real core node (tested in the other parametrization)")
-        real = importlib.import_module(NAME)
-
-        def apply(model):
-            return real.BlockSparseAttention.execute(model, selection={"selection": "sol-attn", "tau": 1.3},
-                                                     start_percent=0.2, end_percent=1.0).result[0]
-        yield apply
-        return
-    spec = importlib.util.spec_from_file_location(NAME, Path(__file__).with_name("core_sparse_standin.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[NAME] = module
-    spec.loader.exec_module(module)
     form = "chains" if request.param == "chains" else "replaces"
-    yield functools.partial(module.apply_block_sparse_attention, form=form)
-    del sys.modules[NAME]
+    with core_sparse_node(form, {"selection": "sol-attn", "tau": 1.3}) as apply:
+        if apply is None:
+            pytest.skip("this ComfyUI has the real core node (tested in the other parametrization)")
+        yield apply
 
 
 def test_core_node_first_then_ours_stops_at_patch_time(comfy, core_node):  # noqa: F811

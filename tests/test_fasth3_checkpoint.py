@@ -10,22 +10,18 @@ file carries, as current upstream's loader would.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import inspect
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from comfyui_harness import TINY, comfy, needs_comfyui, sample, save_tiny_h3, sparse  # noqa: F401 (fixture)
+from comfyui_harness import (TINY, comfy, core_sparse_node, needs_comfyui, sample,  # noqa: F401 (fixture)
+                             save_tiny_h3, sparse)
 
 pytestmark = needs_comfyui
 GATED = "tiny_h3_fasth3.safetensors"
-CORE = "comfy_extras.nodes_sparse_attention"
 VSA = "ComfyUI's core 'Model Sparse Attention' node (BlockSparseAttention) with method vsa"
 
 
@@ -67,22 +63,10 @@ def fasth3(comfy):  # noqa: F811
 @pytest.fixture(scope="module", params=["replaces", "chains"])
 def core_node(comfy, request):  # noqa: F811
     """apply(model) of the core node's patching: the real node with vsa when ComfyUI has it, else a stand-in."""
-    if importlib.util.find_spec(CORE) is not None:
-        if request.param == "chains":
+    with core_sparse_node(request.param, {"selection": "vsa", "keep_percent": 10}) as apply:
+        if apply is None:
             pytest.skip("this ComfyUI has the real core node (tested in the other parametrization)")
-        real = importlib.import_module(CORE)
-
-        def apply(model):
-            return real.BlockSparseAttention.execute(model, selection={"selection": "vsa", "keep_percent": 10},
-                                                     start_percent=0.2, end_percent=1.0).result[0]
         yield apply
-        return
-    spec = importlib.util.spec_from_file_location(CORE, Path(__file__).with_name("core_sparse_standin.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[CORE] = module
-    spec.loader.exec_module(module)
-    yield functools.partial(module.apply_block_sparse_attention, form=request.param)
-    del sys.modules[CORE]
 
 
 def warnings_with(caplog, text: str) -> list[str]:

@@ -3,29 +3,14 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 
 import pytest
-import torch
+from attention_standins import ATTENTION, Patcher, comfy_function, launched
 
 from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.nodes.dense_override import DenseOverride
 from adaptive_sparse_attention.nodes.precision import identity, is_eight_bit, launch_attention, resolve_precision
 from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
-
-ATTENTION = "comfy.ldm.modules.attention"
-
-
-def comfy_function(name: str, module: str = ATTENTION):
-    """A function named as ComfyUI's `name`, wrapped as ComfyUI's wrap_attn wraps its attention functions."""
-    def inner(*args, **kwargs):
-        return None
-    inner.__module__, inner.__qualname__, inner.__name__ = module, name, name
-
-    @functools.wraps(inner)
-    def wrapper(*args, **kwargs):
-        return inner(*args, **kwargs)
-    return wrapper
 
 
 def test_config_validates_precision():
@@ -79,39 +64,24 @@ def test_auto_follows_another_nodes_override_and_explicit_settings_win():
     assert resolve_precision("auto", None, None)[0] == "bf16"
 
 
-class Patcher:
-    """What the hook reads of a ModelPatcher when sampling starts."""
-
-    def __init__(self, diffusion_model, override=None):
-        self.diffusion_model = diffusion_model
-        self.model_options = {"transformer_options": {} if override is None else
-                              {"optimized_attention_override": override}}
-
-    def get_model_object(self, name):
-        return self.diffusion_model if name == "diffusion_model" else None
-
-
 @pytest.fixture
-def launched(monkeypatch):
+def launch(monkeypatch):
     """A model class whose module bound `optimized_attention` as ComfyUI's H3 module does at import."""
-    def launch(bound: str):
-        module = types.ModuleType("fake_h3_model")
-        module.optimized_attention = comfy_function(bound)
-        monkeypatch.setitem(sys.modules, "fake_h3_model", module)
-        model = type("MiniMaxH3Model", (torch.nn.Module,), {"__module__": "fake_h3_model"})()
-        assert launch_attention(model) is module.optimized_attention
+    def model(bound: str):
+        model = launched(monkeypatch, bound)
+        assert launch_attention(model) is sys.modules["fake_h3_model"].optimized_attention
         return model
-    return launch
+    return model
 
 
 @pytest.mark.parametrize("setting,bound,expected", [
     ("auto", "attention_sage", "8-bit"), ("auto", "attention_pytorch", "bf16"), ("bf16", "attention_sage", "bf16"),
     ("8-bit", "attention_pytorch", "8-bit")])
-def test_the_engine_and_the_dense_override_get_the_resolved_precision(launched, setting, bound, expected):
+def test_the_engine_and_the_dense_override_get_the_resolved_precision(launch, setting, bound, expected):
     hook = SparseAttentionHook(SparseConfig(precision=setting))
     assert hook.engine_config.precision in ("bf16", "8-bit")
     assert hook.config.precision == setting
-    hook.on_pre_run(Patcher(launched(bound)))
+    hook.on_pre_run(Patcher(launch(bound)))
     assert hook.engine_config.precision == hook.dense_override.precision == expected
     assert hook.tracker.precision[0] == expected  # auto stays auto
     assert hook.config.precision == setting
@@ -120,7 +90,7 @@ def test_the_engine_and_the_dense_override_get_the_resolved_precision(launched, 
     assert twin.dense_override is not hook.dense_override
 
 
-def test_our_own_override_is_not_another_nodes(launched):
+def test_our_own_override_is_not_another_nodes(launch):
     hook = SparseAttentionHook(SparseConfig())
-    hook.on_pre_run(Patcher(launched("attention_pytorch"), override=hook.dense_override))
+    hook.on_pre_run(Patcher(launch("attention_pytorch"), override=hook.dense_override))
     assert hook.tracker.precision == ("bf16", f"auto: ComfyUI runs {ATTENTION}.attention_pytorch, which is not 8-bit")

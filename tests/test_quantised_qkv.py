@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import pytest
 
-from comfyui_harness import CKPT, TINY, comfy, needs_comfyui, sample, sparse  # noqa: F401
+from comfyui_harness import CKPT, TINY, comfy, layer_qkv, needs_comfyui, sample, sparse  # noqa: F401
 
 from adaptive_sparse_attention.backend import producer
 from adaptive_sparse_attention.bench import checkpoints
@@ -120,24 +120,6 @@ def dequantisations(monkeypatch):
         return original(self)
     monkeypatch.setattr(QuantizedTensor, "dequantize", counted)
     return seen
-
-
-def layer_qkv(attn, x, rope):
-    """q, k, v [1, H, S, D] as the model's own Attention.forward hands them to attention."""
-    import comfy.ldm.minimax.model as h3
-
-    seen = {}
-
-    def capture(q, k, v, heads, **kwargs):
-        seen.update(q=q.take(), k=k.take(), v=v.take())
-        return torch.zeros(1, x.shape[0], heads * D, dtype=x.dtype)
-    original = h3.optimized_attention
-    h3.optimized_attention = capture
-    try:
-        attn(x, rope_freqs=rope, transformer_options={})
-    finally:
-        h3.optimized_attention = original
-    return seen["q"], seen["k"], seen["v"]
 
 
 def block_inputs(seq: int, dtype: torch.dtype):
