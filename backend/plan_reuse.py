@@ -27,9 +27,9 @@ save nothing.
 
 Ownership: a `PlanStore` belongs to one patched model's run state (`nodes/run_tracker.py`), holds at
 most `MAX_SLOTS` slots (least recently used first out) and is cleared when the run ends. Steps a step
-cache (EasyCache) skipped never reach the planner, so they do not count. A slot of a 10 s H3 block
-(56 heads, ratio 0.1) keeps about 65 MB on the GPU: permutations 16 MB, q2k table 15 MB (30 at 0.2),
-bf16 block means 33 MB; 50 blocks x 2 branches (cfg > 1) about 6.5 GB.
+cache (EasyCache) skipped never reach the planner, so they do not count. A slot keeps the plan's
+permutations, its q2k table and the bf16 block means on the GPU (docs/node-details.md has the size
+at 10 s).
 """
 from __future__ import annotations
 

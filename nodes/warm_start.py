@@ -54,7 +54,7 @@ def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, de
     """The run shape one child prepares: what `prepare_kernels` keys a layout's preparation by (the
     kernel-deciding config fields, dtype, device, head size), and the layout. Per layout, not per
     class: a clip length whose row-width buckets (radix-select rows, reblock levels) are new compiles
-    those kernels, 1.2-1.3 s on an H200, which the child takes off the first call too."""
+    those kernels (BENCHMARKS.md has the time), which the child takes off the first call too."""
     return (kernel_fields(config), dtype, str(device), head_dim, layout.signature())
 
 
