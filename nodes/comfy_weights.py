@@ -201,10 +201,13 @@ class ForwardProjection:
 
 
 def activation_scale(x: torch.Tensor, layout: str, pre: torch.Tensor | None) -> torch.Tensor | None:
-    """The input scale ComfyUI's layer passes when quantising all of x at once, for a layout whose
-    scale depends on the data (nvfp4: the tensor's absolute maximum over the fp4 x fp8 range);
-    None where quantising leaves no data-dependent per-tensor scale (fp8: 1, mxfp8: per block).
-    The maximum is taken chunk by chunk (exact), so no full-size copy of x is made."""
+    """The input scale ComfyUI's layer uses when quantising all of x at once: for nvfp4 the tensor's
+    absolute maximum over the fp4 x fp8 range (taken chunk by chunk, exact, so no full-size copy of x
+    is made); for fp8 the 1 its layout makes when given none, made once here instead of once per chunk
+    (the producer's chunks are host-bound on Hopper: BENCHMARKS.md, quantised checkpoints); None where
+    the scale is per block (mxfp8)."""
+    if layout in FP8_LAYOUTS:
+        return torch.ones((), device=x.device, dtype=torch.float32)
     if layout != "TensorCoreNVFP4Layout":
         return None
     from comfy_kitchen.float_utils import F4_E2M1_MAX, F8_E4M3_MAX
