@@ -6,7 +6,9 @@
 # issue that touches kernels, and record the summary in BENCHMARKS.md:
 #     bash tools/gpu_ci.sh              # both runs
 #     bash tools/gpu_ci.sh suite        # or one of them: suite, gpu
-# Writes gpu_ci_<run>.log and gpu_ci_summary.txt under $OUT (default: a new temp folder, printed).
+# Writes gpu_ci_<run>.log (with the 25 slowest tests) and gpu_ci_summary.txt under $OUT (default: a new temp
+# folder, printed). The suite alone nearly fills a 10-minute device call (BENCHMARKS.md, "The test suite on
+# the H200"): give it a call of its own.
 # Exit status 0 when every run passes, 1 when a test fails, 2 without a CUDA GPU or on a bad argument.
 set -u
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,7 +40,7 @@ print(f'versions: python {platform.python_version()}, torch {torch.__version__},
 status=0
 for run in $runs; do
     if [ "$run" = suite ]; then args=(tests); else args=(tests -m gpu); fi
-    python3 -m pytest "${args[@]}" -q -rfE -p no:cacheprovider > "$out/gpu_ci_$run.log" 2>&1; rc=$?
+    python3 -m pytest "${args[@]}" -q -rfE --durations=25 -p no:cacheprovider > "$out/gpu_ci_$run.log" 2>&1; rc=$?
     counts=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|error|deselected)' "$out/gpu_ci_$run.log" | tail -n 1 | tr -d '=')
     printf '%-9s python3 -m pytest %s -> %s (exit %d)\n' "$run:" "${args[*]}" "$counts" "$rc" | tee -a "$out/gpu_ci_summary.txt"
     grep -E '^(FAILED|ERROR) ' "$out/gpu_ci_$run.log"
