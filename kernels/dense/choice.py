@@ -38,7 +38,7 @@ from ...timer import median_ms
 from ...version import __version__
 from ..registry import DENSE_KERNELS
 from ..triton.offsets import wide_rows
-from .store import ChoiceFile, choice_path
+from .store import MAX_CHOICES, ChoiceFile, Remembered, choice_path
 
 log = logger()
 
@@ -54,7 +54,6 @@ LABELS = {"cudnn": "SDPA cuDNN", "flash": "SDPA FlashAttention-2", "efficient": 
 SAMPLE_ROWS = 4096  # queries timed per candidate: the ranking depends on the keys, not on the query count
 CHECK_ROWS = 128  # of those, compared with the float32 reference, in the first and last head
 REPS = 3
-MAX_CHOICES = 64  # shape buckets kept in memory; a model uses a handful
 _UNKNOWN = object()  # no choice in memory yet
 
 
@@ -267,7 +266,7 @@ def exact_error(run: Callable[[str], torch.Tensor], reference: torch.Tensor, all
     return None
 
 
-class DenseChoices:
+class DenseChoices(Remembered):
     """The dense kernel of each shape bucket: measured, or saved by an earlier process and checked.
 
     One object per owner (a node's patched model, shared by its clones: the choices are facts of
@@ -393,13 +392,6 @@ class DenseChoices:
         else:
             log.info("dense attention for %s runs on %s (measured in this process)", key, label(choice))
         return self.remember(key, choice)
-
-    def remember(self, key: str, choice: str | None) -> str | None:
-        """Keep `choice` in memory, dropping the oldest beyond MAX_CHOICES."""
-        self.choices[key] = choice
-        while len(self.choices) > MAX_CHOICES:
-            del self.choices[next(iter(self.choices))]
-        return choice
 
     def candidates(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: HostAttention | None,
                    precision: str) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""`ChoiceFile`: a small JSON map of str -> str that several processes read and extend safely.
+"""`ChoiceFile`: a small JSON map of str -> str that several processes read and extend safely; `Remembered`:
+the bounded in-memory side of a choice object.
 
 The measured dense- and sparse-kernel choices outlive a process in such files. Whatever is at the path is
 untrusted: a file that is not a regular file (a FIFO, a directory, a device), too large, not JSON,
@@ -18,7 +19,7 @@ import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 try:
     import fcntl
@@ -36,6 +37,8 @@ log = logger()
 MAX_BYTES = 256 * 1024  # a few hundred entries of about 150 bytes; anything larger is not ours
 MAX_ENTRIES = 512  # the oldest entries beyond this are dropped when saving
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+MAX_CHOICES = 64  # shape classes a choice object keeps in memory; a model uses a handful
+T = TypeVar("T")
 
 
 def choice_path(env: str, user_dir: str | os.PathLike | None, user_name: str, cache_name: str) -> Path:
@@ -72,6 +75,19 @@ def flat_strings(text: str) -> dict[str, str]:
     if bad is not None:
         raise ValueError(f"the entry {bad[:80]!r} is {json.dumps(data[bad])[:20]}, not a string")
     return data
+
+
+class Remembered:
+    """Choices kept in memory by key (`self.choices`), at most MAX_CHOICES, the oldest dropped first."""
+
+    choices: dict
+
+    def remember(self, key: str, choice: T) -> T:
+        """Keep `choice` under `key`, dropping the oldest beyond MAX_CHOICES; returns it."""
+        self.choices[key] = choice
+        while len(self.choices) > MAX_CHOICES:
+            del self.choices[next(iter(self.choices))]
+        return choice
 
 
 class ChoiceFile:

@@ -35,7 +35,7 @@ from ...notices import Notices, logger
 from ...timer import median_ms
 from ...version import __version__
 from ..dense.choice import describe, device_key, tolerance
-from ..dense.store import ChoiceFile, choice_path
+from ..dense.store import MAX_CHOICES, ChoiceFile, Remembered, choice_path
 from ..plan import BlockSparsePlan, QuerySummaries
 from ..registry import SPARSE_KERNELS, current_host
 from ..vocabulary import SparseKernel, Target
@@ -45,7 +45,6 @@ log = logger()
 
 CACHE_ENV = "ADAPTIVE_SPARSE_SPARSE_CACHE"
 REPS = 3  # timed calls per candidate, after one untimed
-MAX_CHOICES = 64  # shape classes kept in memory; a model uses a handful
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def shape_class(q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
             f"ratio {share:.2f} tail {tail} bound {precision}")
 
 
-class SparseChoices:
+class SparseChoices(Remembered):
     """The sparse kernel of each shape class: measured, or saved by an earlier process and checked.
 
     One object per owner (a node's patched model, shared by its clones: the choices are facts of the
@@ -208,13 +207,6 @@ class SparseChoices:
         """Say once that a candidate is skipped, and keep the reason for the choice's summary."""
         self.notices.say(f"{message}: skipped", logging.WARNING)
         said.append(message.removeprefix("sparse kernel "))
-
-    def remember(self, key: str, choice: Choice) -> Choice:
-        """Keep `choice` in memory, dropping the oldest beyond MAX_CHOICES."""
-        self.choices[key] = choice
-        while len(self.choices) > MAX_CHOICES:
-            del self.choices[next(iter(self.choices))]
-        return choice
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, precision: str,
                fallback: tuple[str, Any], strict: bool, notices: Notices) -> tuple[torch.Tensor, torch.Tensor, str, str]:
