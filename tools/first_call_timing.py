@@ -11,7 +11,9 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   the second clip length gets its own child during ``--dense-s2`` seconds of dense attention.
 
 Per clip it prints: preparation s (the node's `prepare_kernels`, after the wait), wait s, first call s,
-warm call s (median of 3) and first - warm; per scenario the dense choice's first use (all candidates)
+warm call s (median of 3) and first - warm, and the Triton specialisations this process built during the
+preparation and the first call (Triton's compile hooks: a kernel compiled, or loaded from the disk cache, for
+arguments it had not seen) with their seconds, so a first call's cost is split into compiling and the rest; per scenario the dense choice's first use (all candidates)
 and, in a new chooser on the same file with a host function, the narrowed one (only the saved winner
 and the host's function). Run from the repository root with the package importable:
 
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 CLIPS = "72:810,67:754"  # latent frames:audio tokens; 10 s (243 frames), then 226 frames (another row bucket)
@@ -42,6 +45,34 @@ def synced(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+@contextmanager
+def built_kernels():
+    """The Triton specialisations this process builds inside the block: a list of (kernel, seconds),
+    from Triton's jit_cache_hook (before a build) and jit_post_compile_hook (after it); None where this
+    Triton has no such hooks (before 3.4)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        yield None
+        return
+    built, started = [], {}
+
+    def before(*, key, fn, **_):
+        started[str(key)] = time.perf_counter()
+        return False  # build it: this only records
+
+    def after(*, key, fn, **_):
+        built.append((fn.name, time.perf_counter() - started.pop(str(key), time.perf_counter())))
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+    try:
+        yield built
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
 
 
 def dense_for(seconds: float, q, k, v, warmup_step=None) -> int:
@@ -95,8 +126,10 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
             row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim)
             row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
             row["wait_s"] = synced(lambda: take_over_before_sparse(warm, layout, config, dtype, device, dim))
-        row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
-        row["first_s"] = synced(lambda: sparse_attention(q, k, v, layout, config))
+        with built_kernels() as built:
+            row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
+            row["first_s"] = synced(lambda: sparse_attention(q, k, v, layout, config))
+        row["built"] = built
         row["warm_s"] = statistics.median(synced(lambda: sparse_attention(q, k, v, layout, config)) for _ in range(3))
         if i == 0:
             path = Path(os.environ["ADAPTIVE_SPARSE_DENSE_CACHE"])
@@ -113,20 +146,28 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
 
 def table(results: list[dict]) -> str:
     lines = ["| scenario | clip | tokens | child | dense calls | prepared in warmup s | wait s | prepare s | "
-             "first call s | warm call s | first - warm s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "first call s | warm call s | first - warm s | kernels built (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for c in r["clips"]:
             wait = "-" if c["wait_s"] is None else f"{c['wait_s']:.2f}"
             during = "-" if c["warmup_prepare_s"] is None else f"{c['warmup_prepare_s']:.2f}"
             lines.append(f"| {r['scenario']} | {c['clip']} | {c['tokens']} | {c.get('child', '-')} | {c['dense_calls']} "
                          f"| {during} | {wait} | {c['prepare_s']:.2f} | {c['first_s']:.3f} | {c['warm_s']:.3f} | "
-                         f"{c['first_s'] - c['warm_s'] + c['prepare_s']:.2f} |")
+                         f"{c['first_s'] - c['warm_s'] + c['prepare_s']:.2f} | " +
+                         ("not recorded" if c["built"] is None else
+                          f"{len(c['built'])} ({sum(t for _, t in c['built']):.2f})") + " |")
     lines.append("")
     lines.append("prepare s is the node's preparation at the first sparse step (after the wait; near 0 when a warmup "
                  "step prepared already); first - warm s counts it too: what the first sparse call of that clip costs "
                  "over a warm one, apart from the wait. Dense choice, first use of a bucket: " + "; ".join(
                      f"{r['scenario']}: all candidates {r['dense_first_use_s']:.2f} s, narrowed with a host function "
                      f"{r['dense_narrowed_s']:.2f} s" for r in results))
+    for r in results:
+        for c in r["clips"]:
+            if c["built"]:
+                lines.append(f"kernels built, {r['scenario']} {c['clip']}: " +
+                             ", ".join(f"{name} {t:.2f} s" for name, t in c["built"]))
     return "\n".join(lines)
 
 
