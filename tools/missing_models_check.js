@@ -9,22 +9,12 @@
 // then, from the repository root:
 //   node tools/missing_models_check.js http://127.0.0.1:8199 docs/workflows/missing_models.png workflows/*.json
 // Exit code 1 when a workflow's panel lacks one of its loaders' files or a Download button.
-const { chromium } = require('playwright-core');
-const fs = require('fs');
-const path = require('path');
+const { launch, loadWorkflow } = require('./frontend');
 
 const LOADERS = new Set(['UNETLoader', 'CLIPLoader', 'VAELoader']);
 
 async function missingModels(page, url, file) {
-  const workflow = JSON.parse(fs.readFileSync(file, 'utf8'));
-  await page.goto(url, { waitUntil: 'domcontentloaded' });
-  await page.waitForFunction(() => window.app && window.app.graph, null, { timeout: 120000 });
-  await page.waitForTimeout(2000);
-  await page.keyboard.press('Escape');
-  const name = path.basename(file, '.json');
-  await page.evaluate(([wf, name]) => window.app.loadGraphData(wf, true, true, name,
-    { showMissingModelsDialog: true, showMissingNodesDialog: true }), [workflow, name]);
-  await page.waitForTimeout(3000);
+  const { workflow } = await loadWorkflow(page, url, file, { dialogs: true, settleMs: 3000 });
   const details = page.getByText('View details');
   if (await details.count()) {
     await details.first().click();
@@ -51,8 +41,7 @@ async function missingModels(page, url, file) {
     console.error('usage: node tools/missing_models_check.js URL OUT.png WORKFLOW.json...');
     process.exit(2);
   }
-  const browser = await chromium.launch({ executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-                                          args: ['--no-sandbox'] });
+  const browser = await launch();
   const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
   let failed = false;
   for (const [i, file] of files.entries()) {

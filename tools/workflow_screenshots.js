@@ -12,20 +12,11 @@
 // scratch base directory. Then, from the repository root:
 //   node tools/workflow_screenshots.js http://127.0.0.1:8199 docs/workflows workflows/*.json
 // Exit code 1 when a workflow shows a node type the server does not know (a red, missing node).
-const { chromium } = require('playwright-core');
-const fs = require('fs');
 const path = require('path');
+const { launch, loadWorkflow } = require('./frontend');
 
 async function open(page, url, file) {
-  const workflow = JSON.parse(fs.readFileSync(file, 'utf8'));
-  await page.goto(url, { waitUntil: 'domcontentloaded' });
-  await page.waitForFunction(() => window.app && window.app.graph, null, { timeout: 120000 });
-  await page.waitForTimeout(2000);
-  await page.keyboard.press('Escape');
-  const name = path.basename(file, '.json');
-  await page.evaluate(([wf, name]) => window.app.loadGraphData(wf, true, true, name,
-    { showMissingModelsDialog: false, showMissingNodesDialog: false }), [workflow, name]);
-  await page.waitForTimeout(4000);
+  const { name } = await loadWorkflow(page, url, file, { dialogs: false, settleMs: 4000 });
   // close what the frontend opens over the graph (the template browser of a new user, toasts)
   await page.evaluate(() => document.querySelectorAll(
     '[role="dialog"] button[aria-label="Close"], .p-dialog-close-button, .p-toast-close-button')
@@ -53,8 +44,7 @@ async function open(page, url, file) {
                              ['LiteGraph.Canvas.MinFontSizeForLOD', 0]]) {
     await fetch(`${url}/settings/${id}`, { method: 'POST', body: JSON.stringify(value) });
   }
-  const browser = await chromium.launch({ executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-                                          args: ['--no-sandbox'] });
+  const browser = await launch();
   let failed = false;
   for (const file of files) {  // a fresh context each: no tabs of the workflows before
     const page = await browser.newPage({ viewport: { width: 2400, height: 1350 } });
