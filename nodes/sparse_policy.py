@@ -253,8 +253,11 @@ class SparseAttentionHook(BlockHook):
         compiles only the rest. Where the sparse blocks run the torch reference kernel, it says so once
         per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim
-        family = resolve_family(config.kernel, device, dtype, head_dim=head_dim, block_size=config.block_size)
-        notice = reference_kernel_notice(family, self.config, device, dtype, head_dim)
+        notice = layout.cache.get(  # resolved once per layout and call kind, not at every block call
+            "reference_notice", (self.config.kernel, self.config.block_size, str(device), dtype, head_dim),
+            lambda: reference_kernel_notice(resolve_family(config.kernel, device, dtype, head_dim=head_dim,
+                                                           block_size=config.block_size),
+                                            self.config, device, dtype, head_dim))
         if notice is not None:  # once per run, in the console (WARNING) and in the run's report
             self.tracker.say_in_report(notice)
         with outside_allocation_graph():
