@@ -90,6 +90,13 @@ def dense_for(seconds: float, q, k, v, warmup_step=None) -> int:
     return calls
 
 
+def child_output(job) -> str:
+    """What a `nodes.warm_start.Job`'s child has written so far (read at an explicit offset: the file's own
+    offset is the child's too, so seeking it could make the child write over its start)."""
+    fd = job.output.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
+
+
 def clip_layout(spec: str):
     from adaptive_sparse_attention import SequenceLayout
 
@@ -106,7 +113,8 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
     from adaptive_sparse_attention import SparseConfig, sparse_attention
     from adaptive_sparse_attention.backend.warmup import prepare_kernels
     from adaptive_sparse_attention.kernels.dense.choice import DenseChoices, HostAttention
-    from adaptive_sparse_attention.nodes.warm_start import WarmStart, start_during_warmup, take_over_before_sparse
+    from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, start_during_warmup,
+                                                             take_over_before_sparse)
 
     device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
     config = SparseConfig(precision="bf16", kernel=kernel)
@@ -119,12 +127,22 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
         row = {"clip": clip, "tokens": layout.total, "wait_s": None, "dense_calls": 0, "warmup_prepare_s": None}
         if name == "child":
             def warmup_step() -> None:  # what SparseAttentionHook.prepare does at a warmup step
+                job = warm.jobs.get(key)
+                if job is not None and row["child_up_s"] is None and "compiling the kernels" in child_output(job):
+                    row["child_up_s"] = time.perf_counter() - job.started  # its imports done, to a dense call
                 if row["warmup_prepare_s"] is None and not start_during_warmup(warm, layout, config, dtype, device,
                                                                                dim):
                     row["warmup_prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
 
+            key = job_key(layout, config, dtype, device, dim)
+            row["child_up_s"] = None
             row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim)
             row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
+            job = warm.jobs.get(key)
+            if job is not None:
+                job.poll()
+                row["child_s"] = None if job.ended is None else job.ended - job.started  # None: still running
+                row["child_output"] = child_output(job)[-2000:]
             row["wait_s"] = synced(lambda: take_over_before_sparse(warm, layout, config, dtype, device, dim))
         with built_kernels() as built:
             row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
@@ -146,8 +164,8 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
 
 def table(results: list[dict]) -> str:
     lines = ["| scenario | clip | tokens | child | dense calls | prepared in warmup s | wait s | prepare s | "
-             "first call s | warm call s | first - warm s | kernels built (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "first call s | warm call s | first - warm s | kernels built (s) | child up s | child done s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for c in r["clips"]:
             wait = "-" if c["wait_s"] is None else f"{c['wait_s']:.2f}"
@@ -156,7 +174,8 @@ def table(results: list[dict]) -> str:
                          f"| {during} | {wait} | {c['prepare_s']:.2f} | {c['first_s']:.3f} | {c['warm_s']:.3f} | "
                          f"{c['first_s'] - c['warm_s'] + c['prepare_s']:.2f} | " +
                          ("not recorded" if c["built"] is None else
-                          f"{len(c['built'])} ({sum(t for _, t in c['built']):.2f})") + " |")
+                          f"{len(c['built'])} ({sum(t for _, t in c['built']):.2f})") + " | " +
+                         " | ".join("-" if c.get(f) is None else f"{c[f]:.1f}" for f in ("child_up_s", "child_s")) + " |")
     lines.append("")
     lines.append("prepare s is the node's preparation at the first sparse step (after the wait; near 0 when a warmup "
                  "step prepared already); first - warm s counts it too: what the first sparse call of that clip costs "
