@@ -1,9 +1,10 @@
 """Kernel preparation ahead of the first sparse step: compile once, announce it, keep it out of steps.
 
 The Triton kernels specialise only on what a clip length cannot change (dtype, head size, block
-size, config) and on the power-of-two bucket of row widths, so one call with the real layout but
-a single head compiles every kernel the sparse steps will launch, at a small fraction of a step's
-memory and time. The node runs it at the first block call of a layout (a dense warmup step in the
+size, config), on the power-of-two bucket of row widths and, where a launch picks its chunk by how
+many programs it has (the reblock split's wide levels), on the head count. So one call with the real
+layout and the real head count, its Q/K/V one random head expanded over the heads (no memory per
+head), compiles every kernel the sparse steps will launch. The node runs it at the first block call of a layout (a dense warmup step in the
 default schedule), after saying so; Triton keeps what it compiled in its on-disk cache for later
 processes, and `python -m adaptive_sparse_attention prepare` fills that cache ahead.
 """
@@ -41,7 +42,7 @@ def first_use_message(layout: SequenceLayout, dtype: torch.dtype, head_dim: int)
 
 
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-                    head_dim: int, announce: Callable[[str], None] | None = None) -> float | None:
+                    head_dim: int, heads: int, announce: Callable[[str], None] | None = None) -> float | None:
     """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
 
     Nothing runs when the call's kernel family compiles nothing (the torch reference) or the layout was
@@ -50,14 +51,14 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
     Args:
         layout: the packed-sequence layout the sparse steps will see.
         config: their configuration (its kernel family is resolved here: strict raises when it cannot run).
-        dtype, device, head_dim: of their Q/K/V.
+        dtype, device, head_dim, heads: of their Q/K/V ([B, heads, S, head_dim]).
         announce: also shows the message before the wait (e.g. in ComfyUI's UI); it is always logged.
     Returns:
         Seconds spent, or None when nothing was to do.
     """
     if not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return None
-    key = (kernel_fields(config), dtype, str(device), head_dim)
+    key = (kernel_fields(config), dtype, str(device), head_dim, heads)
     if layout.cache.has("prepared", key):
         return None
 
@@ -69,8 +70,8 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         start = time.perf_counter()
         g = torch.Generator(device).manual_seed(0)
         q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
-                   for _ in range(3))
-        scratch = SequenceLayout(layout.segments)  # what this one-head call builds goes with it
+                   .expand(1, heads, layout.total, head_dim) for _ in range(3))
+        scratch = SequenceLayout(layout.segments)  # what this call builds goes with it
         scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
         scratch.cache.notices = layout.cache.notices  # what it says is said once for the layout
         sparse_attention(q, k, v, scratch, config)

@@ -65,7 +65,7 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
     for clip in clips:
         size = SIZES[CLIPS[clip]]
         start = time.perf_counter()
-        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim)
+        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim, size.heads)
         kernels_s = time.perf_counter() - start
         echo(f"prepare {clip} ({size.total} tokens): sparse kernels "
              + ("already prepared" if compiled is None else f"ready in {kernels_s:.1f} s"))
@@ -104,7 +104,7 @@ def measure_sparse(size, device: torch.device, dtype: torch.dtype, config: Spars
     return seconds
 
 
-SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "device")
+SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "heads", "device")
 SHAPE_BUDGET_S = 600  # a --shape run still going after this exits with 1 (no parent need be there to stop it)
 
 
@@ -113,7 +113,8 @@ def prepare_shape(spec: str, echo=print) -> float | None:
 
     Args:
         spec: JSON with "segments" ([start, stop, kind, grid or null] rows), "config" (SparseConfig fields),
-            "dtype" (a `DTYPES` value's name), "head_dim" and "device" (written by `nodes.warm_start.shape_spec`).
+            "dtype" (a `DTYPES` value's name), "head_dim", "heads" and "device" (written by
+            `nodes.warm_start.shape_spec`).
         echo: prints one line.
     Returns:
         Seconds spent, or None when nothing compiles for this shape.
@@ -130,7 +131,7 @@ def prepare_shape(spec: str, echo=print) -> float | None:
     device = torch.device(fields["device"])
     echo(f"prepare --shape: compiling the kernels for {layout.total} tokens on {device}")
     seconds = prepare_kernels(layout, SparseConfig(**fields["config"]), dtypes[fields["dtype"]], device,
-                              int(fields["head_dim"]))
+                              int(fields["head_dim"]), int(fields["heads"]))
     echo("prepare --shape: " + ("nothing compiles for this shape" if seconds is None else f"ready in {seconds:.1f} s"))
     return seconds
 

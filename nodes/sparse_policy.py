@@ -252,7 +252,8 @@ class SparseAttentionHook(BlockHook):
         first sparse step stops a child still running, loads what it finished from Triton's cache and
         compiles only the rest. Where the sparse blocks run the torch reference kernel, it says so once
         per run (`reference_kernel_notice`)."""
-        config, head_dim = self.engine_config, attn.head_dim
+        config, head_dim, heads = self.engine_config, attn.head_dim, attn.heads  # KJNodes' head chunks run fewer
+        # heads a call: their first sparse call may then compile a chunk-size variant of the reblock split
         notice = layout.cache.get(  # resolved once per layout and call kind, not at every block call
             "reference_notice", (self.config.kernel, self.config.block_size, str(device), dtype, head_dim),
             lambda: reference_kernel_notice(resolve_family(config.kernel, device, dtype, head_dim=head_dim,
@@ -261,10 +262,10 @@ class SparseAttentionHook(BlockHook):
         if notice is not None:  # once per run, in the console (WARNING) and in the run's report
             self.tracker.say_in_report(notice)
         with outside_allocation_graph():
-            if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim):
+            if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim, heads):
                 return
-            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim)
-            prepare_kernels(layout, config, dtype, device, head_dim, announce=progress_text)
+            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, heads)
+            prepare_kernels(layout, config, dtype, device, head_dim, heads, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:
         """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``),

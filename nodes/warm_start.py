@@ -50,26 +50,26 @@ MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a ha
 
 
 def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-            head_dim: int) -> tuple:
+            head_dim: int, heads: int) -> tuple:
     """The run shape one child prepares: what `prepare_kernels` keys a layout's preparation by (the
-    kernel-deciding config fields, dtype, device, head size), and the layout. Per layout, not per
+    kernel-deciding config fields, dtype, device, head size and count), and the layout. Per layout, not per
     class: a clip length whose row-width buckets (radix-select rows, reblock levels) are new compiles
     those kernels (BENCHMARKS.md has the time), which the child takes off the first call too."""
-    return (kernel_fields(config), dtype, str(device), head_dim, layout.signature())
+    return (kernel_fields(config), dtype, str(device), head_dim, heads, layout.signature())
 
 
 def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-             head_dim: int) -> bool:
+             head_dim: int, heads: int) -> bool:
     """Whether this process prepared the layout's kernels already (`prepare_kernels`' record, same key)."""
-    return layout.cache.has("prepared", (kernel_fields(config), dtype, str(device), head_dim))
+    return layout.cache.has("prepared", (kernel_fields(config), dtype, str(device), head_dim, heads))
 
 
 def shape_spec(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-               head_dim: int) -> str:
+               head_dim: int, heads: int) -> str:
     """The JSON the child's ``prepare --shape`` reads (`bench.prepare.prepare_shape`)."""
     return json.dumps({"segments": [[s.start, s.stop, s.kind, s.grid] for s in layout.segments],
                        "config": dict(kernel_fields(config)), "dtype": str(dtype).removeprefix("torch."),
-                       "head_dim": head_dim, "device": str(device)})
+                       "head_dim": head_dim, "heads": heads, "device": str(device)})
 
 
 def prepare_command(spec: str) -> list[str]:
@@ -228,7 +228,7 @@ class WarmStart:
 
 
 def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
-                        device: torch.device, head_dim: int) -> bool:
+                        device: torch.device, head_dim: int, heads: int) -> bool:
     """At a warmup step: start the child for this run shape when its kernels compile on this GPU and
     this layout is not prepared yet. Returns whether the child is still running (the warmup step then
     leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads
@@ -236,15 +236,15 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
     (cuDNN-frontend's kernels), while the steps are still dense."""
     if device.type != "cuda" or not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return False
-    if prepared(layout, config, dtype, device, head_dim):
+    if prepared(layout, config, dtype, device, head_dim, heads):
         return False
-    return warm.start(job_key(layout, config, dtype, device, head_dim),
-                      shape_spec(layout, config, dtype, device, head_dim))
+    return warm.start(job_key(layout, config, dtype, device, head_dim, heads),
+                      shape_spec(layout, config, dtype, device, head_dim, heads))
 
 
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
-                            device: torch.device, head_dim: int) -> bool | None:
+                            device: torch.device, head_dim: int, heads: int) -> bool | None:
     """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`)."""
-    if not warm.jobs or prepared(layout, config, dtype, device, head_dim):
+    if not warm.jobs or prepared(layout, config, dtype, device, head_dim, heads):
         return None
-    return warm.take_over(job_key(layout, config, dtype, device, head_dim))
+    return warm.take_over(job_key(layout, config, dtype, device, head_dim, heads))

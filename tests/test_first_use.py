@@ -32,7 +32,8 @@ def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comf
 
     monkeypatch.setattr(server.PromptServer, "instance", UI(), raising=False)
     compile_call = warmup.sparse_attention
-    monkeypatch.setattr(warmup, "sparse_attention", lambda *a, **kw: events.append(("prepare",)) or compile_call(*a, **kw))
+    monkeypatch.setattr(warmup, "sparse_attention",
+                        lambda q, *a, **kw: events.append(("prepare", q.shape[1], q.stride(1))) or compile_call(q, *a, **kw))
     config = SparseConfig(kernel="triton", tiling="cube", topk_ratio=0.25, warmup_ratio=0.5, min_tokens=0, strict=True)
     model = apply_sparse_attention(nodes.UNETLoader().load_unet(CKPT, "default")[0], config)
     with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"), CurrentNodeContext("prompt", "7"):
@@ -43,7 +44,10 @@ def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comf
     assert node == "7"
     assert "preparing the sparse-attention kernels" in text
     assert "prepare" in text
-    assert events.index(texts[0]) < events.index(("prepare",))  # said before the wait
+    heads = model.model.diffusion_model.blocks[0].attn.heads
+    assert heads > 1
+    # the real head count (a launch may pick its chunk by its programs), one head's memory: expanded, stride 0
+    assert events.index(texts[0]) < events.index(("prepare", heads, 0))  # said before the wait
     logged = [r.getMessage() for r in caplog.records]
     assert text in logged
     assert any("kernels ready in" in m for m in logged)

@@ -310,10 +310,10 @@ def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     hook = SparseAttentionHook(config(warmup_mode="fidelity", dense_layers="1"))
     run_model(model, hook, args, True)
     assert hook.tracker.stats.sparse_blocks == 0  # a warmup step
-    (layout, cfg, dtype, device, head_dim), = prepared  # layer 0 only: layer 1 is always dense
+    (layout, cfg, dtype, device, head_dim, heads), = prepared  # layer 0 only: layer 1 is always dense
     assert layout == layout_of(PACKED)
     assert cfg is hook.engine_config
-    assert head_dim == model.blocks[0].attn.head_dim
+    assert (head_dim, heads) == (model.blocks[0].attn.head_dim, model.blocks[0].attn.heads)
     assert cfg.precision == "bf16"  # resolved: the engine never sees "auto"
 
 

@@ -5,9 +5,11 @@ processes running stand-in compile jobs, and once the real ``install.py prepare 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from adaptive_sparse_attention import SequenceLayout, SparseConfig
 from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, prepare_command, shape_spec,
                                                         start_during_warmup, take_over_before_sparse)
 
+ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = [(0, 64, "text"), (64, 64 + 4 * 8 * 8, "video", (4, 8, 8))]
 
 
@@ -126,10 +129,10 @@ def test_the_real_child_command_prepares_a_shape():
     """``install.py prepare --shape`` in a child process, on the torch kernel (nothing compiles on the CPU)."""
     layout = SequenceLayout.from_segments(LAYOUT)
     config = SparseConfig(kernel="torch")
-    spec = shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64)
+    spec = shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64, 2)
     warm = WarmStart()
     assert warm.command is prepare_command
-    key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64)
+    key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64, 2)
     assert warm.start(key, spec)
     ended(warm, key)
     assert warm.take_over(key) is True, warm.jobs[key].last_line()
@@ -140,13 +143,13 @@ def test_the_shape_spec_rebuilds_the_layout_and_config():
     from adaptive_sparse_attention.bench.prepare import prepare_shape
 
     layout = SequenceLayout.from_segments(LAYOUT)
-    spec = shape_spec(layout, SparseConfig(kernel="torch", topk_ratio=0.3), torch.float16, torch.device("cpu"), 64)
+    spec = shape_spec(layout, SparseConfig(kernel="torch", topk_ratio=0.3), torch.float16, torch.device("cpu"), 64, 3)
     lines = []
     assert prepare_shape(spec, lines.append) is None
     assert lines[0] == "prepare --shape: compiling the kernels for 320 tokens on cpu"
     with pytest.raises(ValueError, match="dtype='int8' is not allowed: bfloat16, float16"):
         prepare_shape(spec.replace('"float16"', '"int8"'))
-    with pytest.raises(ValueError, match="exactly the keys segments, config, dtype, head_dim, device"):
+    with pytest.raises(ValueError, match="exactly the keys segments, config, dtype, head_dim, heads, device"):
         prepare_shape('{"segments": []}')
 
 
@@ -154,10 +157,11 @@ def test_no_child_where_nothing_compiles_or_without_a_gpu():
     """On the CPU (interpreter or torch kernel) the node prepares in this process as before."""
     layout = SequenceLayout.from_segments(LAYOUT)
     warm = WarmStart(stand_in("raise SystemExit(1)"))
-    assert not start_during_warmup(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"), 64)
+    assert not start_during_warmup(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"), 64,
+                               2)
     assert warm.jobs == {}
     assert take_over_before_sparse(warm, layout, SparseConfig(kernel="torch"), torch.bfloat16, torch.device("cpu"),
-                                   64) is None
+                                   64, 2) is None
 
 
 @pytest.mark.gpu
@@ -170,11 +174,37 @@ def test_the_child_fills_tritons_cache_for_the_run_shape(tmp_path, monkeypatch):
     layout = SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + 8 * 24 * 42, "video", (8, 24, 42))])
     config, device = SparseConfig(kernel="triton", precision="bf16"), torch.device("cuda")
     warm = WarmStart()
-    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)
-    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128)  # one child for the shape
+    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128, 4)
+    assert start_during_warmup(warm, layout, config, torch.bfloat16, device, 128, 4)  # one child for the shape
     assert len(warm.jobs) == 1
     job = next(iter(warm.jobs.values()))
     job.process.wait()
-    assert take_over_before_sparse(warm, layout, config, torch.bfloat16, device, 128) is True, job.last_line()
+    assert take_over_before_sparse(warm, layout, config, torch.bfloat16, device, 128, 4) is True, job.last_line()
     assert job.last_line().startswith("prepare --shape: ready in")
     assert any(cache.rglob("*.cubin"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_preparation_at_the_calls_head_count_leaves_the_first_sparse_call_nothing_to_build():
+    """`prepare_kernels` with the call's head count builds every Triton specialisation the call launches,
+    the reblock split's chunk of wide levels included (picked by its program count, heads x nodes: with one
+    head the first sparse step of a 10 s clip built it, 1.0 s)."""
+    pytest.importorskip("triton")
+    from adaptive_sparse_attention import sparse_attention
+    from adaptive_sparse_attention.backend.warmup import prepare_kernels
+
+    spec = importlib.util.spec_from_file_location("first_call_timing", ROOT / "tools" / "first_call_timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    # video levels of 40,320, 20,160 and 10,080 tokens are wide (over 8,192); 32 heads x 4 nodes reach 128 programs
+    layout = SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + 40 * 24 * 42, "video", (40, 24, 42))])
+    config, device, heads = SparseConfig(kernel="triton", precision="bf16"), torch.device("cuda"), 32
+    assert prepare_kernels(layout, config, torch.bfloat16, device, 128, heads) is not None
+    q, k, v = (torch.randn(1, heads, layout.total, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
+    with timing.built_kernels() as built:
+        if built is None:
+            pytest.skip("this Triton has no compile hooks (they came in 3.4)")
+        sparse_attention(q, k, v, layout, config)
+        torch.cuda.synchronize()
+    assert built == []

@@ -131,21 +131,21 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
                 if job is not None and row["child_up_s"] is None and "compiling the kernels" in child_output(job):
                     row["child_up_s"] = time.perf_counter() - job.started  # its imports done, to a dense call
                 if row["warmup_prepare_s"] is None and not start_during_warmup(warm, layout, config, dtype, device,
-                                                                               dim):
-                    row["warmup_prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
+                                                                               dim, heads):
+                    row["warmup_prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim, heads))
 
-            key = job_key(layout, config, dtype, device, dim)
+            key = job_key(layout, config, dtype, device, dim, heads)
             row["child_up_s"] = None
-            row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim)
+            row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim, heads)
             row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
             job = warm.jobs.get(key)
             if job is not None:
                 job.poll()
                 row["child_s"] = None if job.ended is None else job.ended - job.started  # None: still running
                 row["child_output"] = child_output(job)[-2000:]
-            row["wait_s"] = synced(lambda: take_over_before_sparse(warm, layout, config, dtype, device, dim))
+            row["wait_s"] = synced(lambda: take_over_before_sparse(warm, layout, config, dtype, device, dim, heads))
         with built_kernels() as built:
-            row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim))
+            row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim, heads))
             row["first_s"] = synced(lambda: sparse_attention(q, k, v, layout, config))
         row["built"] = built
         row["warm_s"] = statistics.median(synced(lambda: sparse_attention(q, k, v, layout, config)) for _ in range(3))
