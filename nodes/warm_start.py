@@ -8,8 +8,9 @@ launching the same kernel with the same specialisation loads it from there inste
 So at the first warmup step of a layout whose kernels compile, `WarmStart` starts
 ``install.py prepare --shape SPEC`` with ComfyUI's own Python (`sys.executable`) and environment
 (hence the same caches); it runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
-and head size, which launches exactly the kernels the sparse steps launch. The first warmup step
-after the child ended prepares in this process, which now loads them from the cache. A sparse step
+and head size at one head (`CHILD_HEADS`), which launches the kernels the sparse steps launch but for
+what depends on the head count. The first warmup step after the child ended prepares in this process at
+the real head count: it loads the child's kernels from the cache and builds the rest. A sparse step
 that comes before the child ended stops it and prepares in this process: what the child finished
 loads from the cache and only the rest compiles here, so the step waits only for what is not ready
 (waiting for the child instead would also wait for its start-up, seconds even on a warm cache, which
@@ -18,7 +19,7 @@ this process compiles the kernels itself, as it does without the child.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
-The child holds a CUDA context (about half a GiB of GPU memory) while it runs.
+The child holds a CUDA context (about half a GiB of GPU memory) and a one-head call's buffers while it runs.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ PACK_DIR = Path(__file__).resolve().parent.parent
 CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute;
 # the child also exits by itself then: bench.prepare.SHAPE_BUDGET_S)
 MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shapes
+CHILD_HEADS = 1  # the child prepares one head: it shares the GPU with the model's own steps, and a call's memory
+# grows with its heads; what only the real head count launches (the reblock split's wide-level chunk) is built by
+# this process's preparation at a warmup step after the child ended
 
 
 def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
@@ -65,11 +69,11 @@ def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, d
 
 
 def shape_spec(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-               head_dim: int, heads: int) -> str:
-    """The JSON the child's ``prepare --shape`` reads (`bench.prepare.prepare_shape`)."""
+               head_dim: int) -> str:
+    """The JSON the child's ``prepare --shape`` reads (`bench.prepare.prepare_shape`), at `CHILD_HEADS` heads."""
     return json.dumps({"segments": [[s.start, s.stop, s.kind, s.grid] for s in layout.segments],
                        "config": dict(kernel_fields(config)), "dtype": str(dtype).removeprefix("torch."),
-                       "head_dim": head_dim, "heads": heads, "device": str(device)})
+                       "head_dim": head_dim, "heads": CHILD_HEADS, "device": str(device)})
 
 
 def prepare_command(spec: str) -> list[str]:
@@ -239,7 +243,7 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
     if prepared(layout, config, dtype, device, head_dim, heads):
         return False
     return warm.start(job_key(layout, config, dtype, device, head_dim, heads),
-                      shape_spec(layout, config, dtype, device, head_dim, heads))
+                      shape_spec(layout, config, dtype, device, head_dim))
 
 
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import logging
 import sys
 import time
@@ -129,7 +130,7 @@ def test_the_real_child_command_prepares_a_shape():
     """``install.py prepare --shape`` in a child process, on the torch kernel (nothing compiles on the CPU)."""
     layout = SequenceLayout.from_segments(LAYOUT)
     config = SparseConfig(kernel="torch")
-    spec = shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64, 2)
+    spec = shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64)
     warm = WarmStart()
     assert warm.command is prepare_command
     key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64, 2)
@@ -143,7 +144,8 @@ def test_the_shape_spec_rebuilds_the_layout_and_config():
     from adaptive_sparse_attention.bench.prepare import prepare_shape
 
     layout = SequenceLayout.from_segments(LAYOUT)
-    spec = shape_spec(layout, SparseConfig(kernel="torch", topk_ratio=0.3), torch.float16, torch.device("cpu"), 64, 3)
+    spec = shape_spec(layout, SparseConfig(kernel="torch", topk_ratio=0.3), torch.float16, torch.device("cpu"), 64)
+    assert json.loads(spec)["heads"] == 1  # the child prepares one head: it shares the GPU with the model
     lines = []
     assert prepare_shape(spec, lines.append) is None
     assert lines[0] == "prepare --shape: compiling the kernels for 320 tokens on cpu"
