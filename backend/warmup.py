@@ -3,10 +3,11 @@
 The Triton kernels specialise only on what a clip length cannot change (dtype, head size, block
 size, config), on the power-of-two bucket of row widths and, where a launch picks its chunk by how
 many programs it has (the reblock split's wide levels), on the head count. So one call with the real
-layout and the real head count, its Q/K/V one random head expanded over the heads (no memory per
-head), compiles every kernel the sparse steps will launch. The node runs it at the first block call of a layout (a dense warmup step in the
-default schedule), after saying so; Triton keeps what it compiled in its on-disk cache for later
-processes, and `python -m adaptive_sparse_attention prepare` fills that cache ahead.
+layout and head count compiles every kernel the sparse steps will launch; its Q/K/V are one random
+head expanded over the heads (one head's memory), its buffers those of a sparse call of the block.
+The node runs it at the first block call of a layout (a dense warmup step in the default schedule),
+after saying so; Triton keeps what it compiled in its on-disk cache for later processes, and `python
+-m adaptive_sparse_attention prepare` fills that cache ahead.
 """
 from __future__ import annotations
 

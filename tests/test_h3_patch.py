@@ -12,7 +12,6 @@ import types
 import pytest
 import torch
 
-from adaptive_sparse_attention import sparse_attention
 from adaptive_sparse_attention.backend import producer
 from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_policy
 from adaptive_sparse_attention.nodes.model_patches import AttentionDispatch, block_hooks
@@ -315,6 +314,20 @@ def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     assert cfg is hook.engine_config
     assert (head_dim, heads) == (model.blocks[0].attn.head_dim, model.blocks[0].attn.heads)
     assert cfg.precision == "bf16"  # resolved: the engine never sees "auto"
+
+
+def test_kernels_are_prepared_at_the_head_count_of_one_call_under_head_groups(monkeypatch):
+    """With KJNodes' head groups a sparse call holds one group's heads: the preparation runs at the largest
+    group's count (its buffers grow with the heads, and head groups are there to keep memory down)."""
+    prepared = []
+    monkeypatch.setattr(sparse_policy, "prepare_kernels", lambda *a, announce: prepared.append(a))
+    model = model_of(True, seed=12)
+    args = block_args(model.blocks[0], PACKED, seed=13, new=True)
+    args["transformer_options"] = dict(options(step=0), minimax_head_chunks=2)
+    hook = SparseAttentionHook(config(warmup_mode="fidelity", dense_layers="1"))
+    run_model(model, hook, args, True)
+    heads = model.blocks[0].attn.heads
+    assert [a[-1] for a in prepared] == [-(-heads // 2)]
 
 
 def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_graph(monkeypatch):
