@@ -171,9 +171,10 @@ class SparseAttentionHook(BlockHook):
         return None
 
     def choose(self, layer: int, attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device, layout: SequenceLayout | None, warmup: str | None, heads: int) -> str | None:
-        """Why this block call runs dense, or None when it runs sparse (`heads`: of its sparse calls, one per
-        head group).
+               device: torch.device, layout: SequenceLayout | None, warmup: str | None,
+               head_chunks: Any) -> str | None:
+        """Why this block call runs dense, or None when it runs sparse (`head_chunks`: KJNodes' head groups, one
+        sparse call each).
 
         Prepares the kernels of the calls that run sparse and of the warmup steps of sparse layers;
         an unsupported call raises under `strict`, else its reason is logged once per run.
@@ -184,12 +185,12 @@ class SparseAttentionHook(BlockHook):
             self.note_size(shape[0], dtype, device)
         if reason is not None:
             if problem is None and schedule_reason(self.config, layer, None, shape[0]) is None:
-                self.prepare(attn, dtype, device, layout, heads, warmup=True)  # a warmup step of a sparse layer
+                self.prepare(attn, dtype, device, layout, head_chunks, warmup=True)  # a warmup step of a sparse layer
             return reason
         if problem is not None:
             self.refuse(layer, problem)
             return problem
-        self.prepare(attn, dtype, device, layout, heads)  # strict raises here when Triton is asked for and missing
+        self.prepare(attn, dtype, device, layout, head_chunks)  # strict raises here when Triton is asked for and missing
         return None
 
     def note_size(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -231,8 +232,8 @@ class SparseAttentionHook(BlockHook):
         precision, why = self.tracker.precision
         self.tracker.log_once(f"precision {precision} ({why})", logging.INFO)
         layout = self.layout(args, ctx)
-        heads = max(h1 - h0 for h0, h1 in head_groups(attn.heads, to.get("minimax_head_chunks", 1)))
-        reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, self.warmup(ctx), heads)
+        reason = self.choose(layer, attn, tuple(x.shape), x.dtype, x.device, layout, self.warmup(ctx),
+                             to.get("minimax_head_chunks", 1))
         if reason is None:
             self.note_other_override(to)
             return ctx.step, layout, self.step_config(ctx), tuple(to.get("cond_or_uncond") or ())
@@ -247,14 +248,16 @@ class SparseAttentionHook(BlockHook):
                                   "only; sparse blocks run adaptive sparse attention")
 
     def prepare(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device, layout: SequenceLayout,
-                heads: int, warmup: bool = False) -> None:
+                head_chunks: Any, warmup: bool = False) -> None:
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
         first sparse step stops a child still running, loads what it finished from Triton's cache and
-        compiles only the rest. Where the sparse blocks run the torch reference kernel, it says so once
+        compiles only the rest. It runs at the head count of one sparse call: the largest of KJNodes' head
+        groups (`head_chunks`). Where the sparse blocks run the torch reference kernel, it says so once
         per run (`reference_kernel_notice`)."""
-        config, head_dim = self.engine_config, attn.head_dim  # heads: of one sparse call (KJNodes' head groups)
+        config, head_dim = self.engine_config, attn.head_dim
+        heads = max(h1 - h0 for h0, h1 in head_groups(attn.heads, head_chunks))  # of one sparse call
         notice = layout.cache.get(  # resolved once per layout and call kind, not at every block call
             "reference_notice", (self.config.kernel, self.config.block_size, str(device), dtype, head_dim),
             lambda: reference_kernel_notice(resolve_family(config.kernel, device, dtype, head_dim=head_dim,
