@@ -42,6 +42,19 @@ def first_use_message(layout: SequenceLayout, dtype: torch.dtype, head_dim: int)
             "Python (or ComfyUI-Manager's install step), does this ahead.")
 
 
+def preparation_key(config: SparseConfig, dtype: torch.dtype, device: torch.device, head_dim: int,
+                    heads: int) -> tuple:
+    """What a layout's preparation is recorded under in its cache (job "prepared"): the kernel-deciding
+    config fields, dtype, device, head size and count."""
+    return (kernel_fields(config), dtype, str(device), head_dim, heads)
+
+
+def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+             head_dim: int, heads: int) -> bool:
+    """Whether this process prepared the layout's kernels already (`prepare_kernels`' record)."""
+    return layout.cache.has("prepared", preparation_key(config, dtype, device, head_dim, heads))
+
+
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
                     head_dim: int, heads: int, announce: Callable[[str], None] | None = None) -> float | None:
     """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
@@ -59,7 +72,7 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
     """
     if not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return None
-    key = (kernel_fields(config), dtype, str(device), head_dim, heads)
+    key = preparation_key(config, dtype, device, head_dim, heads)
     if layout.cache.has("prepared", key):
         return None
 

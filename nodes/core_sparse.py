@@ -25,12 +25,17 @@ def double_block_patches(model_options: dict) -> dict[int, Callable]:
     return {key[1]: fn for key, fn in dit.items() if len(key) == 2 and key[0] == "double_block"}
 
 
+def is_core_patch(fn: Callable | None) -> bool:
+    """Whether a block replacement itself is ComfyUI's core sparse node's."""
+    return getattr(fn, "__module__", None) == CORE_SPARSE_MODULE or hasattr(fn, CORE_SPARSE_MARK)
+
+
 def is_core_sparse(fn: Callable | None) -> bool:
     """Whether a block replacement, or one it chains (this pack's `previous`, the core node's own
     `_block_sparse_attention_previous`), is ComfyUI's core sparse node's."""
     seen = 0
     while fn is not None and seen < 64:  # chains are a few nodes long; the bound only stops a cycle
-        if getattr(fn, "__module__", None) == CORE_SPARSE_MODULE or hasattr(fn, CORE_SPARSE_MARK):
+        if is_core_patch(fn):
             return True
         fn, seen = getattr(fn, "previous", None), seen + 1
     return False
@@ -45,7 +50,7 @@ def core_sparse_order(model_options: dict) -> str | None:
     """Where the core sparse node sits relative to this pack's patches: "after" when it patched the
     blocks last, "before" when this pack's patches chain it, None when it is not on the model."""
     patches = double_block_patches(model_options).values()
-    if any(getattr(fn, "__module__", None) == CORE_SPARSE_MODULE or hasattr(fn, CORE_SPARSE_MARK) for fn in patches):
+    if any(is_core_patch(fn) for fn in patches):
         return "after"
     return "before" if any(is_core_sparse(fn) for fn in patches) else None
 

@@ -97,8 +97,10 @@ class SparseAttentionHook(BlockHook):
         attention to it (`leave_reason`), said once at WARNING and in the report."""
         if self.config.strict:
             refuse_core_sparse(model_options, self.title, order)
-        elif order == "before" and core_sparse_blocks(model_options):
-            self.announce(core_sparse_message(self.title, order, len(core_sparse_blocks(model_options))))
+        elif order == "before":
+            blocks = core_sparse_blocks(model_options)
+            if blocks:
+                self.announce(core_sparse_message(self.title, order, len(blocks)))
 
     def announce(self, message: str) -> None:
         """Say `message` at WARNING and keep it for the report, here and in the hooks this one was

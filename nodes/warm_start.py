@@ -40,7 +40,7 @@ import torch
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import layout_kernels
-from ..backend.warmup import kernel_fields
+from ..backend.warmup import kernel_fields, preparation_key, prepared
 from ..notices import Notices, logger
 
 log = logger()
@@ -59,13 +59,7 @@ def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, de
     kernel-deciding config fields, dtype, device, head size and count), and the layout. Per layout, not per
     class: a clip length whose row-width buckets (radix-select rows, reblock levels) are new compiles
     those kernels (BENCHMARKS.md has the time), which the child takes off the first call too."""
-    return (kernel_fields(config), dtype, str(device), head_dim, heads, layout.signature())
-
-
-def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-             head_dim: int, heads: int) -> bool:
-    """Whether this process prepared the layout's kernels already (`prepare_kernels`' record, same key)."""
-    return layout.cache.has("prepared", (kernel_fields(config), dtype, str(device), head_dim, heads))
+    return (*preparation_key(config, dtype, device, head_dim, heads), layout.signature())
 
 
 def shape_spec(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,

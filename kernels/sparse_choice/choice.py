@@ -11,9 +11,9 @@ file (`dense/store.ChoiceFile`) so later processes take the same kernel after on
 first call, and named once in the console. Afterwards a call is a dictionary lookup on metadata:
 no host synchronisation.
 
-At call time a chosen kernel that raises (issue 46: cuDNN-frontend's op raised UnicodeDecodeError in
-a process where other CuTe DSL / 8-bit kernels had run) is said once per owner, dropped for this
-process, and the call runs on the next kernel of the choice (same plan, same outputs), in the end on
+At call time a chosen kernel that raises (cuDNN-frontend's op was seen to raise UnicodeDecodeError in
+a process where other CuTe DSL / 8-bit kernels had run: BENCHMARKS.md) is said once per owner, dropped
+for this process, and the call runs on the next kernel of the choice (same plan, same outputs), in the end on
 the registry's family; strict mode raises instead. Fewer than two candidates: nothing to choose, the
 registry's family runs.
 """
@@ -243,7 +243,7 @@ class SparseChoices(Remembered):
 
 def origin(exc: BaseException) -> str:
     """Where `exc` was raised: the innermost frame's file, line and function (what a report of a failure
-    inside another package, such as issue 46's, needs first)."""
+    inside another package needs first)."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "no traceback"
