@@ -30,6 +30,7 @@ from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
+from ..nodes.warm_start import UP_LINE
 from ..notices import logger
 from .scenes import SIZES, strided_qkv
 
@@ -129,7 +130,7 @@ def prepare_shape(spec: str, echo=print) -> float | None:
     layout = SequenceLayout.from_segments([(a, b, kind) if grid is None else (a, b, kind, tuple(grid))
                                            for a, b, kind, grid in fields["segments"]])
     device = torch.device(fields["device"])
-    echo(f"prepare --shape: compiling the kernels for {layout.total} tokens on {device}")
+    echo(f"{UP_LINE} for {layout.total} tokens on {device}")  # the parent's sign that the start-up is over
     seconds = prepare_kernels(layout, SparseConfig(**fields["config"]), dtypes[fields["dtype"]], device,
                               int(fields["head_dim"]), int(fields["heads"]))
     echo("prepare --shape: " + ("nothing compiles for this shape" if seconds is None else f"ready in {seconds:.1f} s"))

@@ -254,8 +254,8 @@ class SparseAttentionHook(BlockHook):
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
-        first sparse step stops a child still running, loads what it finished from Triton's cache and
-        compiles only the rest. It runs at the head count of one sparse call: the largest of KJNodes' head
+        first sparse step waits for a child that is compiling, or stops one still starting up, loads
+        what it finished from Triton's cache and compiles only the rest. It runs at the head count of one sparse call: the largest of KJNodes' head
         groups (`head_chunks`). Where the sparse blocks run the torch reference kernel, it says so once
         per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim
@@ -270,7 +270,7 @@ class SparseAttentionHook(BlockHook):
         with outside_allocation_graph():
             if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim, heads):
                 return
-            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, heads)
+            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, heads, progress_text)
             prepare_kernels(layout, config, dtype, device, head_dim, heads, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:

@@ -11,9 +11,11 @@ So at the first warmup step of a layout whose kernels compile, `WarmStart` start
 and head size at one head (`CHILD_HEADS`), which launches the kernels the sparse steps launch but for
 what depends on the head count. The first warmup step after the child ended prepares in this process at
 the real head count: it loads the child's kernels from the cache and builds the rest. A sparse step
-that comes before the child ended stops it and prepares in this process: what the child finished
-loads from the cache and only the rest compiles here, so the step waits only for what is not ready
-(waiting for the child instead would also wait for its start-up, seconds even on a warm cache, which
+that comes before the child ended waits for it once it is compiling (it wrote `UP_LINE`: its imports
+are done), with the wait shown and logged: the kernel it is compiling is finished sooner there than
+here, and what follows compiles at the same pace in either process. A child still starting up is
+stopped instead and this process prepares: what the child finished loads from the cache, the rest
+compiles here (waiting would add what is left of its start-up, seconds even on a warm cache, which
 is most of a few-step run's warmup). A child that fails or runs past its budget is said once, and
 this process compiles the kernels itself, as it does without the child.
 
@@ -51,6 +53,8 @@ MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a ha
 CHILD_HEADS = 1  # the child prepares one head: it shares the GPU with the model's own steps, and a call's memory
 # grows with its heads; what only the real head count launches (the reblock split's wide-level chunk) is built by
 # this process's preparation at a warmup step after the child ended
+UP_LINE = "prepare --shape: compiling the kernels"  # the child's first line, once its imports are done
+WAIT_POLL_S = 0.05  # how often a sparse step waiting for a child checks whether it ended
 
 
 def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
@@ -77,7 +81,8 @@ def prepare_command(spec: str) -> list[str]:
 
 @dataclass
 class Job:
-    """One child process and the file its output goes to."""
+    """One child process and the file its output goes to (a named file: this process reads it through
+    its own handle, whose offset is not the child's)."""
 
     process: subprocess.Popen
     output: IO[str]
@@ -87,6 +92,7 @@ class Job:
     reported: bool = False  # its outcome was said (once)
     stopped: bool = False  # a sparse step came first and stopped it
     ended: float | None = None
+    waited: float | None = None  # seconds a sparse step waited for it
 
     def poll(self) -> int | None:
         """The child's exit code (reaping it), or None while it runs; past its budget it is stopped."""
@@ -101,14 +107,29 @@ class Job:
                 self.problem = f"exit code {code}: {self.last_line() or 'no message'}"
         return code
 
-    def last_line(self) -> str:
-        """The last non-empty line the child wrote (its progress, or its error)."""
+    def text(self) -> str:
+        """What the child wrote so far (its progress, or its error), read through a handle of its own:
+        seeking the child's (shared offset) would make a running child write over its start."""
         try:
-            self.output.seek(0)
-            lines = self.output.read().splitlines()
-        except (OSError, ValueError):
+            with open(self.output.name, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
             return ""
-        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+    def last_line(self) -> str:
+        """The last non-empty line the child wrote."""
+        return next((line.strip() for line in reversed(self.text().splitlines()) if line.strip()), "")
+
+    def up(self) -> bool:
+        """Whether the child's start-up is over: it wrote `UP_LINE` and is compiling (or done)."""
+        return UP_LINE in self.text()
+
+    def wait(self) -> None:
+        """Block until the child ended (or its budget stopped it), recording the seconds waited."""
+        start = time.perf_counter()
+        while self.poll() is None:
+            time.sleep(WAIT_POLL_S)
+        self.waited = time.perf_counter() - start
 
     def stop(self) -> None:
         """Kill the child if it runs, and reap it."""
@@ -116,12 +137,17 @@ class Job:
             self.process.kill()
         self.process.wait()
 
+    def close(self) -> None:
+        """Close and remove the output file (the child ended)."""
+        self.output.close()
+        Path(self.output.name).unlink(missing_ok=True)
+
 
 def stop_all(jobs: dict[tuple, Job]) -> None:
     """Kill and reap every child in `jobs`, closing their output files (the owner's finaliser)."""
     for job in jobs.values():
         job.stop()
-        job.output.close()
+        job.close()
     jobs.clear()
 
 
@@ -164,16 +190,18 @@ class WarmStart:
             for old in [k for k, job in self.jobs.items() if job.poll() is not None]:
                 if len(self.jobs) < self.limit:
                     break
-                self.jobs.pop(old).output.close()
+                self.jobs.pop(old).close()
             if len(self.jobs) >= self.limit:
                 return False
-            output = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+            output = tempfile.NamedTemporaryFile(mode="w+", encoding="utf-8", errors="replace", prefix="asa_child_",
+                                                 suffix=".log", delete=False)
             try:
                 process = subprocess.Popen(self.command(spec), stdout=output, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, cwd=str(PACK_DIR),
                                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
             except OSError as err:
                 output.close()
+                Path(output.name).unlink(missing_ok=True)
                 self.notices.say(f"adaptive sparse attention: the child process that would compile the kernels "
                                  f"during the dense steps did not start ({err}); they compile in this process")
                 return False
@@ -182,10 +210,14 @@ class WarmStart:
                      "while the dense warmup steps run", process.pid)
             return True
 
-    def take_over(self, key: tuple) -> bool | None:
-        """Before the first sparse step of `key`: end its child. A child still running is stopped (this
-        process then prepares: it loads from Triton's cache what the child finished and compiles the rest).
+    def take_over(self, key: tuple, announce: Callable[[str], None] | None = None) -> bool | None:
+        """Before the first sparse step of `key`: end its child. A child still running waits to its end
+        once it is compiling (`Job.up`), announced first; one still starting up is stopped (this process
+        then prepares: it loads from Triton's cache what the child finished and compiles the rest).
 
+        Args:
+            key: the run shape (`job_key`).
+            announce: also shows the message before a wait (e.g. in ComfyUI's UI); it is always logged.
         Returns:
             True when the child had compiled the kernels, False when it was stopped or failed (said once),
             None when there is no child for `key`.
@@ -194,10 +226,18 @@ class WarmStart:
             job = self.jobs.get(key)
             if job is None:
                 return None
+            if job.poll() is None and job.up():
+                message = (f"adaptive sparse attention: the first sparse step waits for the child process compiling "
+                           f"the kernels (started {time.perf_counter() - job.started:.1f} s ago; its last line: "
+                           f"{job.last_line()!r})")
+                log.warning("%s", message)
+                if announce is not None:
+                    announce(message)
+                job.wait()
             if job.poll() is None:
                 job.stopped = True
-                job.problem = (f"a sparse step came {time.perf_counter() - job.started:.1f} s after it started; "
-                               "this process compiles what it had not cached yet")
+                job.problem = (f"a sparse step came {time.perf_counter() - job.started:.1f} s after it started, before "
+                               "its start-up was over; this process compiles what it had not cached yet")
                 job.stop()
                 job.poll()
             self.report(job)
@@ -209,7 +249,10 @@ class WarmStart:
         if job.reported:
             return
         job.reported = True
-        if job.problem is None:
+        if job.problem is None and job.waited:
+            log.warning("adaptive sparse attention: the child process compiled the kernels in %.1f s; the first "
+                        "sparse step waited %.1f s for it", job.ended - job.started, job.waited)
+        elif job.problem is None:
             log.info("adaptive sparse attention: the child process compiled the kernels in %.1f s",
                      job.ended - job.started)
         elif job.stopped:
@@ -241,8 +284,9 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
 
 
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
-                            device: torch.device, head_dim: int, heads: int) -> bool | None:
+                            device: torch.device, head_dim: int, heads: int,
+                            announce: Callable[[str], None] | None = None) -> bool | None:
     """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`)."""
     if not warm.jobs or prepared(layout, config, dtype, device, head_dim, heads):
         return None
-    return warm.take_over(job_key(layout, config, dtype, device, head_dim, heads))
+    return warm.take_over(job_key(layout, config, dtype, device, head_dim, heads), announce)

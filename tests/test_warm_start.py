@@ -1,5 +1,6 @@
 """The kernels of a run compile in a child process while the dense warmup steps run (`nodes/warm_start.py`):
-a sparse step that comes first stops the child and prepares itself (so it waits only for what is not in the cache),
+a sparse step that comes first waits for a child that is compiling, and stops one still starting up and
+prepares itself (so it waits only for what is not in the cache),
 a failing or stuck child is said once and this process compiles itself, children are bounded and always reaped. The children here are real
 processes running stand-in compile jobs, and once the real ``install.py prepare --shape`` command."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
-from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, prepare_command, shape_spec,
+from adaptive_sparse_attention.nodes.warm_start import (UP_LINE, WarmStart, job_key, prepare_command, shape_spec,
                                                         start_during_warmup, take_over_before_sparse)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +52,27 @@ def test_a_sparse_step_before_the_child_ended_stops_it_and_prepares_itself(caplo
     assert job.process.returncode is not None  # reaped: no zombie
     assert [r.levelno for r in caplog.records if "was stopped" in r.getMessage()] == [logging.INFO]
     assert warm.start(("shape",), "{}") is False  # ended: no second child for the shape
+
+
+def test_a_sparse_step_waits_for_a_child_that_is_compiling_and_says_so(caplog):
+    """Past its start-up (it wrote UP_LINE) the child finishes its kernel sooner than this process could: the
+    step waits to its end, shown before (announce) and logged after with the seconds waited."""
+    warm = WarmStart(stand_in(sleeping(1.5, line=f"{UP_LINE} for 320 tokens on cuda")))
+    assert warm.start(("shape",), "{}")
+    while not warm.jobs[("shape",)].up():
+        time.sleep(0.05)
+    shown = []
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        assert warm.take_over(("shape",), shown.append) is True  # compiled: this process loads from the cache
+    waited = time.perf_counter() - started
+    job = warm.jobs[("shape",)]
+    assert 0.5 < waited < 10 and job.process.returncode == 0 and job.waited == pytest.approx(waited, abs=0.5)
+    assert len(shown) == 1 and "waits for the child process" in shown[0] and UP_LINE in shown[0]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said[0] == shown[0]
+    assert said[1].startswith("adaptive sparse attention: the child process compiled the kernels in ")
+    assert f"the first sparse step waited {job.waited:.1f} s for it" in said[1]
 
 
 def test_warmup_steps_leave_the_preparation_to_a_running_child():
@@ -120,10 +142,12 @@ def test_children_are_bounded_per_owner():
 def test_children_are_killed_and_reaped_when_their_owner_goes():
     warm = WarmStart(stand_in(sleeping(60)))
     assert warm.start(("shape",), "{}")
-    process = warm.jobs[("shape",)].process
+    process, output = warm.jobs[("shape",)].process, Path(warm.jobs[("shape",)].output.name)
+    assert output.is_file()
     del warm
     gc.collect()
     assert process.returncode is not None
+    assert not output.exists()  # the child's output file goes with it
 
 
 def test_the_real_child_command_prepares_a_shape():

@@ -90,13 +90,6 @@ def dense_for(seconds: float, q, k, v, warmup_step=None) -> int:
     return calls
 
 
-def child_output(job) -> str:
-    """What a `nodes.warm_start.Job`'s child has written so far (read at an explicit offset: the file's own
-    offset is the child's too, so seeking it could make the child write over its start)."""
-    fd = job.output.fileno()
-    return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
-
-
 def clip_layout(spec: str):
     from adaptive_sparse_attention import SequenceLayout
 
@@ -128,7 +121,7 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
         if name == "child":
             def warmup_step() -> None:  # what SparseAttentionHook.prepare does at a warmup step
                 job = warm.jobs.get(key)
-                if job is not None and row["child_up_s"] is None and "compiling the kernels" in child_output(job):
+                if job is not None and row["child_up_s"] is None and job.up():
                     row["child_up_s"] = time.perf_counter() - job.started  # its imports done, to a dense call
                 if row["warmup_prepare_s"] is None and not start_during_warmup(warm, layout, config, dtype, device,
                                                                                dim, heads):
@@ -142,7 +135,7 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
             if job is not None:
                 job.poll()
                 row["child_s"] = None if job.ended is None else job.ended - job.started  # None: still running
-                row["child_output"] = child_output(job)[-2000:]
+                row["child_output"] = job.text()[-2000:]
             row["wait_s"] = synced(lambda: take_over_before_sparse(warm, layout, config, dtype, device, dim, heads))
         with built_kernels() as built:
             row["prepare_s"] = synced(lambda: prepare_kernels(layout, config, dtype, device, dim, heads))
