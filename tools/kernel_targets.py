@@ -1,7 +1,7 @@
 """Compile every Triton kernel of the package for NVIDIA targets on this machine (no GPU needed).
 
 Run as a script in a fresh process (Triton must not be in interpreter mode when the kernels are
-imported). Prints one JSON object: for every (kernel, target), the shared memory the compiled
+imported); the compiles run in a pool of one process per core. Prints one JSON object: for every (kernel, target), the shared memory the compiled
 kernel uses, whether a cubin came out and its global loads by width, or the compile error.
 Argument types and specialisations mirror what Triton gives the launches at the H3 shapes: bf16
 tensors, int32 tables, unit innermost strides (constants), 16-divisible pointers, strides, head
@@ -9,7 +9,9 @@ dim and feature rank, except the arguments a kernel leaves unspecialised (`do_no
 `do_not_specialize_on_alignment`), which get no divisibility, as at run time.
 """
 import json
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 import triton.language as tl
@@ -137,25 +139,44 @@ def planner(capability: int) -> dict:
     }
 
 
-if __name__ == "__main__":
-    out = {}
+def pack_qkv(capability: int) -> dict:
+    return compile_for(tiled_pack._pack_qkv, {n: "*bf16" for n in ("Q", "K", "V", "QT", "KT", "VT")}
+                       | {"QPerm": "*i32", "KPerm": "*i32"}, set(),
+                       {"HEAD_DIM": 128, "BLOCK": tiled_pack.SLOTS, "ALIGN": 8}, capability, 4, 3)
+
+
+def jobs() -> list[tuple]:
+    """Every compile as (row name, function, args, kwargs); `planner` returns several rows, named under its own."""
+    out = []
     for cap in TARGETS:
-        out[f"sm{cap} attention D128 query"] = attention(cap, 128, True)
-        out[f"sm{cap} attention D128 query tiled"] = attention(cap, 128, True, tiled=True)
         fam8 = eight_bit_family((cap // 10, cap % 10))
-        out[f"sm{cap} attention D128 query 8-bit"] = attention(cap, 128, True, eight_bit=fam8)
-        out[f"sm{cap} quantise {PV_FORMATS[fam8]}"] = quantise_pass(cap, PV_FORMATS[fam8])
-        out.update({f"sm{cap} {name}": r for name, r in planner(cap).items()})
+        out += [(f"sm{cap} attention D128 query", attention, (cap, 128, True), {}),
+                (f"sm{cap} attention D128 query tiled", attention, (cap, 128, True), {"tiled": True}),
+                (f"sm{cap} attention D128 query 8-bit", attention, (cap, 128, True), {"eight_bit": fam8}),
+                (f"sm{cap} quantise {PV_FORMATS[fam8]}", quantise_pass, (cap, PV_FORMATS[fam8]), {}),
+                (f"sm{cap}", planner, (cap,), {})]
     for tiled in (False, True):
         mode = " tiled" * tiled
-        out[f"sm86 attention D128 block{mode}"] = attention(86, 128, False, tiled=tiled)
-        out[f"sm90 attention D128 block{mode}"] = attention(90, 128, False, tiled=tiled)
-        out[f"sm86 attention D64 query{mode}"] = attention(86, 64, True, tiled=tiled)
-        out[f"sm86 attention D32 block{mode}"] = attention(86, 32, False, tiled=tiled)
-    out["sm90 attention D128 query finish"] = attention(90, 128, True, finish=True)
+        out += [(f"sm86 attention D128 block{mode}", attention, (86, 128, False), {"tiled": tiled}),
+                (f"sm90 attention D128 block{mode}", attention, (90, 128, False), {"tiled": tiled}),
+                (f"sm86 attention D64 query{mode}", attention, (86, 64, True), {"tiled": tiled}),
+                (f"sm86 attention D32 block{mode}", attention, (86, 32, False), {"tiled": tiled})]
+    out.append(("sm90 attention D128 query finish", attention, (90, 128, True), {"finish": True}))
     for fam8 in EIGHT_BIT_FAMILIES:  # every family's 8-bit config as Hopper code: what the H200 can run
-        out[f"sm90 attention D128 block 8-bit {fam8} config"] = attention(90, 128, False, eight_bit=fam8)
-    out["sm90 pack qkv"] = compile_for(tiled_pack._pack_qkv, {n: "*bf16" for n in ("Q", "K", "V", "QT", "KT", "VT")}
-                                       | {"QPerm": "*i32", "KPerm": "*i32"}, set(),
-                                       {"HEAD_DIM": 128, "BLOCK": tiled_pack.SLOTS, "ALIGN": 8}, 90, 4, 3)
-    print(json.dumps(out))
+        out.append((f"sm90 attention D128 block 8-bit {fam8} config", attention, (90, 128, False), {"eight_bit": fam8}))
+    out.append(("sm90 pack qkv", pack_qkv, (90,), {}))
+    return out
+
+
+def run(job: tuple) -> dict:
+    """One job's rows."""
+    name, fn, args, kwargs = job
+    result = fn(*args, **kwargs)
+    return {f"{name} {row}": r for row, r in result.items()} if fn is planner else {name: result}
+
+
+if __name__ == "__main__":
+    # the compiles are independent and CPU-bound: one process per core (the rows keep the jobs' order)
+    todo = jobs()
+    with ProcessPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+        print(json.dumps({name: r for rows in pool.map(run, todo) for name, r in rows.items()}))
