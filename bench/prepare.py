@@ -10,7 +10,8 @@ for it.
 GPU. H3's shapes at 1344x768: the kernels do not depend on the clip length beyond power-of-two
 row buckets, so the 5 s and 10 s clips cover the usual lengths. ``--shape SPEC`` compiles the kernels
 of one run's exact shape instead (the child process `nodes/warm_start.py` starts during a run's dense
-warmup steps when Triton's cache is cold); it measures nothing.
+warmup steps, or, with ``--shape -``, when the node patches a model: it then reads the shape from its
+input); it measures nothing.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
-from ..nodes.warm_start import UP_LINE
+from ..nodes.warm_start import STANDBY_LINE, STANDBY_SPEC, UP_LINE
 from ..notices import logger
 from .scenes import SIZES, strided_qkv
 
@@ -151,16 +153,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-dir", help="ComfyUI's user directory, where the node keeps its dense-kernel "
                                            "choices (default: found from the pack's folder inside ComfyUI)")
     parser.add_argument("--shape", help="compile the kernels of this one shape (JSON written by the node's child "
-                                        "process, nodes/warm_start.py) instead of the clips; measures nothing")
+                                        "process, nodes/warm_start.py; '-': read it as one line from standard "
+                                        "input, after the imports) instead of the clips; measures nothing")
 
 
 def run(args: argparse.Namespace) -> int:
     """The `prepare` command."""
     if args.shape:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+        spec = args.shape
+        if spec == STANDBY_SPEC:  # a standby child: imports done, it waits for its run shape (or end of input)
+            print(STANDBY_LINE, flush=True)
+            spec = sys.stdin.readline()
+            if not spec.strip():
+                return 0  # its parent closed the input: no shape came
         faulthandler.dump_traceback_later(SHAPE_BUDGET_S, exit=True)
         try:
-            prepare_shape(args.shape)
+            prepare_shape(spec)
         finally:
             faulthandler.cancel_dump_traceback_later()
         return 0

@@ -29,7 +29,7 @@ from .precision import launch_attention, model_choice, resolve_precision
 from .progress import progress_text
 from .reference_notice import reference_kernel_notice
 from .schedule import ramp_ratio, schedule_reason, start_sigma, warmup_reason, warmup_sigma
-from .warm_start import WarmStart, start_during_warmup, take_over_before_sparse
+from .warm_start import WarmStart, standby_for, start_during_warmup, take_over_before_sparse
 
 DEVICES = ("cuda", "cpu")
 
@@ -436,6 +436,9 @@ def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:
                       "pattern (4x4x4-token cubes, 10% kept), which ComfyUI's core 'Model Sparse Attention' node "
                       "runs with method vsa")
     patched = install(model_patcher, hook)
+    device = getattr(model_patcher, "load_device", None)
+    if isinstance(device, torch.device):  # the child's start-up runs while ComfyUI loads the model and the prompt
+        standby_for(hook.warm_start, device, config)
     notice = gate_notice(diffusion_model, config)
     if notice is not None:
         log.warning("%s: %s", hook.title, notice)

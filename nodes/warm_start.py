@@ -7,7 +7,11 @@ writes it to Triton's disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cach
 launching the same kernel with the same specialisation loads it from there instead of compiling.
 So at the first warmup step of a layout whose kernels compile, `WarmStart` starts
 ``install.py prepare --shape SPEC`` with ComfyUI's own Python (`sys.executable`) and environment
-(hence the same caches); it runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
+(hence the same caches), or hands the run shape to the owner's standby child: one started as
+``install.py prepare --shape -`` when the node patched the model for a CUDA GPU (`standby_for`), whose
+start-up (Python, torch, this pack: seconds) ran while ComfyUI loaded the model and encoded the prompt,
+and which waits for the shape on its input (one no shape comes to is stopped at the first sparse step,
+or ends when its input closes). The child runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
 and head size at one head (`CHILD_HEADS`), which launches the kernels the sparse steps launch but for
 what depends on the head count. The first warmup step after the child ended prepares in this process at
 the real head count: it loads the child's kernels from the cache and builds the rest. A sparse step
@@ -21,11 +25,14 @@ this process compiles the kernels itself, as it does without the child.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
-The child holds a CUDA context (about half a GiB of GPU memory) and a one-head call's buffers while it runs.
+The child holds a CUDA context (about half a GiB of GPU memory) and a one-head call's buffers while it runs;
+a standby child holds neither until its shape comes (it has imported torch, not initialised CUDA).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,7 +60,10 @@ MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a ha
 CHILD_HEADS = 1  # the child prepares one head: it shares the GPU with the model's own steps, and a call's memory
 # grows with its heads; what only the real head count launches (the reblock split's wide-level chunk) is built by
 # this process's preparation at a warmup step after the child ended
-UP_LINE = "prepare --shape: compiling the kernels"  # the child's first line, once its imports are done
+UP_LINE = "prepare --shape: compiling the kernels"  # the child's first line on its run shape, its imports done
+STANDBY_SPEC = "-"  # the spec a standby child starts with: it imports, then reads its run shape from its input
+STANDBY_LINE = "prepare --shape: waiting for the run shape"  # a standby child's first line, its imports done
+STANDBY_KEY = ("standby",)  # where an owner keeps its standby child until a run shape comes
 WAIT_POLL_S = 0.05  # how often a sparse step waiting for a child checks whether it ended
 
 
@@ -193,22 +203,80 @@ class WarmStart:
                 self.jobs.pop(old).close()
             if len(self.jobs) >= self.limit:
                 return False
-            output = tempfile.NamedTemporaryFile(mode="w+", encoding="utf-8", errors="replace", prefix="asa_child_",
-                                                 suffix=".log", delete=False)
-            try:
-                process = subprocess.Popen(self.command(spec), stdout=output, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, cwd=str(PACK_DIR),
-                                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            except OSError as err:
-                output.close()
-                Path(output.name).unlink(missing_ok=True)
-                self.notices.say(f"adaptive sparse attention: the child process that would compile the kernels "
-                                 f"during the dense steps did not start ({err}); they compile in this process")
+            job = self.assign_spare(spec) or self.spawn(spec)
+            if job is None:
                 return False
-            self.jobs[key] = Job(process, output, time.perf_counter(), self.budget_s)
+            self.jobs[key] = job
             log.info("adaptive sparse attention: compiling the sparse-attention kernels in a child process (pid %d) "
-                     "while the dense warmup steps run", process.pid)
+                     "while the dense warmup steps run", job.process.pid)
             return True
+
+    def spawn(self, spec: str) -> Job | None:
+        """A new child for `spec` (`STANDBY_SPEC`: a standby child, its input a pipe), or None when it could
+        not start (said once)."""
+        output = tempfile.NamedTemporaryFile(mode="w+", encoding="utf-8", errors="replace", prefix="asa_child_",
+                                             suffix=".log", delete=False)
+        standby = spec == STANDBY_SPEC
+        try:
+            process = subprocess.Popen(self.command(spec), stdout=output, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.PIPE if standby else subprocess.DEVNULL, text=True,
+                                       encoding="utf-8", cwd=str(PACK_DIR), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        except OSError as err:
+            output.close()
+            Path(output.name).unlink(missing_ok=True)
+            self.notices.say(f"adaptive sparse attention: the child process that would compile the kernels "
+                             f"during the dense steps did not start ({err}); they compile in this process")
+            return None
+        return Job(process, output, time.perf_counter(), math.inf if standby else self.budget_s)
+
+    def standby(self) -> bool:
+        """Start a standby child now (when the node patches a model for a CUDA GPU): its start-up (Python,
+        torch, this pack: 7-14 s on the H200's host) then runs while ComfyUI loads the model and encodes the
+        prompt, and the first warmup step hands it the run shape (`start`) instead of starting a child.
+        Without a GPU kernel compile it is stopped at the first sparse step or when its owner goes.
+
+        Returns:
+            Whether a standby child was started (not when one exists, a child ran already or it failed).
+        """
+        with self.lock:
+            if self.jobs:
+                return False
+            job = self.spawn(STANDBY_SPEC)
+            if job is None:
+                return False
+            self.jobs[STANDBY_KEY] = job
+            log.info("adaptive sparse attention: a standby child process (pid %d) starts up now to compile the "
+                     "sparse-attention kernels once the run's shape is known", job.process.pid)
+            return True
+
+    def assign_spare(self, spec: str) -> Job | None:
+        """The standby child with `spec` written to it, its budget running from now; None without one (a
+        standby child that ended meanwhile is reaped and said)."""
+        job = self.jobs.pop(STANDBY_KEY, None)
+        if job is None:
+            return None
+        if job.poll() is None:
+            try:
+                job.process.stdin.write(spec + "\n")
+                job.process.stdin.close()
+            except OSError:
+                job.stop()
+            else:
+                job.started, job.budget_s = time.perf_counter(), self.budget_s
+                return job
+        job.poll()
+        log.info("adaptive sparse attention: the standby child process ended before the run shape came (%s)",
+                 job.problem or job.last_line() or "no message")
+        job.close()
+        return None
+
+    def drop_spare(self) -> None:
+        """Stop a standby child that no run shape came to (the first sparse step: nothing is compiled ahead)."""
+        with self.lock:
+            job = self.jobs.pop(STANDBY_KEY, None)
+            if job is not None:
+                job.stop()
+                job.close()
 
     def take_over(self, key: tuple, announce: Callable[[str], None] | None = None) -> bool | None:
         """Before the first sparse step of `key`: end its child. A child still running waits to its end
@@ -286,7 +354,17 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                             device: torch.device, head_dim: int, heads: int,
                             announce: Callable[[str], None] | None = None) -> bool | None:
-    """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`)."""
+    """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`), and a
+    standby child no run shape came to."""
+    warm.drop_spare()
     if not warm.jobs or prepared(layout, config, dtype, device, head_dim, heads):
         return None
     return warm.take_over(job_key(layout, config, dtype, device, head_dim, heads), announce)
+
+
+def standby_for(warm: WarmStart, device: torch.device, config: SparseConfig) -> bool:
+    """When a node patches a model: start `warm`'s standby child where a run's kernels will compile (a CUDA
+    device, Triton importable, a kernel setting other than the torch reference). Returns whether it started."""
+    if device.type != "cuda" or config.kernel == "torch" or importlib.util.find_spec("triton") is None:
+        return False
+    return warm.standby()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 
 import pytest
 
@@ -52,3 +53,35 @@ def test_kernel_preparation_is_announced_on_the_running_node_before_it_runs(comf
     assert text in logged
     assert any("kernels ready in" in m for m in logged)
     assert logged.index(text) < next(i for i, m in enumerate(logged) if "kernels ready in" in m)
+
+
+def test_patching_a_model_for_a_cuda_gpu_starts_the_standby_child(comfy):
+    """The node's patch starts the owner's standby child (`install.py prepare --shape -`) where the model loads
+    onto a CUDA device, so its start-up runs while ComfyUI loads the model and the prompt; on the CPU none.
+    The patcher's load device is set to CUDA here; nothing runs on it (the child only imports and waits)."""
+    _, nodes = comfy
+    import torch
+
+    from adaptive_sparse_attention import SparseConfig
+    from adaptive_sparse_attention.nodes.model_patches import hooks_of
+    from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook, apply_sparse_attention
+    from adaptive_sparse_attention.nodes.warm_start import STANDBY_KEY, STANDBY_LINE
+
+    def warm_start_of(model):
+        (hook,) = [h for h in hooks_of(model) if isinstance(h, SparseAttentionHook)]
+        return hook.warm_start
+
+    base = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    assert not warm_start_of(apply_sparse_attention(base, SparseConfig(kernel="triton"))).jobs  # CPU: no child
+    base.load_device = torch.device("cuda")
+    warm = warm_start_of(apply_sparse_attention(base, SparseConfig(kernel="triton")))
+    spare = warm.jobs[STANDBY_KEY]
+    try:
+        deadline = time.perf_counter() + 120
+        while STANDBY_LINE not in spare.text() and time.perf_counter() < deadline:
+            assert spare.poll() is None, spare.text()
+            time.sleep(0.1)
+        assert STANDBY_LINE in spare.text() and spare.poll() is None  # up, waiting for the run shape
+    finally:
+        warm.close()
+    assert spare.process.returncode is not None

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
-from adaptive_sparse_attention.nodes.warm_start import (UP_LINE, WarmStart, job_key, prepare_command, shape_spec,
-                                                        start_during_warmup, take_over_before_sparse)
+from adaptive_sparse_attention.nodes.warm_start import (STANDBY_KEY, STANDBY_LINE, UP_LINE, WarmStart, job_key,
+                                                        prepare_command, shape_spec, standby_for, start_during_warmup,
+                                                        take_over_before_sparse)
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = [(0, 64, "text"), (64, 64 + 4 * 8 * 8, "video", (4, 8, 8))]
@@ -31,6 +32,19 @@ def stand_in(code: str):
 
 def sleeping(seconds: float, line: str = "compiling") -> str:
     return f"import time; print({line!r}, flush=True); time.sleep({seconds})"
+
+
+def standby_child(seconds: float) -> str:
+    """A standby stand-in: says it is up, reads its run shape, echoes it after UP_LINE, compiles for `seconds`."""
+    return (f"import sys, time; print({STANDBY_LINE!r}, flush=True); spec = sys.stdin.readline().strip(); "
+            f"spec or sys.exit(0); print({UP_LINE!r}, spec, flush=True); time.sleep({seconds})")
+
+
+def up_to(job, line: str) -> None:
+    """Block until the child wrote `line` (its imports are done)."""
+    while line not in job.text():
+        assert job.poll() is None, job.text()
+        time.sleep(0.05)
 
 
 def ended(warm: WarmStart, key: tuple) -> None:
@@ -162,6 +176,74 @@ def test_the_real_child_command_prepares_a_shape():
     ended(warm, key)
     assert warm.take_over(key) is True, warm.jobs[key].last_line()
     assert warm.jobs[key].last_line() == "prepare --shape: nothing compiles for this shape"
+
+
+def test_a_standby_child_takes_the_run_shape_at_the_first_warmup_step():
+    """Started when the node patches the model, the child is past its start-up when the first warmup step
+    comes: that step hands it the run shape instead of starting a child, and its budget runs from then."""
+    warm = WarmStart(stand_in(standby_child(0.5)), budget_s=30)
+    assert warm.standby() and not warm.standby()  # one standby child per owner
+    spare = warm.jobs[STANDBY_KEY]
+    up_to(spare, STANDBY_LINE)
+    time.sleep(0.3)
+    assert spare.poll() is None  # it waits for its run shape, past no budget
+    assert warm.start(("shape",), '{"run": 1}')
+    job = warm.jobs[("shape",)]
+    assert job is spare and STANDBY_KEY not in warm.jobs and job.budget_s == 30
+    ended(warm, ("shape",))
+    assert warm.take_over(("shape",)) is True
+    assert f'{UP_LINE} {{"run": 1}}' in job.text()  # it prepared the shape written to it
+    assert warm.standby() is False  # a child ran for this owner: no second standby
+
+
+def test_a_standby_child_no_shape_came_to_is_stopped_at_the_first_sparse_step():
+    warm = WarmStart(stand_in(standby_child(0)))
+    assert warm.standby()
+    spare = warm.jobs[STANDBY_KEY]
+    output = Path(spare.output.name)
+    layout = SequenceLayout.from_segments(LAYOUT)
+    assert take_over_before_sparse(warm, layout, SparseConfig(), torch.bfloat16, torch.device("cpu"), 64, 2) is None
+    assert spare.process.returncode is not None and not warm.jobs and not output.exists()
+
+
+def test_a_standby_child_that_ended_is_replaced_by_a_new_child(caplog):
+    warm = WarmStart(stand_in(f"print({STANDBY_LINE!r}); import sys; sys.exit(5)"))
+    assert warm.standby()
+    old = warm.jobs[STANDBY_KEY].process
+    old.wait()
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        warm.start(("shape",), "{}")  # a new child: this stand-in exits at once, with code 5
+    assert warm.jobs[("shape",)].process.pid != old.pid and STANDBY_KEY not in warm.jobs
+    assert any("the standby child process ended before the run shape came (exit code 5" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_standby_child_only_where_kernels_compile():
+    """No standby child on the CPU, on the torch reference kernel, or without Triton."""
+    warm = WarmStart(stand_in(standby_child(0)))
+    assert standby_for(warm, torch.device("cpu"), SparseConfig()) is False
+    assert standby_for(warm, torch.device("cuda"), SparseConfig(kernel="torch")) is False
+    assert not warm.jobs
+
+
+def test_the_real_standby_command_reads_its_shape_from_its_input():
+    """``install.py prepare --shape -``: imports, says it waits, then prepares the shape written to it."""
+    layout = SequenceLayout.from_segments(LAYOUT)
+    config = SparseConfig(kernel="torch")
+    warm = WarmStart()
+    assert warm.standby()
+    up_to(warm.jobs[STANDBY_KEY], STANDBY_LINE)
+    key = job_key(layout, config, torch.bfloat16, torch.device("cpu"), 64, 2)
+    assert warm.start(key, shape_spec(layout, config, torch.bfloat16, torch.device("cpu"), 64))
+    ended(warm, key)
+    assert warm.take_over(key) is True, warm.jobs[key].text()
+    assert warm.jobs[key].last_line() == "prepare --shape: nothing compiles for this shape"
+    idle = WarmStart()  # one no shape comes to ends by itself when its input closes
+    assert idle.standby()
+    process = idle.jobs[STANDBY_KEY].process
+    up_to(idle.jobs[STANDBY_KEY], STANDBY_LINE)
+    process.stdin.close()
+    assert process.wait(timeout=60) == 0
 
 
 def test_the_shape_spec_rebuilds_the_layout_and_config():

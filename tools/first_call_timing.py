@@ -9,6 +9,8 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   attention run (the warmup steps; the first one after the child ended prepares in this process,
   from the cache), then the first sparse step waits for what is left, if anything, and prepares;
   the second clip length gets its own child during ``--dense-s2`` seconds of dense attention.
+  With ``--load-s`` above 0, a standby child starts that many seconds before the first dense work (what
+  the node's patch does while ComfyUI loads the model and encodes the prompt) and takes the first shape.
 
 Per clip it prints: preparation s (the node's `prepare_kernels`, after the wait), wait s, first call s,
 warm call s (median of 3) and first - warm, and the Triton specialisations this process built during the
@@ -99,14 +101,14 @@ def clip_layout(spec: str):
                                          (text + audio, text + audio + video, "video", (frames, 24, 42))])
 
 
-def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kernel: str) -> dict:
+def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kernel: str, load_s: float = 0.0) -> dict:
     """One scenario in this process (its caches are empty: the parent set them)."""
     import torch
 
     from adaptive_sparse_attention import SparseConfig, sparse_attention
     from adaptive_sparse_attention.backend.warmup import prepare_kernels
     from adaptive_sparse_attention.kernels.dense.choice import DenseChoices, HostAttention
-    from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, start_during_warmup,
+    from adaptive_sparse_attention.nodes.warm_start import (WarmStart, job_key, standby_for, start_during_warmup,
                                                              take_over_before_sparse)
 
     device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
@@ -129,6 +131,9 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
 
             key = job_key(layout, config, dtype, device, dim, heads)
             row["child_up_s"] = None
+            if i == 0 and load_s > 0:  # the node's patch, then ComfyUI's model load and text encoding
+                row["standby"] = standby_for(warm, device, config)
+                time.sleep(load_s)
             row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim, heads)
             row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
             job = warm.jobs.get(key)
@@ -188,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clips", default=CLIPS, help=f"latent frames:audio tokens per clip, in order (default {CLIPS})")
     p.add_argument("--dense-s", type=float, default=20.0, help="dense work while the first clip's child runs (s)")
     p.add_argument("--dense-s2", type=float, default=6.0, help="dense work while the second clip's child runs (s)")
+    p.add_argument("--load-s", type=float, default=0.0, help="a standby child starts this long before the first "
+                                                              "clip's dense work (0: none)")
     p.add_argument("--scenarios", default="main,child")
     p.add_argument("--kernel", default="auto", help="the node's kernel setting (auto: cuDNN-frontend where installed "
                                                      "on Hopper, else Triton)")
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     clips = args.clips.split(",")
     if args.one:
-        print(json.dumps(scenario(args.one, clips, args.dense_s, args.dense_s2, args.kernel)), flush=True)
+        print(json.dumps(scenario(args.one, clips, args.dense_s, args.dense_s2, args.kernel, args.load_s)), flush=True)
         return 0
     results = []
     for name in args.scenarios.split(","):
@@ -205,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                        ADAPTIVE_SPARSE_DENSE_CACHE=str(Path(tmp) / "dense.json"))
             start = time.perf_counter()
             out = subprocess.run([sys.executable, __file__, "--one", name, "--clips", args.clips, "--dense-s",
-                                  str(args.dense_s), "--dense-s2", str(args.dense_s2), "--kernel", args.kernel], env=env, capture_output=True,
+                                  str(args.dense_s), "--dense-s2", str(args.dense_s2), "--kernel", args.kernel,
+                                  "--load-s", str(args.load_s)], env=env, capture_output=True,
                                  text=True)
             if out.returncode != 0:
                 print(out.stdout + out.stderr[-4000:])
