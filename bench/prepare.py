@@ -19,7 +19,9 @@ import argparse
 import faulthandler
 import json
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +111,7 @@ def measure_sparse(size, device: torch.device, dtype: torch.dtype, config: Spars
 
 SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "heads", "device")
 SHAPE_BUDGET_S = 600  # a --shape run still going after this exits with 1 (no parent need be there to stop it)
+STANDBY_WAIT_S = 900  # a standby child (--shape -) no shape came to after this exits (its parent starts another)
 
 
 def prepare_shape(spec: str, echo=print) -> float | None:
@@ -164,7 +167,11 @@ def run(args: argparse.Namespace) -> int:
         spec = args.shape
         if spec == STANDBY_SPEC:  # a standby child: imports done, it waits for its run shape (or end of input)
             print(STANDBY_LINE, flush=True)
+            idle = threading.Timer(STANDBY_WAIT_S, os._exit, (0,))  # no shape came: the run never started
+            idle.daemon = True
+            idle.start()
             spec = sys.stdin.readline()
+            idle.cancel()
             if not spec.strip():
                 return 0  # its parent closed the input: no shape came
         faulthandler.dump_traceback_later(SHAPE_BUDGET_S, exit=True)

@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import json
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -244,6 +245,20 @@ def test_the_real_standby_command_reads_its_shape_from_its_input():
     up_to(idle.jobs[STANDBY_KEY], STANDBY_LINE)
     process.stdin.close()
     assert process.wait(timeout=60) == 0
+
+
+def test_a_standby_child_no_shape_comes_to_exits_by_itself():
+    """Its input kept open but no shape written: past STANDBY_WAIT_S it exits (0), no parent need stop it."""
+    code = ("import argparse; from adaptive_sparse_attention.bench import prepare; prepare.STANDBY_WAIT_S = 0.5; "
+            "p = argparse.ArgumentParser(); prepare.add_arguments(p); prepare.run(p.parse_args(['--shape', '-']))")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.wait(timeout=120) == 0  # its input still open: the timer ended it (a few lines of output)
+    finally:
+        child.kill()
+        child.stdin.close()
+    assert STANDBY_LINE in child.stdout.read()
+    child.stdout.close()
 
 
 def test_the_shape_spec_rebuilds_the_layout_and_config():
