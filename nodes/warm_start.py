@@ -272,6 +272,8 @@ class WarmStart:
 
     def drop_spare(self) -> None:
         """Stop a standby child that no run shape came to (the first sparse step: nothing is compiled ahead)."""
+        if STANDBY_KEY not in self.jobs:  # the usual case, at every sparse block call: no lock taken
+            return
         with self.lock:
             job = self.jobs.pop(STANDBY_KEY, None)
             if job is not None:
