@@ -255,9 +255,9 @@ class SparseAttentionHook(BlockHook):
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
         first sparse step waits for a child that is compiling, or stops one still starting up, loads
-        what it finished from Triton's cache and compiles only the rest. It runs at the head count of one sparse call: the largest of KJNodes' head
-        groups (`head_chunks`). Where the sparse blocks run the torch reference kernel, it says so once
-        per run (`reference_kernel_notice`)."""
+        what it finished from Triton's cache and compiles only the rest. It runs at the head count of one
+        sparse call: the largest of KJNodes' head groups (`head_chunks`). Where the sparse blocks run the
+        torch reference kernel, it says so once per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim
         heads = max(h1 - h0 for h0, h1 in head_groups(attn.heads, head_chunks))  # of one sparse call
         notice = layout.cache.get(  # resolved once per layout and call kind, not at every block call

@@ -11,7 +11,7 @@ So at the first warmup step of a layout whose kernels compile, `WarmStart` start
 ``install.py prepare --shape -`` when the node patched the model for a CUDA GPU (`standby_for`), whose
 start-up (Python, torch, this pack: seconds) ran while ComfyUI loaded the model and encoded the prompt,
 and which waits for the shape on its input (one no shape comes to is stopped at the first sparse step,
-or ends when its input closes). The child runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
+ends when its input closes, or exits by itself after a while). The child runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
 and head size at one head (`CHILD_HEADS`), which launches the kernels the sparse steps launch but for
 what depends on the head count. The first warmup step after the child ended prepares in this process at
 the real head count: it loads the child's kernels from the cache and builds the rest. A sparse step
@@ -233,7 +233,8 @@ class WarmStart:
         """Start a standby child now (when the node patches a model for a CUDA GPU): its start-up (Python,
         torch, this pack: 7-14 s on the H200's host) then runs while ComfyUI loads the model and encodes the
         prompt, and the first warmup step hands it the run shape (`start`) instead of starting a child.
-        Without a GPU kernel compile it is stopped at the first sparse step or when its owner goes.
+        If no shape comes it is stopped at the first sparse step or when its owner goes, and exits by itself
+        after `bench.prepare.STANDBY_WAIT_S`.
 
         Returns:
             Whether a standby child was started (not when one exists, a child ran already or it failed).
