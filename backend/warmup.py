@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels.triton.build_ahead import build_ahead
 from ..notices import logger
 from .attention import sparse_attention
 from .config import SparseConfig
@@ -56,7 +57,8 @@ def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, d
 
 
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-                    head_dim: int, heads: int, announce: Callable[[str], None] | None = None) -> float | None:
+                    head_dim: int, heads: int, announce: Callable[[str], None] | None = None,
+                    build_threads: int = 0) -> float | None:
     """Compile (or load from Triton's cache) every kernel a sparse call of this shape launches.
 
     Nothing runs when the call's kernel family compiles nothing (the torch reference) or the layout was
@@ -67,6 +69,9 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         config: their configuration (its kernel family is resolved here: strict raises when it cannot run).
         dtype, device, head_dim, heads: of their Q/K/V ([B, heads, S, head_dim]).
         announce: also shows the message before the wait (e.g. in ComfyUI's UI); it is always logged.
+        build_threads: 0: each Triton kernel builds at its first launch, one after the other. n > 0 (CUDA
+            only; a process that exists to prepare, `kernels/triton/build_ahead.py` says why): a dry run of the
+            call at the Triton family records the builds, n threads run them side by side, then the call runs.
     Returns:
         Seconds spent, or None when nothing was to do.
     """
@@ -88,6 +93,11 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         scratch = SequenceLayout(layout.segments)  # what this call builds goes with it
         scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
         scratch.cache.notices = layout.cache.notices  # what it says is said once for the layout
+        if build_threads and device.type == "cuda":
+            dry = SequenceLayout(layout.segments)  # what the dry run caches (from unset buffers) goes with it
+            dry.cache.graphs, dry.cache.notices = False, layout.cache.notices
+            build_ahead(lambda: sparse_attention(q, k, v, dry, config.replace(kernel="triton")), device,
+                        build_threads)
         sparse_attention(q, k, v, scratch, config)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once per layout: the time is reported

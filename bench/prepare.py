@@ -51,8 +51,8 @@ def comfy_user_dir(pack_dir: Path) -> Path | None:
 
 
 def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: SparseConfig,
-            choices: DenseChoices, echo=print, sparse_choices: SparseChoices | None = None
-            ) -> dict[str, dict[str, float]]:
+            choices: DenseChoices, echo=print, sparse_choices: SparseChoices | None = None,
+            build_threads: int = 0) -> dict[str, dict[str, float]]:
     """Compile the kernels of `config` and measure the dense choice (and the sparse one) for each H3 clip.
 
     Args:
@@ -63,6 +63,7 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
         choices: where the dense choices are measured and saved.
         echo: prints one line per step.
         sparse_choices: where the sparse choice of `config` is measured and saved (None: not measured).
+        build_threads: Triton builds at once (`prepare_kernels`; 0: one after the other, at launch).
     Returns:
         clip -> {"kernels_s", "dense_s"} (and "sparse_s" with `sparse_choices`).
     """
@@ -70,7 +71,8 @@ def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: 
     for clip in clips:
         size = SIZES[CLIPS[clip]]
         start = time.perf_counter()
-        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim, size.heads)
+        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim, size.heads,
+                                   build_threads=build_threads)
         kernels_s = time.perf_counter() - start
         echo(f"prepare {clip} ({size.total} tokens): sparse kernels "
              + ("already prepared" if compiled is None else f"ready in {kernels_s:.1f} s"))
@@ -114,7 +116,7 @@ SHAPE_BUDGET_S = 600  # a --shape run still going after this exits with 1 (no pa
 STANDBY_WAIT_S = 900  # a standby child (--shape -) no shape came to after this exits (its parent starts another)
 
 
-def prepare_shape(spec: str, echo=print) -> float | None:
+def prepare_shape(spec: str, echo=print, build_threads: int = 0) -> float | None:
     """Compile (or load from Triton's cache) the kernels of one run's shape (`prepare_kernels`).
 
     Args:
@@ -122,6 +124,7 @@ def prepare_shape(spec: str, echo=print) -> float | None:
             "dtype" (a `DTYPES` value's name), "head_dim", "heads" and "device" (written by
             `nodes.warm_start.shape_spec`).
         echo: prints one line.
+        build_threads: Triton builds at once (`prepare_kernels`; 0: one after the other, at launch).
     Returns:
         Seconds spent, or None when nothing compiles for this shape.
     """
@@ -137,7 +140,7 @@ def prepare_shape(spec: str, echo=print) -> float | None:
     device = torch.device(fields["device"])
     echo(f"{UP_LINE} for {layout.total} tokens on {device}")  # the parent's sign that the start-up is over
     seconds = prepare_kernels(layout, SparseConfig(**fields["config"]), dtypes[fields["dtype"]], device,
-                              int(fields["head_dim"]), int(fields["heads"]))
+                              int(fields["head_dim"]), int(fields["heads"]), build_threads=build_threads)
     echo("prepare --shape: " + ("nothing compiles for this shape" if seconds is None else f"ready in {seconds:.1f} s"))
     return seconds
 
@@ -158,10 +161,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", help="compile the kernels of this one shape (JSON written by the node's child "
                                         "process, nodes/warm_start.py; '-': read it as one line from standard "
                                         "input, after the imports) instead of the clips; measures nothing")
+    parser.add_argument("--build-threads", type=int, default=os.cpu_count() or 1,
+                        help="Triton kernels built at once after a dry run of the call records them (default: one per "
+                             "CPU core; 0: each builds at its first launch, one after the other)")
 
 
 def run(args: argparse.Namespace) -> int:
     """The `prepare` command."""
+    if args.build_threads < 0:
+        print(f"prepare: --build-threads {args.build_threads} is not allowed: 0 (one after the other) or more")
+        return 2
     if args.shape:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         spec = args.shape
@@ -176,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0  # its parent closed the input: no shape came
         faulthandler.dump_traceback_later(SHAPE_BUDGET_S, exit=True)
         try:
-            prepare_shape(spec)
+            prepare_shape(spec, build_threads=args.build_threads)
         finally:
             faulthandler.cancel_dump_traceback_later()
         return 0
@@ -197,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
           f"the dense kernel for {', '.join(clips)}; this takes about a minute the first time on a machine")
     choices = DenseChoices(default_cache_path(user_dir))
     prepare(clips, device, DTYPES[args.dtype], SparseConfig(), choices,
-            sparse_choices=SparseChoices(sparse_cache_path(user_dir)))
+            sparse_choices=SparseChoices(sparse_cache_path(user_dir)), build_threads=args.build_threads)
     from ..kernels.dense.pays_from import describe
     from .pays_from import ladder, measure
 
