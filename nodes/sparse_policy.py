@@ -254,8 +254,8 @@ class SparseAttentionHook(BlockHook):
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
-        first sparse step waits for a child that is compiling, or stops one still starting up, loads
-        what it finished from Triton's cache and compiles only the rest. It runs at the head count of one
+        first sparse step waits for a child that is compiling, or prepares itself beside one still
+        starting up (each loads from Triton's cache what the other built first). It runs at the head count of one
         sparse call: the largest of KJNodes' head groups (`head_chunks`). Where the sparse blocks run the
         torch reference kernel, it says so once per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim

@@ -11,17 +11,18 @@ So at the first warmup step of a layout whose kernels compile, `WarmStart` start
 ``install.py prepare --shape -`` when the node patched the model for a CUDA GPU (`standby_for`), whose
 start-up (Python, torch, this pack: seconds) ran while ComfyUI loaded the model and encoded the prompt,
 and which waits for the shape on its input (one no shape comes to is stopped at the first sparse step,
-ends when its input closes, or exits by itself after a while). The child runs `backend.warmup.prepare_kernels` on the same layout, config, dtype
-and head size at one head (`CHILD_HEADS`), which launches the kernels the sparse steps launch but for
-what depends on the head count. The first warmup step after the child ended prepares in this process at
-the real head count: it loads the child's kernels from the cache and builds the rest. A sparse step
-that comes before the child ended waits for it once it is compiling (it wrote `UP_LINE`: its imports
-are done), with the wait shown and logged: the kernel it is compiling is finished sooner there than
-here, and what follows compiles at the same pace in either process. A child still starting up is
-stopped instead and this process prepares: what the child finished loads from the cache, the rest
-compiles here (waiting would add what is left of its start-up, seconds even on a warm cache, which
-is most of a few-step run's warmup). A child that fails or runs past its budget is said once, and
-this process compiles the kernels itself, as it does without the child.
+ends when its input closes, or exits by itself after a while). The child runs `backend.warmup.prepare_kernels`
+on the same layout, config, dtype and head size at one head (`CHILD_HEADS`), which launches the kernels the
+sparse steps launch but for what depends on the head count; it builds them side by side on a thread per
+core (`kernels/triton/build_ahead.py`: a dry run records them), which this process cannot do safely. The
+first warmup step after the child ended prepares in this process at the real head count: it loads the
+child's kernels from the cache and builds the rest. A sparse step that comes before the child ended
+prepares in this process beside it, and the child keeps going until this process is done: a kernel
+either of them built first loads from the cache in the other (on a cold cache the child's builds soon
+overtake this process's; on a warm one, or with a new clip length's few kernels, this process is done
+first, without waiting for the child's start-up). The preparation is shown and logged with its time.
+A child that fails or runs past its budget is said once, and this
+process compiles the kernels itself, as it does without the child.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
@@ -49,12 +50,12 @@ import torch
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import layout_kernels
-from ..backend.warmup import kernel_fields, preparation_key, prepared
+from ..backend.warmup import kernel_fields, preparation_key, prepare_kernels, prepared
 from ..notices import Notices, logger
 
 log = logger()
 PACK_DIR = Path(__file__).resolve().parent.parent
-CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes about half a minute;
+CHILD_BUDGET_S = 600.0  # a child still running after this is stopped (a cold compile takes seconds to a minute;
 # the child also exits by itself then: bench.prepare.SHAPE_BUDGET_S)
 MAX_JOBS = 4  # children (running or finished) an owner keeps; a model sees a handful of shapes
 CHILD_HEADS = 1  # the child prepares one head: it shares the GPU with the model's own steps, and a call's memory
@@ -64,7 +65,6 @@ UP_LINE = "prepare --shape: compiling the kernels"  # the child's first line on 
 STANDBY_SPEC = "-"  # the spec a standby child starts with: it imports, then reads its run shape from its input
 STANDBY_LINE = "prepare --shape: waiting for the run shape"  # a standby child's first line, its imports done
 STANDBY_KEY = ("standby",)  # where an owner keeps its standby child until a run shape comes
-WAIT_POLL_S = 0.05  # how often a sparse step waiting for a child checks whether it ended
 
 
 def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
@@ -102,7 +102,6 @@ class Job:
     reported: bool = False  # its outcome was said (once)
     stopped: bool = False  # a sparse step came first and stopped it
     ended: float | None = None
-    waited: float | None = None  # seconds a sparse step waited for it
 
     def poll(self) -> int | None:
         """The child's exit code (reaping it), or None while it runs; past its budget it is stopped."""
@@ -133,13 +132,6 @@ class Job:
     def up(self) -> bool:
         """Whether the child's start-up is over: it wrote `UP_LINE` and is compiling (or done)."""
         return UP_LINE in self.text()
-
-    def wait(self) -> None:
-        """Block until the child ended (or its budget stopped it), recording the seconds waited."""
-        start = time.perf_counter()
-        while self.poll() is None:
-            time.sleep(WAIT_POLL_S)
-        self.waited = time.perf_counter() - start
 
     def stop(self) -> None:
         """Kill the child if it runs, and reap it."""
@@ -281,14 +273,16 @@ class WarmStart:
                 job.stop()
                 job.close()
 
-    def take_over(self, key: tuple, announce: Callable[[str], None] | None = None) -> bool | None:
-        """Before the first sparse step of `key`: end its child. A child still running waits to its end
-        once it is compiling (`Job.up`), announced first; one still starting up is stopped (this process
-        then prepares: it loads from Triton's cache what the child finished and compiles the rest).
+    def take_over(self, key: tuple, prepare: Callable[[], object] | None = None) -> bool | None:
+        """Before the first sparse step of `key`: end its child. A child still running keeps going while this
+        process runs `prepare`, then is stopped: whichever process builds a kernel first, the other loads it
+        from Triton's cache (the child builds side by side, this process one after the other; on a warm
+        cache, or with only a new clip length's few kernels to build, this process is done first).
 
         Args:
             key: the run shape (`job_key`).
-            announce: also shows the message before a wait (e.g. in ComfyUI's UI); it is always logged.
+            prepare: this process's preparation (`backend.warmup.prepare_kernels`), run beside a child still
+                running; None: none runs here.
         Returns:
             True when the child had compiled the kernels, False when it was stopped or failed (said once),
             None when there is no child for `key`.
@@ -297,20 +291,18 @@ class WarmStart:
             job = self.jobs.get(key)
             if job is None:
                 return None
-            if job.poll() is None and job.up():
-                message = (f"adaptive sparse attention: the first sparse step waits for the child process compiling "
-                           f"the kernels (started {time.perf_counter() - job.started:.1f} s ago; its last line: "
-                           f"{job.last_line()!r})")
-                log.warning("%s", message)
-                if announce is not None:
-                    announce(message)
-                job.wait()
             if job.poll() is None:
-                job.stopped = True
-                job.problem = (f"a sparse step came {time.perf_counter() - job.started:.1f} s after it started, before "
-                               "its start-up was over; this process compiles what it had not cached yet")
-                job.stop()
-                job.poll()
+                came = time.perf_counter() - job.started
+                phase = "compiling" if job.up() else "still starting up"
+                if prepare is not None:
+                    prepare()
+                if job.poll() is None:
+                    job.stopped = True
+                    job.problem = (f"a sparse step came {came:.1f} s after it started, {phase}; this process "
+                                   f"prepared beside it in {time.perf_counter() - job.started - came:.1f} s, loading "
+                                   "what the child had built")
+                    job.stop()
+                    job.poll()
             self.report(job)
             return job.problem is None
 
@@ -320,10 +312,7 @@ class WarmStart:
         if job.reported:
             return
         job.reported = True
-        if job.problem is None and job.waited:
-            log.warning("adaptive sparse attention: the child process compiled the kernels in %.1f s; the first "
-                        "sparse step waited %.1f s for it", job.ended - job.started, job.waited)
-        elif job.problem is None:
+        if job.problem is None:
             log.info("adaptive sparse attention: the child process compiled the kernels in %.1f s",
                      job.ended - job.started)
         elif job.stopped:
@@ -357,12 +346,14 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                             device: torch.device, head_dim: int, heads: int,
                             announce: Callable[[str], None] | None = None) -> bool | None:
-    """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`), and a
-    standby child no run shape came to."""
+    """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`, which
+    prepares here beside a child still running; `announce` shows that preparation's message), and a standby
+    child no run shape came to."""
     warm.drop_spare()
     if not warm.jobs or prepared(layout, config, dtype, device, head_dim, heads):
         return None
-    return warm.take_over(job_key(layout, config, dtype, device, head_dim, heads), announce)
+    return warm.take_over(job_key(layout, config, dtype, device, head_dim, heads),
+                          lambda: prepare_kernels(layout, config, dtype, device, head_dim, heads, announce=announce))
 
 
 def standby_for(warm: WarmStart, device: torch.device, config: SparseConfig) -> bool:

@@ -7,12 +7,13 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   child), then the first call, a warm call, and a second clip length (new row-width buckets).
 - ``child``: `nodes/warm_start.py` starts the child compile while ``--dense-s`` seconds of real dense
   attention run (the warmup steps; the first one after the child ended prepares in this process,
-  from the cache), then the first sparse step waits for what is left, if anything, and prepares;
+  from the cache), then the first sparse step prepares beside a child still running (wait s) and stops it;
   the second clip length gets its own child during ``--dense-s2`` seconds of dense attention.
   With ``--load-s`` above 0, a standby child starts that many seconds before the first dense work (what
   the node's patch does while ComfyUI loads the model and encodes the prompt) and takes the first shape.
 
-Per clip it prints: preparation s (the node's `prepare_kernels`, after the wait), wait s, first call s,
+Per clip it prints: wait s (the first sparse step's preparation beside a child still running, stopping it),
+preparation s (the node's `prepare_kernels` after that), first call s,
 warm call s (median of 3) and first - warm, and the Triton specialisations this process built during the
 preparation and the first call (Triton's compile hooks: a kernel compiled, or loaded from the disk cache, for
 arguments it had not seen) with their seconds, so a first call's cost is split into compiling and the rest; per scenario the dense choice's first use (all candidates)
@@ -175,9 +176,10 @@ def table(results: list[dict]) -> str:
                           f"{len(c['built'])} ({sum(t for _, t in c['built']):.2f})") + " | " +
                          " | ".join("-" if c.get(f) is None else f"{c[f]:.1f}" for f in ("child_up_s", "child_s")) + " |")
     lines.append("")
-    lines.append("prepare s is the node's preparation at the first sparse step (after the wait; near 0 when a warmup "
-                 "step prepared already); first - warm s counts it too: what the first sparse call of that clip costs "
-                 "over a warm one, apart from the wait. Dense choice, first use of a bucket: " + "; ".join(
+    lines.append("wait s is the first sparse step's preparation beside a child still running (then stopped); prepare "
+                 "s the node's preparation after it (near 0 when a warmup step or that one prepared already); first - "
+                 "warm s counts it too: what the first sparse call of that clip costs over a warm one, apart from the "
+                 "wait. Dense choice, first use of a bucket: " + "; ".join(
                      f"{r['scenario']}: all candidates {r['dense_first_use_s']:.2f} s, narrowed with a host function "
                      f"{r['dense_narrowed_s']:.2f} s" for r in results))
     for r in results:
