@@ -11,7 +11,8 @@ GPU. H3's shapes at 1344x768: the kernels do not depend on the clip length beyon
 row buckets, so the 5 s and 10 s clips cover the usual lengths. ``--shape SPEC`` compiles the kernels
 of one run's exact shape instead (the child process `nodes/warm_start.py` starts during a run's dense
 warmup steps, or, with ``--shape -``, when the node patches a model: it then reads the shape from its
-input); it measures nothing.
+input); it measures nothing. Both build the Triton kernels side by side, a thread per core
+(``--build-threads``; `kernels/triton/build_ahead.py`).
 """
 from __future__ import annotations
 
