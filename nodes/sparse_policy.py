@@ -254,10 +254,10 @@ class SparseAttentionHook(BlockHook):
         """Compile the kernels of this layout before they run (once per layout, where the kernel family
         compiles any), announced in the console and as progress text on the running node. At a warmup
         step they compile in a child process while the dense steps run (`nodes/warm_start.py`); the
-        first sparse step waits for a child that is compiling, or prepares itself beside one still
-        starting up (each loads from Triton's cache what the other built first). It runs at the head count of one
-        sparse call: the largest of KJNodes' head groups (`head_chunks`). Where the sparse blocks run the
-        torch reference kernel, it says so once per run (`reference_kernel_notice`)."""
+        first sparse step prepares beside a child still running, then stops it (each loads from Triton's
+        cache what the other built first). It runs at the head count of one sparse call: the largest of
+        KJNodes' head groups (`head_chunks`). Where the sparse blocks run the torch reference kernel, it
+        says so once per run (`reference_kernel_notice`)."""
         config, head_dim = self.engine_config, attn.head_dim
         heads = max(h1 - h0 for h0, h1 in head_groups(attn.heads, head_chunks))  # of one sparse call
         notice = layout.cache.get(  # resolved once per layout and call kind, not at every block call
