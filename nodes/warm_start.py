@@ -10,8 +10,8 @@ So at the first warmup step of a layout whose kernels compile, `WarmStart` start
 (hence the same caches), or hands the run shape to the owner's standby child: one started as
 ``install.py prepare --shape -`` when the node patched the model for a CUDA GPU (`standby_for`), whose
 start-up (Python, torch, this pack: seconds) ran while ComfyUI loaded the model and encoded the prompt,
-and which waits for the shape on its input (one no shape comes to is stopped at the first sparse step,
-ends when its input closes, or exits by itself after a while). The child runs `backend.warmup.prepare_kernels`
+and which waits for the shape on its input (with no warmup step it takes the first sparse step's shape;
+one no shape comes to is stopped there, ends when its input closes, or exits by itself after a while). The child runs `backend.warmup.prepare_kernels`
 on the same layout, config, dtype and head size at one head (`CHILD_HEADS`), which launches the kernels the
 sparse steps launch but for what depends on the head count; it builds them side by side on a thread per
 core (`kernels/triton/build_ahead.py`: a dry run records them), which this process cannot do safely. The
@@ -225,8 +225,8 @@ class WarmStart:
         """Start a standby child now (when the node patches a model for a CUDA GPU): its start-up (Python,
         torch, this pack: 7-14 s on the H200's host) then runs while ComfyUI loads the model and encodes the
         prompt, and the first warmup step hands it the run shape (`start`) instead of starting a child.
-        If no shape comes it is stopped at the first sparse step or when its owner goes, and exits by itself
-        after `bench.prepare.STANDBY_WAIT_S`.
+        Without warmup steps the first sparse step hands it the shape instead. If no shape comes it is stopped
+        at the first sparse step or when its owner goes, and exits by itself after `bench.prepare.STANDBY_WAIT_S`.
 
         Returns:
             Whether a standby child was started (not when one exists, a child ran already or it failed).
@@ -330,8 +330,8 @@ class WarmStart:
 
 def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                         device: torch.device, head_dim: int, heads: int) -> bool:
-    """At a warmup step: start the child for this run shape when its kernels compile on this GPU and
-    this layout is not prepared yet. Returns whether the child is still running (the warmup step then
+    """At a warmup step (or at the first sparse step, for a standby child no warmup step came to): start the
+    child for this run shape when its kernels compile on this GPU and this layout is not prepared yet. Returns whether the child is still running (the warmup step then
     leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads
     what the child compiled from Triton's cache and compiles what only a process's memory keeps
     (cuDNN-frontend's kernels), while the steps are still dense."""
@@ -347,8 +347,11 @@ def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: Spa
                             device: torch.device, head_dim: int, heads: int,
                             announce: Callable[[str], None] | None = None) -> bool | None:
     """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`, which
-    prepares here beside a child still running; `announce` shows that preparation's message), and a standby
-    child no run shape came to."""
+    prepares here beside a child still running; `announce` shows that preparation's message). A standby child
+    no warmup step handed a run shape to (``warmup_mode`` speed: the first step is sparse) takes this one and
+    builds beside this process; one whose shape compiles nothing here is stopped."""
+    if STANDBY_KEY in warm.jobs:
+        start_during_warmup(warm, layout, config, dtype, device, head_dim, heads)
     warm.drop_spare()
     if not warm.jobs or prepared(layout, config, dtype, device, head_dim, heads):
         return None

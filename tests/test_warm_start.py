@@ -210,6 +210,29 @@ def test_a_standby_child_no_shape_came_to_is_stopped_at_the_first_sparse_step():
     assert spare.process.returncode is not None and not warm.jobs and not output.exists()
 
 
+def test_without_warmup_steps_the_standby_child_takes_the_first_sparse_steps_shape(monkeypatch, caplog):
+    """``warmup_mode`` speed: no warmup step hands the standby child a shape, so the first sparse step does,
+    and prepares beside it (the child builds side by side), then stops it. The preparation here is a stand-in:
+    this machine has no CUDA device to compile for."""
+    from adaptive_sparse_attention.nodes import warm_start
+
+    layout, config, device = SequenceLayout.from_segments(LAYOUT), SparseConfig(kernel="triton"), torch.device("cuda")
+    warm = WarmStart(stand_in(standby_child(30.0)))
+    assert warm.standby()
+    spare = warm.jobs[STANDBY_KEY]
+    up_to(spare, STANDBY_LINE)
+    beside = []
+    monkeypatch.setattr(warm_start, "prepare_kernels",
+                        lambda *args, **kwargs: (up_to(spare, UP_LINE), beside.append(spare.poll() is None)))
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        assert take_over_before_sparse(warm, layout, config, torch.bfloat16, device, 64, 2) is False
+    key = job_key(layout, config, torch.bfloat16, device, 64, 2)
+    assert list(warm.jobs) == [key] and warm.jobs[key] is spare
+    assert f"{UP_LINE} {shape_spec(layout, config, torch.bfloat16, device, 64)}" in spare.text()
+    assert beside == [True] and spare.process.returncode is not None  # prepared beside it, then it was stopped
+    assert any("this process prepared beside it" in r.getMessage() for r in caplog.records)
+
+
 def test_a_standby_child_that_ended_is_replaced_by_a_new_child(caplog):
     warm = WarmStart(stand_in(f"print({STANDBY_LINE!r}); import sys; sys.exit(5)"))
     assert warm.standby()
