@@ -338,7 +338,7 @@ def test_the_child_fills_tritons_cache_for_the_run_shape(tmp_path, monkeypatch):
 def test_a_preparation_at_the_calls_head_count_leaves_the_first_sparse_call_nothing_to_build():
     """`prepare_kernels` with the call's head count builds every Triton specialisation the call launches,
     the reblock split's chunk of wide levels included (picked by its program count, heads x nodes: with one
-    head the first sparse step of a 10 s clip built it, 1.0 s)."""
+    head the first sparse step of a 10 s clip built it)."""
     pytest.importorskip("triton")
     from adaptive_sparse_attention import sparse_attention
     from adaptive_sparse_attention.backend.warmup import prepare_kernels

@@ -1,8 +1,9 @@
 """Compile every Triton kernel of the package for NVIDIA targets on this machine (no GPU needed).
 
 Run as a script in a fresh process (Triton must not be in interpreter mode when the kernels are
-imported); the compiles run in a pool of one process per core. Prints one JSON object: for every (kernel, target), the shared memory the compiled
-kernel uses, whether a cubin came out and its global loads by width, or the compile error.
+imported); the compiles run in a pool of one process per core. Prints one JSON object: for every
+(kernel, target), the shared memory the compiled kernel uses, whether a cubin came out and its global
+loads by width, or the compile error.
 Argument types and specialisations mirror what Triton gives the launches at the H3 shapes: bf16
 tensors, int32 tables, unit innermost strides (constants), 16-divisible pointers, strides, head
 dim and feature rank, except the arguments a kernel leaves unspecialised (`do_not_specialize`,

@@ -1,9 +1,9 @@
 """Build a call's Triton kernels side by side on threads before the call runs.
 
 Triton builds a kernel the first time a launch asks for it, one after the other: a cold sparse call of
-H3's shape builds 28 kernels, each about a second of MLIR, LLVM and ptxas work. A dry run of the call
-with Triton's ``jit_cache_hook`` declining every build records what each launch asks for and skips the
-launch (the dry run's results are garbage and dropped). The records then build on a pool of threads
+H3's shape builds a few dozen, each its own MLIR, LLVM and ptxas work (BENCHMARKS.md has the times). A
+dry run of the call with Triton's ``jit_cache_hook`` declining every build records what each launch
+asks for and skips the launch (the dry run's results are garbage and dropped). The records then build on a pool of threads
 through `JITFunction.preload`, Triton's own path for a recorded specialisation (the same cache keys, in
 memory and on disk); Triton's compiler leaves the GIL to its passes and to ptxas, so the builds run
 side by side. The call itself then finds every kernel built.
@@ -16,7 +16,6 @@ the warm-start child), never in ComfyUI's.
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -89,18 +88,18 @@ def build_all(builds: list[Build], device: torch.device, threads: int) -> None:
         with torch.cuda.device(device):
             b.kernel.preload(b.data)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(builds)))) as pool:
+    with ThreadPoolExecutor(max_workers=min(threads, len(builds))) as pool:
         for _ in pool.map(build, builds):
             pass
 
 
-def build_ahead(call: Callable[[], object], device: torch.device, threads: int | None = None) -> int | None:
+def build_ahead(call: Callable[[], object], device: torch.device, threads: int) -> int | None:
     """Build the Triton kernels `call` would build, side by side, ahead of running it.
 
     Args:
         call: a dry run of the call (its results are dropped): Q/K/V and buffers of the real call's shapes.
         device: the CUDA device the kernels are for.
-        threads: builds at once (None: one per CPU core).
+        threads: builds at once (1 or more).
     Returns:
         The kernels built, or None where this Triton has no hooks for a dry run (the real call then builds
         them as it launches, one after the other).
@@ -117,7 +116,7 @@ def build_ahead(call: Callable[[], object], device: torch.device, threads: int |
                  "the call launches them", ended, len(builds))
     recorded = time.perf_counter()
     if builds:
-        build_all(builds, device, threads or os.cpu_count() or 1)
+        build_all(builds, device, threads)
     log.info("adaptive sparse attention: %d kernels built side by side in %.1f s (dry run %.1f s)", len(builds),
              time.perf_counter() - start, recorded - start)
     return len(builds)
