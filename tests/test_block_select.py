@@ -3,8 +3,9 @@
 Selections are integer sets, so they must match exactly: rows with many ties (scores drawn from a
 few values, including -0.0 next to 0.0, which the sort treats as equal), scores one ulp apart
 (they differ in the last digit of the radix select only), budgets of one block and of a whole
-group, several groups, dense query blocks, and group sizes that are not powers of two (145,
-150 and 37 are held as a head vector and a short tail, `block_select.row_split`).
+group, several groups, dense query blocks, and group sizes that are not powers of two (145 and
+150 are held as a head vector and a quarter-width tail, 178 with a half-width one, 37 in one vector;
+`radix_select.row_split`).
 """
 import pytest
 import torch
@@ -28,6 +29,7 @@ CASES = [  # batch, heads, J, groups (lo, hi, budget), number of leading dense q
     (1, 1, 150, [(5, 150, 15)], 5, "ties"),
     (1, 1, 150, [(0, 150, 40)], 0, "ulps"),
     (1, 1, 40, [(3, 40, 37)], 2, "ties"),  # a whole group wider than the head vector, dense rows too
+    (1, 1, 180, [(2, 180, 30)], 0, "ties"),
 ]
 
 
@@ -48,6 +50,23 @@ def test_matches_the_stable_sort_selection(B, H, J, groups, n_dense, kind):
     got = select_blocks_triton(scores, dense_hi, groups)
     assert got.dtype == torch.int32
     assert torch.equal(got, want)
+
+
+def test_row_shapes_hold_the_row_and_change_only_at_quarters_of_a_power_of_two():
+    """Every row fits its (head, tail) lanes, with fewer than 1.5 lanes a score above 64 scores; a
+    power of two holds at most three shapes; the video rows of H3's 10 s and 9.3 s clips (1,134 and
+    1,056 key blocks of 64; latent frames 72 and 67) share one, so the second clip builds no new kernel."""
+    from adaptive_sparse_attention.kernels.triton.radix_select import row_split
+
+    shapes = {}
+    for n in range(1, 5000):
+        head, tail = row_split(n)
+        assert head & (head - 1) == 0 and tail & (tail - 1) == 0 and n <= head + tail, n
+        if n > 64:
+            assert head + tail < 1.5 * n, (n, head, tail)
+        shapes.setdefault(1 << (n - 1).bit_length(), set()).add((head, tail))
+    assert all(len(s) <= 3 for s in shapes.values()), shapes
+    assert row_split(1134) == row_split(1056) == (1024, 256)
 
 
 def test_bad_group_is_named():

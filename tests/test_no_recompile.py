@@ -8,7 +8,8 @@ target. Two calls whose clip lengths (text, audio, frames) and head counts diffe
 the same set of specialisations.
 
 By design, kernels that hold a whole row in registers (radix-select rows, reblock levels)
-specialise on the power-of-two bucket of that row's width; `ROW_BUCKETS` names those
+specialise on a bucket of that row's width (radix-select rows: three per power of two,
+`radix_select.row_split`; reblock levels: a power of two); `ROW_BUCKETS` names those
 constexprs, and a third length in another bucket may differ in them only. The per-head tiling
 choice (`head_choice`) runs on the torch path in the pipeline test, because its top-share kernel
 takes over a minute in the interpreter; its two kernels are checked launcher by launcher.

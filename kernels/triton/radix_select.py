@@ -16,13 +16,15 @@ import triton.language as tl
 
 
 def row_split(n: int) -> tuple[int, int]:
-    """(head, tail) lanes holding a row of n scores: half of n's next power of two plus the
-    next power of two (at least 16) of the rest where that is fewer lanes, else all of it in the
-    head and one dead tail lane (so a kernel has one path for both)."""
+    """(head, tail) lanes holding a row of n scores: half of n's next power of two, plus a quarter
+    or a half of it where that holds the rest, else all of it in the head and one dead tail lane (so
+    a kernel has one path for both). Three shapes per power of two, so a new clip length rebuilds
+    the kernels only when its rows cross a quarter of a power of two."""
     npad = triton.next_power_of_2(n)
     head = npad // 2
-    tail = max(16, triton.next_power_of_2(n - head)) if n > head else 0
-    return (head, tail) if head >= 16 and head + tail < npad else (npad, 1)
+    if head < 64 or n > head + head // 2:
+        return npad, 1
+    return head, head // 4 if n <= head + head // 4 else head // 2
 
 
 @triton.jit
@@ -88,7 +90,7 @@ def top_k_mask_pair(x, live, y, live_y, k):
     lanes of y, ties toward the lower lane: every value above the k-th largest, then the first
     lanes equal to it, as many as fit. A row of n values held as a power-of-two head and a short
     tail (`row_split`) costs passes over about n lanes, not over n padded to the next power of
-    two (1,134 key blocks: 1,152 lanes instead of 2,048)."""
+    two (1,134 key blocks: 1,280 lanes instead of 2,048)."""
     key = tl.where(live, float_key(x), 0)
     key_y = tl.where(live_y, float_key(y), 0)
     thresh = kth_largest_key_pair(key, live, key_y, live_y, k)
