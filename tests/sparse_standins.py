@@ -18,7 +18,8 @@ class StandIn:
     def __init__(self, name: str, factor: float, fails_from: int | None = None,
                  error: Exception | None = None):
         self.name, self.factor, self.fails_from = name, factor, fails_from
-        self.error = error or UnicodeDecodeError("utf-8", b"\xb6", 0, 1, "invalid start byte")
+        text = b"ptxas info   : Used 168 registers\n" * 5 + b"\xb6"  # a log with one bad byte at 170
+        self.error = error or UnicodeDecodeError("utf-8", text, 170, 171, "invalid start byte")
         self.calls = 0
 
     def attend_blocks(self, q, k, v, plan, precision="bf16"):

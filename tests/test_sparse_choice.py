@@ -121,6 +121,7 @@ def test_a_chosen_kernel_that_raises_at_call_time_is_contained(monkeypatch, capl
     said = [r.getMessage() for r in caplog.records if "stand-in first raised UnicodeDecodeError" in r.getMessage()]
     assert len(said) == 1 and "runs on stand-in second" in said[0]
     assert "sparse_standins.py" in said[0] and "in attend_blocks" in said[0]  # where it was raised
+    assert "bytes 110-190 of the 171: b'" in said[0] and "Used 168 registers\\n\\xb6'" in said[0]  # which text
     assert first.calls == 6  # not tried again after it raised
 
     strict_first, strict_second = StandIn("first", CLOSE, fails_from=4), StandIn("second", 2 - CLOSE)

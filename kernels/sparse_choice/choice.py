@@ -194,7 +194,7 @@ class SparseChoices(Remembered):
                 times[kernel.name] = timer(lambda: run(kernel, q, k, v, plan))
                 said.append(f"{kernel.label} {times[kernel.name]:.3g} ms (error {error:.1e})")
             except Exception as exc:  # a kernel that cannot run here, or fails on this process's state
-                self.skip(said, f"sparse kernel {kernel.label} failed on {shape} ({describe(exc)})")
+                self.skip(said, f"sparse kernel {kernel.label} failed on {shape} ({describe(exc)}, {origin(exc)})")
         order = [kernel.name for kernel in kernels]
         ranking = tuple(sorted(times, key=lambda n: (times[n], order.index(n))))
         labels = {kernel.name: kernel.label for kernel in kernels}
@@ -243,12 +243,14 @@ class SparseChoices(Remembered):
 
 def origin(exc: BaseException) -> str:
     """Where `exc` was raised: the innermost frame's file, line and function (what a report of a failure
-    inside another package needs first)."""
+    inside another package needs first); for a text that would not decode, the bytes around the bad one
+    (they say which text it was: a compiler log, a file, an error message)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "no traceback"
-    last = frames[-1]
-    return f"raised at {last.filename}:{last.lineno} in {last.name}"
+    where = f"raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "no traceback"
+    if isinstance(exc, UnicodeDecodeError) and isinstance(exc.object, (bytes, bytearray)):
+        start = max(0, exc.start - 60)
+        where += f"; bytes {start}-{exc.start + 20} of the {len(exc.object)}: {bytes(exc.object[start:exc.start + 20])!r}"
+    return where
 
 
 def label(name: str, precision: str = "bf16") -> str:
