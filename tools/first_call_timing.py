@@ -10,7 +10,9 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   from the cache), then the first sparse step prepares beside a child still running (wait s) and stops it;
   the second clip length gets its own child during ``--dense-s2`` seconds of dense attention.
   With ``--load-s`` above 0, a standby child starts that many seconds before the first dense work (what
-  the node's patch does while ComfyUI loads the model and encodes the prompt) and takes the first shape.
+  the node's patch does while ComfyUI loads the model and encodes the prompt) and takes the first shape;
+  ``--dense-s 0`` is a run without warmup steps (warmup_mode speed), where the first sparse step hands it
+  the shape and prepares beside it.
 
 Per clip it prints: wait s (the first sparse step's preparation beside a child still running, stopping it),
 preparation s (the node's `prepare_kernels` after that), first call s,
@@ -135,8 +137,10 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
             if i == 0 and load_s > 0:  # the node's patch, then ComfyUI's model load and text encoding
                 row["standby"] = standby_for(warm, device, config)
                 time.sleep(load_s)
-            row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim, heads)
-            row["dense_calls"] = dense_for(dense_s if i == 0 else dense_s2, q, k, v, warmup_step)
+            seconds, row["child"] = (dense_s if i == 0 else dense_s2), False
+            if seconds > 0:  # 0: no warmup steps (warmup_mode speed): the first sparse step hands the child the shape
+                row["child"] = start_during_warmup(warm, layout, config, dtype, device, dim, heads)
+                row["dense_calls"] = dense_for(seconds, q, k, v, warmup_step)
             job = warm.jobs.get(key)
             if job is not None:
                 job.poll()
