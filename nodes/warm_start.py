@@ -23,7 +23,9 @@ either of them built first loads from the cache in the other (on a cold cache th
 overtake this process's; on a warm one, or with a new clip length's few kernels, this process is done
 first, without waiting for the child's start-up). The preparation is shown and logged with its time.
 A child that fails or runs past its budget is said once, and this process compiles the kernels
-itself, as it does without the child.
+itself, as it does without the child. Once a child of one clip length has ended, a new length of the same
+kernels starts no child: it prepares in this process at its first warmup step, where at most its new
+row-bucket kernels build (`kernels/triton/radix_select.row_split`), in less time than a child's start-up.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
@@ -274,6 +276,14 @@ class WarmStart:
                 job.stop()
                 job.close()
 
+    def ended_beside(self, key: tuple) -> bool:
+        """Whether the child of another layout of `key`'s kernels (`job_key` but for the layout) has ended.
+        This process has then prepared that layout, or can load it from the cache, and a new clip length
+        builds at most its few row-bucket kernels, here at a warmup step, in less time than a child's start-up."""
+        with self.lock:
+            return any(k not in (key, STANDBY_KEY) and k[:-1] == key[:-1] and job.poll() is not None
+                       for k, job in self.jobs.items())
+
     def take_over(self, key: tuple, prepare: Callable[[], object] | None = None) -> bool | None:
         """Before the first sparse step of `key`: end its child. A child still running keeps going while this
         process runs `prepare`, then is stopped: whichever process builds a kernel first, the other loads it
@@ -340,8 +350,10 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
         return False
     if prepared(layout, config, dtype, device, head_dim, heads):
         return False
-    return warm.start(job_key(layout, config, dtype, device, head_dim, heads),
-                      shape_spec(layout, config, dtype, device, head_dim))
+    key = job_key(layout, config, dtype, device, head_dim, heads)
+    if key not in warm.jobs and warm.ended_beside(key):  # a new clip length of kernels this process has
+        return False
+    return warm.start(key, shape_spec(layout, config, dtype, device, head_dim))
 
 
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,

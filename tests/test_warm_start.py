@@ -111,6 +111,25 @@ def test_a_child_done_before_the_first_sparse_step_costs_no_wait(caplog):
     assert any("the child process compiled the kernels" in r.getMessage() for r in caplog.records)
 
 
+def test_a_new_clip_length_prepares_here_once_a_child_of_another_length_ended():
+    """After a child of one clip length ended, a new length of the same kernels starts no child (the warmup
+    step prepares here: at most a few row-bucket kernels build); other kernels (another dtype) still get one,
+    and so does a new length while the first child still runs."""
+    config, device = SparseConfig(kernel="triton"), torch.device("cuda")
+    first, second = (SequenceLayout.from_segments([(0, 64, "text"), (64, 64 + f * 64, "video", (f, 8, 8))])
+                     for f in (4, 5))
+    warm = WarmStart(stand_in(sleeping(2.0)))
+    args = (config, torch.bfloat16, device, 64, 2)
+    assert start_during_warmup(warm, first, *args)
+    assert start_during_warmup(warm, second, *args)  # the first child still runs: a child of its own
+    ended(warm, job_key(first, *args))
+    ended(warm, job_key(second, *args))
+    third = SequenceLayout.from_segments([(0, 64, "text"), (64, 64 + 6 * 64, "video", (6, 8, 8))])
+    assert not start_during_warmup(warm, third, *args)  # prepares here
+    assert job_key(third, *args) not in warm.jobs
+    assert start_during_warmup(warm, third, config, torch.float16, device, 64, 2)  # other kernels: a child
+
+
 def test_a_failing_child_is_said_once_and_this_process_compiles(caplog):
     warm = WarmStart(stand_in("print('CUDA error: no kernel image is available'); raise SystemExit(3)"))
     assert warm.start(("shape",), "{}")
