@@ -75,7 +75,8 @@ def job_key(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, de
     """The run shape one child prepares: what `prepare_kernels` keys a layout's preparation by (the
     kernel-deciding config fields, dtype, device, head size and count), and the layout. Per layout, not per
     class: a clip length whose row-width buckets (radix-select rows, reblock levels) are new compiles
-    those kernels (BENCHMARKS.md has the time), which the child takes off the first call too."""
+    those kernels (BENCHMARKS.md has the time), at a warmup step once a child of another length ended
+    (`WarmStart.ended_beside`)."""
     return (*preparation_key(config, dtype, device, head_dim, heads), layout.signature())
 
 
