@@ -2,8 +2,8 @@
 
 The Triton kernels specialise only on what a clip length cannot change (dtype, head size, block
 size, config), on buckets of row widths (three per power of two for the radix-select rows, the power
-of two for the reblock levels) and, where a launch picks its chunk by how
-many programs it has (the reblock split's wide levels), on the head count. So one call with the real
+of two for the reblock levels) and, where a launch picks its chunk by how many programs it has (the
+reblock split's wide levels), on the head count. So one call with the real
 layout and head count compiles every kernel the sparse steps will launch; its Q/K/V are one random
 head expanded over the heads (one head's memory), its buffers those of a sparse call of the block.
 The node runs it at the first block call of a layout (a dense warmup step in the default schedule),
