@@ -8,7 +8,8 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
 - ``child``: `nodes/warm_start.py` starts the child compile while ``--dense-s`` seconds of real dense
   attention run (the warmup steps; the first one after the child ended prepares in this process,
   from the cache), then the first sparse step prepares beside a child still running (wait s) and stops it;
-  the second clip length gets its own child during ``--dense-s2`` seconds of dense attention.
+  the second clip length runs ``--dense-s2`` seconds of dense attention and prepares at its first warmup
+  step when the first clip's child has ended (`WarmStart.ended_beside`), else gets a child of its own.
   With ``--load-s`` above 0, a standby child starts that many seconds before the first dense work (what
   the node's patch does while ComfyUI loads the model and encodes the prompt) and takes the first shape;
   ``--dense-s 0`` is a run without warmup steps (warmup_mode speed), where the first sparse step hands it
