@@ -9,8 +9,8 @@ for it.
 `python -m adaptive_sparse_attention prepare` runs it; `install.py` runs it too when it finds a
 GPU. H3's shapes at 1344x768: the kernels depend on the clip length only through row buckets (three
 per power of two of the key blocks, `kernels/triton/radix_select.row_split`), so the 5 s and 10 s clips
-cover the lengths near them; another length builds its bucket's two small kernels once per machine. ``--shape SPEC`` compiles the kernels
-of one run's exact shape instead (the child process `nodes/warm_start.py` starts during a run's dense
+cover the lengths near them; another length builds its bucket's two small kernels once per machine.
+``--shape SPEC`` compiles the kernels of one run's exact shape instead (the child process `nodes/warm_start.py` starts during a run's dense
 warmup steps, or, with ``--shape -``, when the node patches a model: it then reads the shape from its
 input); it measures nothing. Both build the Triton kernels side by side, a thread per core
 (``--build-threads``; `kernels/triton/build_ahead.py`).

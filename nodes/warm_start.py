@@ -12,20 +12,19 @@ So at the first warmup step of a layout whose kernels compile, `WarmStart` start
 start-up (Python, torch, this pack: seconds) ran while ComfyUI loaded the model and encoded the prompt,
 and which waits for the shape on its input (with no warmup step it takes the first sparse step's shape;
 one no shape comes to is stopped there, ends when its input closes, or exits by itself after a while).
-The child runs `backend.warmup.prepare_kernels` on the same layout, config, dtype and head size at one
-head (`CHILD_HEADS`), which launches the kernels the sparse steps launch but for what depends on the
-head count; it builds them side by side on a thread per
-core (`kernels/triton/build_ahead.py`: a dry run records them), which this process cannot do safely. The
-first warmup step after the child ended prepares in this process at the real head count: it loads the
-child's kernels from the cache and builds the rest. A sparse step that comes before the child ended
-prepares in this process beside it, and the child keeps going until this process is done: a kernel
-either of them built first loads from the cache in the other (on a cold cache the child's builds soon
-overtake this process's; on a warm one, or with a new clip length's few kernels, this process is done
-first, without waiting for the child's start-up). The preparation is shown and logged with its time.
-A child that fails or runs past its budget is said once, and this process compiles the kernels
-itself, as it does without the child. Once a child of one clip length has ended, a new length of the same
-kernels starts no child: it prepares in this process at its first warmup step, where at most its new
-row-bucket kernels build (`kernels/triton/radix_select.row_split`), in less time than a child's start-up.
+The child runs `backend.warmup.prepare_kernels` on the same layout, config, dtype and head size at one head
+(`CHILD_HEADS`), which launches the kernels the sparse steps launch but for what depends on the head count; it
+builds them side by side on a thread per core (`kernels/triton/build_ahead.py`: a dry run records them), which
+this process cannot do safely. The first warmup step after the child ended prepares in this process at the
+real head count: it loads the child's kernels from the cache and builds the rest. A sparse step that comes
+before the child ended prepares in this process beside it, and the child keeps going until this process is
+done: a kernel either of them built first loads from the cache in the other (on a cold cache the child's
+builds soon overtake this process's; on a warm one, or with a new clip length's few kernels, this process is
+done first, without waiting for the child's start-up). The preparation is shown and logged with its time. A
+child that fails or runs past its budget is said once, and this process compiles the kernels itself, as it
+does without the child. Once a child of one clip length has ended, a new length of the same kernels starts no
+child: it prepares in this process at its first warmup step, where at most its new row-bucket kernels build
+(`kernels/triton/radix_select.row_split`), in less time than a child's start-up.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
@@ -343,10 +342,11 @@ class WarmStart:
 def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                         device: torch.device, head_dim: int, heads: int) -> bool:
     """At a warmup step (or at the first sparse step, for a standby child no warmup step came to): start the
-    child for this run shape when its kernels compile on this GPU and this layout is not prepared yet.
-    Returns whether the child is still running (the warmup step then leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads
-    what the child compiled from Triton's cache and compiles what only a process's memory keeps
-    (cuDNN-frontend's kernels), while the steps are still dense."""
+    child for this run shape when its kernels compile on this GPU and this layout is not prepared yet, and no
+    child of another clip length of its kernels has ended (`WarmStart.ended_beside`). Returns whether the child
+    is still running (the warmup step then leaves the preparation to it); once it ended, a warmup step prepares
+    in this process, which loads what the child compiled from Triton's cache and compiles what only a process's
+    memory keeps (cuDNN-frontend's kernels), while the steps are still dense."""
     if device.type != "cuda" or not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return False
     if prepared(layout, config, dtype, device, head_dim, heads):

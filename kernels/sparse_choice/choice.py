@@ -248,8 +248,8 @@ def origin(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "no traceback"
     if isinstance(exc, UnicodeDecodeError) and isinstance(exc.object, (bytes, bytearray)):
-        start = max(0, exc.start - 60)
-        where += f"; bytes {start}-{exc.start + 20} of the {len(exc.object)}: {bytes(exc.object[start:exc.start + 20])!r}"
+        start, end = max(0, exc.start - 60), exc.start + 20
+        where += f"; bytes {start}-{end} of the {len(exc.object)}: {bytes(exc.object[start:end])!r}"
     return where
 
 

@@ -2,11 +2,11 @@
 
 Triton builds a kernel the first time a launch asks for it, one after the other: a cold sparse call of
 H3's shape builds a few dozen, each its own MLIR, LLVM and ptxas work (BENCHMARKS.md has the times). A
-dry run of the call with Triton's ``jit_cache_hook`` declining every build records what each launch
-asks for and skips the launch (the dry run's results are garbage and dropped). The records then build on a pool of threads
-through `JITFunction.preload`, Triton's own path for a recorded specialisation (the same cache keys, in
-memory and on disk); Triton's compiler leaves the GIL to its passes and to ptxas, so the builds run
-side by side. The call itself then finds every kernel built.
+dry run of the call with Triton's ``jit_cache_hook`` declining every build records what each launch asks
+for and skips the launch (the dry run's results are garbage and dropped). The records then build on a
+pool of threads through `JITFunction.preload`, Triton's own path for a recorded specialisation (the same
+cache keys, in memory and on disk); Triton's compiler leaves the GIL to its passes and to ptxas, so the
+builds run side by side. The call itself then finds every kernel built.
 
 A kernel built before the dry run would launch on unset buffers: Triton's ``launch_enter_hook`` ends
 the dry run at its first real launch instead (what it recorded until then still builds). Torch's
