@@ -266,6 +266,8 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
                        density=float(m[3]), attention_s=float(m[4]))
         if m := re.search(r"kernels ready in ([\d.]+) s", line):
             row["prepare_s"] = float(m[1])
+        if m := re.search(r"plans reused (\d+), built (\d+) \((\d+) rebuilds\)", line):
+            row.update(plans_reused=int(m[1]), plans_built=int(m[2]), plan_rebuilds=int(m[3]))
     return row
 
 
@@ -364,8 +366,8 @@ def isolated_op(scale: Scale, clip: str, config: Any, device: torch.device, reps
     return out
 
 
-RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-all-dense", "ours-new-length",
-        "comfyui-two-threads", "ours-two-threads", "other-clips")
+RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-all-dense", "ours-reuse", "ours-ramp",
+        "ours-ramp-reuse", "ours-new-length", "comfyui-two-threads", "ours-two-threads", "other-clips")
 
 
 def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
@@ -503,7 +505,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         if widgets is not None:
             config = config_from_widgets(widgets)
             dense = len(calls) if config.warmup_mode == "dense" else (
-                warmup_steps(config, n_steps) * len(calls) // n_steps)
+                len(calls) // n_steps if config.warmup_mode == "ramp" and config.topk_ratio < 1  # the first step
+                else warmup_steps(config, n_steps) * len(calls) // n_steps)
         latent = e2e_nodes.STATE["latent"]
         row = summarise(name, calls, total, peak, dense, latent, references.get(clip) if widgets else None,
                         lines.lines)
@@ -534,7 +537,10 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     if not compile_only:
         for name, widgets in (("ours-speed", node_widgets(scale, warmup_mode="speed")),
                               ("ours-ratio-0.1", node_widgets(scale, topk_ratio=0.1)),
-                              ("ours-all-dense", node_widgets(scale, warmup_mode="dense"))):  # the rounding floor
+                              ("ours-all-dense", node_widgets(scale, warmup_mode="dense")),  # the rounding floor
+                              ("ours-reuse", node_widgets(scale, plan_reuse="on")),
+                              ("ours-ramp", node_widgets(scale, warmup_mode="ramp")),
+                              ("ours-ramp-reuse", node_widgets(scale, warmup_mode="ramp", plan_reuse="on"))):
             if name in runs:
                 run(name, main, widgets)
         for name, widgets in (("comfyui-two-threads", None),

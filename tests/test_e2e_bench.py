@@ -49,13 +49,15 @@ def test_summary_splits_dense_first_and_steady_calls():
     calls = [900.0, 880.0, 300.0, 200.0, 100.0, 110.0, 105.0]
     reference = torch.ones(8)
     line = ("adaptive sparse attention: steps 1 dense / 3 sparse; blocks 4 dense / 12 sparse; mean density 0.250 "
-            "in sparse blocks (0.4 over all blocks); sparse attention time 1.50 s")
+            "in sparse blocks (0.4 over all blocks); sparse attention time 1.50 s; precision bf16; plans reused 7, "
+            "built 5 (1 rebuilds)")
     row = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference * 1.01, reference,
                         [line, "adaptive sparse attention: kernels ready in 3.2 s"])
     assert (row["dense_call_ms"], row["first_sparse_ms"], row["steady_sparse_ms"]) == (900.0, 300.0, 105.0)
     assert row["rel_l2"] == pytest.approx(0.01)
     assert row["prepare_s"] == 3.2
     assert (row["dense_blocks"], row["sparse_blocks"], row["density"], row["attention_s"]) == (4, 12, 0.25, 1.5)
+    assert (row["plans_reused"], row["plans_built"], row["plan_rebuilds"]) == (7, 5, 1)
     plain = e2e.summarise("comfyui", calls, 5.0, None, None, reference, None, [])
     assert "first_sparse_ms" not in plain
     assert plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
@@ -139,6 +141,8 @@ def test_tiny_run_in_real_comfyui(tmp_path: Path):
     runs = {(r["run"], r["clip"]): r for r in json.loads(out.read_text())["runs"]}
     assert runs[("ours", "10s")]["calls"] == 4
     assert runs[("ours-all-dense", "10s")]["density"] == 1.0
+    for name in ("ours-reuse", "ours-ramp", "ours-ramp-reuse"):  # step 0 dense (ramp: sigma_max), step 1 sparse
+        assert runs[(name, "10s")]["calls"] == 4 and runs[(name, "10s")]["sparse_blocks"] == 2, name
     assert 0 < runs[("ours", "10s")]["rel_l2"] < 0.1
     assert runs[("ours", "10s")]["sparse_blocks"] == 2
     assert "| comfyui | 10s (39 frames)" in proc.stdout
