@@ -122,7 +122,7 @@ class PlanSlot:
         self.kept = Kept(facts, tiling, q2k_idx, q2k_num, *refs, q_mean.new_zeros((), dtype=torch.float32))
         self.verdict = None
         if self.step_drift is not None and self.step_drift.device == q_mean.device:
-            self.post(self.step_drift > DRIFT_LIMIT)
+            self.post(self.step_drift > self.store.drift_limit)
 
     def check(self, q_mean: torch.Tensor, k_mean: torch.Tensor, span: tuple[int, int]) -> None:
         """Run the check on this step's means over the kept plan and post its verdict for the next step."""
@@ -130,7 +130,7 @@ class PlanSlot:
         now = drift(q_mean, k_mean, kept.q_ref, kept.k_ref, span)
         self.step_drift = now - kept.last_drift
         kept.last_drift = now
-        self.post((now + self.step_drift) > DRIFT_LIMIT)
+        self.post((now + self.step_drift) > self.store.drift_limit)
 
     def post(self, rebuild: torch.Tensor) -> None:
         """Make `rebuild` (a bool tensor) the verdict the next step reads, copied without a host sync."""
@@ -148,10 +148,18 @@ class PlanSlot:
 class PlanStore:
     """The kept plans of one patched model's run: at most `MAX_SLOTS` slots, and how often each happened.
 
-    Thread-safe (ComfyUI's multi-GPU sampling runs model calls in threads)."""
+    Thread-safe (ComfyUI's multi-GPU sampling runs model calls in threads).
 
-    def __init__(self, bound: int = MAX_SLOTS):
+    Args:
+        bound: slots kept at once.
+        drift_limit: the predicted drift that forces a rebuild (`DRIFT_LIMIT`; the benchmark sweeps it).
+    """
+
+    def __init__(self, bound: int = MAX_SLOTS, drift_limit: float = DRIFT_LIMIT):
+        if not drift_limit > 0:
+            raise ValueError(f"PlanStore: drift_limit={drift_limit!r} must be > 0")
         self.bound = bound
+        self.drift_limit = drift_limit
         self.slots: OrderedDict[Hashable, PlanSlot] = OrderedDict()
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()

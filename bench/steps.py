@@ -1,7 +1,8 @@
 """Denoising trajectories of the bench scenes: the warmup ramp's error per step, plans reused across steps.
 
     python -m adaptive_sparse_attention steps [--size cpu-small] [--scenes pan,cuts] [--ratios 0.1,0.2]
-        [--steps 8] [--shift 10] [--warmup-ratio 0.2] [--tiling reblock] [--device auto] [--out FILE]
+        [--steps 8] [--shift 10] [--warmup-ratio 0.2] [--tiling reblock] [--drift-limits 0.08,0.05]
+        [--device auto] [--out FILE]
 
 A trajectory is the scene at the flow sigmas of ComfyUI's "simple" schedule of `--steps` steps at
 `--shift` (s_i = shift t / (1 + (shift - 1) t), t = 1 - i / steps; `bench/scenes.py`, "Denoising
@@ -12,9 +13,10 @@ compared with dense attention (relative L2 on the target-video rows). Two tables
   `ramp` (`nodes/schedule.ramp_ratio` with the model's warmup and start sigmas, 1.0 for flow);
 - plan reuse: over the sparse steps (sigma at or below the warmup sigma), the error of a fresh plan
   at every step beside the plan the node's rule keeps (`backend/plan_reuse.py`, one slot as one block
-  of one branch has), their worst per-step ratio (acceptance: at most 1.05), the rebuilds, and the
-  planner time of both (host clock around the planner with the device synchronised; on the CPU the
-  torch reference's time).
+  of one branch has), their worst per-step ratio (acceptance: at most 1.05), the rebuilds, the drift
+  the check measured at each reused step, and the planner time of both (host clock around the planner
+  with the device synchronised; on the CPU the torch reference's time); one row per drift limit
+  (`--drift-limits`: each its own slot beside the same fresh plans).
 """
 from __future__ import annotations
 
@@ -70,25 +72,33 @@ def warmup_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConf
     return row
 
 
-def reuse_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, slot) -> dict:
-    """One sparse step: a fresh plan's and the slot's plan's error and planner ms."""
+def reuse_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, slots: dict) -> dict:
+    """One sparse step: a fresh plan's error and planner ms, and for each drift limit the error and
+    planner ms of its slot's plan, and the drift its check measured (None where it planned afresh)."""
     fresh, fresh_ms = timed_call(q, k, v, layout, config)
-    kept, kept_ms = timed_call(q, k, v, layout, config, slot)
-    return {"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout),
-            "reused": video_error(kept, ref, layout), "fresh_ms": fresh_ms, "reused_ms": kept_ms}
+    row = {"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout), "fresh_ms": fresh_ms, "limits": {}}
+    for limit, slot in slots.items():
+        before = slot.store.summary()["reused"]
+        kept, kept_ms = timed_call(q, k, v, layout, config, slot)
+        reused = slot.store.summary()["reused"] > before
+        row["limits"][limit] = {"reused": video_error(kept, ref, layout), "ms": kept_ms,
+                                "drift": float(slot.kept.last_drift) if reused else None}
+    return row
 
 
-def reuse_rows(scene_at, sigmas: list[tuple[int, float]], config: SparseConfig) -> tuple[list[dict], dict]:
-    """`reuse_row` over (step, sigma) pairs with one slot (`scene_at(sigma)` -> q, k, v, layout, dense
-    output); also the store's counts."""
-    store = PlanStore()
+def reuse_rows(scene_at, sigmas: list[tuple[int, float]], config: SparseConfig,
+               limit: float = DRIFT_LIMIT) -> tuple[list[dict], dict]:
+    """`reuse_row` over (step, sigma) pairs with one slot at drift limit `limit` (`scene_at(sigma)` ->
+    q, k, v, layout, dense output); rows flattened to fresh/reused errors; also the store's counts."""
+    store = PlanStore(drift_limit=limit)
     slot = store.slot("block")
     rows = []
     for step, sigma in sigmas:
         q, k, v, layout, ref = scene_at(sigma)
         if not rows:  # the layout's caches are built before anything is timed
             sparse_attention(q, k, v, layout, config)
-        rows.append(reuse_row(q, k, v, layout, ref, step, sigma, config, slot))
+        row = reuse_row(q, k, v, layout, ref, step, sigma, config, {limit: slot})
+        rows.append({**row, "reused": row["limits"][limit]["reused"]})
     return rows, store.summary()
 
 
@@ -102,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiling", default="reblock", choices=("reblock", "cube"))
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--drift-limits", default=str(DRIFT_LIMIT),
+                        help=f"plan reuse's drift limits to compare, comma-separated (default {DRIFT_LIMIT}, the node's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
 
@@ -115,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
     threshold = flow_sigma(args.shift, 1.0 - args.warmup_ratio) if 0 < args.warmup_ratio < 1 else (
         1.0 if args.warmup_ratio <= 0 else 0.0)
     ratios = [float(r) for r in args.ratios.split(",")]
-    results, worst = [], 0.0
+    limits = [float(x) for x in args.drift_limits.split(",")]
+    results, worst = [], {limit: 0.0 for limit in limits}
     for name in args.scenes.split(","):
         configs = {r: SparseConfig(topk_ratio=r, tiling=args.tiling, min_tokens=0, kernel=args.kernel,
                                    warmup_ratio=args.warmup_ratio) for r in ratios}
-        stores = {r: PlanStore() for r in ratios}
+        slots = {r: {x: PlanStore(drift_limit=x).slot("block") for x in limits} for r in ratios}
         rows = {r: {"scene": name, "ratio": r, "warmup": [], "reuse": []} for r in ratios}
         for step, sigma in enumerate(sigmas):  # one step's scene at a time
             s = make_scene(name, args.size, args.seed, device, dtype, noise=min(1.0, sigma))
@@ -130,29 +143,33 @@ def run(args: argparse.Namespace) -> int:
                     if not rows[r]["reuse"]:  # the layout's caches are built before anything is timed
                         sparse_attention(s.q, s.k, s.v, s.layout, configs[r])
                     rows[r]["reuse"].append(reuse_row(s.q, s.k, s.v, s.layout, ref, step, sigma, configs[r],
-                                                      stores[r].slot("block")))
+                                                      slots[r]))
             del s, ref
         for r in ratios:
             reuse = rows[r]["reuse"]
-            step_ratios = [x["reused"] / x["fresh"] for x in reuse]
-            worst = max([worst] + step_ratios)
-            rows[r].update(plans=stores[r].summary(), worst_reuse_ratio=max(step_ratios, default=None))
+            rows[r]["limits"] = {}
+            for x in limits:
+                step_ratios = [row["limits"][x]["reused"] / row["fresh"] for row in reuse]
+                worst[x] = max([worst[x]] + step_ratios)
+                rows[r]["limits"][x] = {"plans": slots[r][x].store.summary(),
+                                        "worst_reuse_ratio": max(step_ratios, default=None)}
+                print(f"{name} r={r:g} limit {x:g}: worst reused/fresh {max(step_ratios, default=float('nan')):.4f}, "
+                      f"{rows[r]['limits'][x]['plans']}", file=sys.stderr, flush=True)
             results.append(rows[r])
-            print(f"{name} r={r:g}: worst reused/fresh {max(step_ratios, default=float('nan')):.4f}, "
-                  f"{rows[r]['plans']}", file=sys.stderr, flush=True)
-    print(render(results, args, threshold))
-    print(f"\nworst reused/fresh error over every sparse step: {worst:.4f} (acceptance <= {REUSE_BOUND}): "
-          f"{'PASS' if worst <= REUSE_BOUND else 'FAIL'}")
+    print(render(results, args, threshold, limits))
+    ok = [x for x in limits if worst[x] <= REUSE_BOUND]
+    for x in limits:
+        print(f"\ndrift limit {x:g}: worst reused/fresh error over every sparse step {worst[x]:.4f} "
+              f"(acceptance <= {REUSE_BOUND}): {'PASS' if x in ok else 'FAIL'}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": environment(device), "args": {k: v for k, v in vars(args).items() if k != "func"},
-                       "drift_limit": DRIFT_LIMIT,
-                       "results": results}, f, indent=1)
-    return 0 if worst <= REUSE_BOUND else 1
+                       "drift_limit": DRIFT_LIMIT, "worst": worst, "results": results}, f, indent=1)
+    return 0 if len(ok) == len(limits) else 1
 
 
-def render(results: list[dict], args: argparse.Namespace, threshold: float) -> str:
-    """The two markdown tables."""
+def render(results: list[dict], args: argparse.Namespace, threshold: float, limits: list[float]) -> str:
+    """The two markdown tables (the reuse table: one row per scene, ratio and drift limit)."""
     lines = [f"{args.size}, {args.steps} steps, shift {args.shift:g}, warmup_ratio {args.warmup_ratio:g} "
              f"(warmup sigma {threshold:.4f}), tiling {args.tiling}", "",
              "| scene | ratio | step | sigma | fidelity density | fidelity err | ramp density | ramp err |",
@@ -161,15 +178,22 @@ def render(results: list[dict], args: argparse.Namespace, threshold: float) -> s
         for w in r["warmup"]:
             lines.append(f"| {r['scene']} | {r['ratio']:g} | {w['step']} | {w['sigma']:.4f} | {w['fidelity'][0]:.3f} | "
                          f"{w['fidelity'][1]:.4f} | {w['ramp'][0]:.3f} | {w['ramp'][1]:.4f} |")
-    lines += ["", "| scene | ratio | sparse steps | fresh err (mean) | reused err (mean) | worst reused/fresh | "
-              "plans built (rebuilds) | reused | planner ms fresh | planner ms reused | saved |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| scene | ratio | drift limit | sparse steps | fresh err (mean) | reused err (mean) | "
+              "worst reused/fresh | plans built (rebuilds) | reused | planner ms fresh | planner ms reused | saved | "
+              "drift at the reused steps |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows, n = r["reuse"], max(1, len(r["reuse"]))
-        fresh_ms, kept_ms = sum(x["fresh_ms"] for x in rows), sum(x["reused_ms"] for x in rows)
-        p = r["plans"]
-        lines.append(f"| {r['scene']} | {r['ratio']:g} | {len(rows)} | {sum(x['fresh'] for x in rows) / n:.4f} | "
-                     f"{sum(x['reused'] for x in rows) / n:.4f} | {r['worst_reuse_ratio'] or float('nan'):.4f} | "
-                     f"{p['built']} ({p['rebuilds']}) | {p['reused']} | {fresh_ms / n:.1f} | {kept_ms / n:.1f} | "
-                     f"{(1 - kept_ms / fresh_ms) * 100 if fresh_ms else 0:.0f}% |")
+        fresh_ms = sum(x["fresh_ms"] for x in rows)
+        for limit in limits:
+            kept = [x["limits"][limit] for x in rows]
+            kept_ms = sum(x["ms"] for x in kept)
+            p, worst = r["limits"][limit]["plans"], r["limits"][limit]["worst_reuse_ratio"]
+            drifts = ", ".join(f"{x['step']}: {x['limits'][limit]['drift']:.3f}" for x in rows
+                               if x["limits"][limit]["drift"] is not None)
+            lines.append(f"| {r['scene']} | {r['ratio']:g} | {limit:g} | {len(rows)} | "
+                         f"{sum(x['fresh'] for x in rows) / n:.4f} | {sum(x['reused'] for x in kept) / n:.4f} | "
+                         f"{worst or float('nan'):.4f} | {p['built']} ({p['rebuilds']}) | {p['reused']} | "
+                         f"{fresh_ms / n:.1f} | {kept_ms / n:.1f} | "
+                         f"{(1 - kept_ms / fresh_ms) * 100 if fresh_ms else 0:.0f}% | {drifts or '-'} |")
     return "\n".join(lines)
