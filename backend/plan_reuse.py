@@ -11,11 +11,15 @@ built from the step's own K and V) unless one of these holds, and then plans afr
 The check. At every step that reuses a plan, the block means of Q and K on the kept tiling (the
 planner needs them anyway, for the tail) are compared with the means the kept routing was chosen
 on, over the sparse span of blocks: drift = max over (batch, head, Q or K) of
-||mean - mean_at_build|| / ||mean_at_build||. Denoising moves Q/K steadily, so the next step's
-drift is predicted as drift + (drift - previous drift) (the previous being 0 at the build), and the
-plan is rebuilt at the next step when the prediction passes `DRIFT_LIMIT`. A rebuilt plan carries the
-last one-step drift seen before it: when that alone passes the limit (late, fast-moving steps), the
-step after the rebuild plans afresh too.
+||mean - mean_at_build|| / ||mean_at_build||. Denoising moves Q/K with the sigma, and a shifted
+schedule's sigma gaps grow towards its end (shift 10 at 8 steps: 0.024 early, 0.18 last), so the drift
+is tracked as a rate per unit of sigma: rate = (drift - previous drift) / (previous sigma - sigma)
+(the previous drift being 0 at the build), and the next step's drift is predicted as
+drift + rate x (sigma - next sigma), the next sigma being the schedule's (`PlanSlot.at`). The plan is
+rebuilt at the next step when the prediction passes the store's limit (`DRIFT_LIMIT`). A rebuilt plan
+carries the last rate seen before it: when rate x the next gap alone passes the limit (late,
+fast-moving steps), the step after the rebuild plans afresh too. Without the sigmas (a caller that
+gives none) every gap counts as one step: the prediction is drift + (drift - previous drift).
 
 No host synchronisation: the check is a tensor on the device; its verdict is copied to the host
 asynchronously (pinned memory and an event on CUDA) and read at the slot's next evaluated step,
@@ -96,7 +100,24 @@ class PlanSlot:
         self.kept: Kept | None = None
         self.verdict: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # rebuild at the next step?
         self.host: torch.Tensor | None = None  # pinned buffer the verdict is copied into (CUDA)
-        self.step_drift: torch.Tensor | None = None  # the drift of the latest step over the one before, on the device
+        self.rate: torch.Tensor | None = None  # drift per unit gap between the latest two evaluated steps, on the device
+        self.sigma: float | None = None  # sigma of the step being planned (`at`)
+        self.next_sigma: float | None = None  # the schedule's next sigma after it
+        self.last_sigma: float | None = None  # sigma of this slot's latest evaluated step
+
+    def at(self, sigma: float | None, next_sigma: float | None) -> None:
+        """Say the sigma of the step about to be planned and the schedule's next one (None: unknown; the
+        check then counts steps)."""
+        self.sigma, self.next_sigma = sigma, next_sigma
+
+    def gaps(self) -> tuple[float, float]:
+        """(gap from this slot's latest evaluated step to this one, gap from this one to the next): in sigma
+        where all three sigmas are known and fall, else one step each. Gaps in steps and in sigma do not mix
+        in ComfyUI: its model calls carry sigmas always or never."""
+        prev, now, nxt = self.last_sigma, self.sigma, self.next_sigma
+        if prev is None or now is None or nxt is None or not prev > now > nxt:
+            return 1.0, 1.0
+        return prev - now, now - nxt
 
     def reusable(self, facts: tuple) -> Kept | None:
         """The kept plan when this step may reuse it, else None (the store counts why: never host-synchronises)."""
@@ -117,20 +138,23 @@ class PlanSlot:
     def keep(self, facts: tuple, tiling: Tiling, q2k_idx: torch.Tensor, q2k_num: torch.Tensor,
              q_mean: torch.Tensor, k_mean: torch.Tensor) -> None:
         """Keep a freshly built plan and the means it was routed on; the next step reuses it unless the
-        last one-step drift seen (before this rebuild) alone passes the limit."""
+        last drift rate seen (before this rebuild) alone, over the next gap, passes the limit."""
         refs = (m.to(torch.bfloat16) for m in (q_mean, k_mean))  # bf16 rounding (0.4%) is far below DRIFT_LIMIT
         self.kept = Kept(facts, tiling, q2k_idx, q2k_num, *refs, q_mean.new_zeros((), dtype=torch.float32))
         self.verdict = None
-        if self.step_drift is not None and self.step_drift.device == q_mean.device:
-            self.post(self.step_drift > self.store.drift_limit)
+        if self.rate is not None and self.rate.device == q_mean.device:
+            self.post(self.rate * self.gaps()[1] > self.store.drift_limit)
+        self.last_sigma = self.sigma
 
     def check(self, q_mean: torch.Tensor, k_mean: torch.Tensor, span: tuple[int, int]) -> None:
         """Run the check on this step's means over the kept plan and post its verdict for the next step."""
         kept = self.kept
         now = drift(q_mean, k_mean, kept.q_ref, kept.k_ref, span)
-        self.step_drift = now - kept.last_drift
+        last_gap, next_gap = self.gaps()
+        self.rate = (now - kept.last_drift) / last_gap
         kept.last_drift = now
-        self.post((now + self.step_drift) > self.store.drift_limit)
+        self.post((now + self.rate * next_gap) > self.store.drift_limit)
+        self.last_sigma = self.sigma
 
     def post(self, rebuild: torch.Tensor) -> None:
         """Make `rebuild` (a bool tensor) the verdict the next step reads, copied without a host sync."""

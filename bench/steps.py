@@ -2,7 +2,7 @@
 
     python -m adaptive_sparse_attention steps [--size cpu-small] [--scenes pan,cuts] [--ratios 0.1,0.2]
         [--steps 8] [--shift 10] [--warmup-ratio 0.2] [--tiling reblock] [--drift-limits 0.08,0.05]
-        [--device auto] [--out FILE]
+        [--rules sigma,steps] [--device auto] [--out FILE]
 
 A trajectory is the scene at the flow sigmas of ComfyUI's "simple" schedule of `--steps` steps at
 `--shift` (s_i = shift t / (1 + (shift - 1) t), t = 1 - i / steps; `bench/scenes.py`, "Denoising
@@ -15,8 +15,8 @@ compared with dense attention (relative L2 on the target-video rows). Two tables
   at every step beside the plan the node's rule keeps (`backend/plan_reuse.py`, one slot as one block
   of one branch has), their worst per-step ratio (acceptance: at most 1.05), the rebuilds, the drift
   the check measured at each reused step, and the planner time of both (host clock around the planner
-  with the device synchronised; on the CPU the torch reference's time); one row per drift limit
-  (`--drift-limits`: each its own slot beside the same fresh plans).
+  with the device synchronised; on the CPU the torch reference's time); one row per prediction rule
+  and drift limit (`--rules`, `--drift-limits`: each its own slot beside the same fresh plans).
 """
 from __future__ import annotations
 
@@ -72,12 +72,15 @@ def warmup_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConf
     return row
 
 
-def reuse_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfig, slots: dict) -> dict:
-    """One sparse step: a fresh plan's error and planner ms, and for each drift limit the error and
-    planner ms of its slot's plan, and the drift its check measured (None where it planned afresh)."""
+def reuse_row(q, k, v, layout, ref, step: int, sigma: float, next_sigma: float, config: SparseConfig,
+              slots: dict) -> dict:
+    """One sparse step: a fresh plan's error and planner ms, and for each slot ((rule, drift limit) ->
+    slot) the error and planner ms of its plan and the drift its check measured (None where it planned
+    afresh). Rule "sigma" gives the slot the step's sigmas, "steps" none (gaps count steps)."""
     fresh, fresh_ms = timed_call(q, k, v, layout, config)
     row = {"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout), "fresh_ms": fresh_ms, "limits": {}}
     for limit, slot in slots.items():
+        slot.at(*((sigma, next_sigma) if limit[0] == "sigma" else (None, None)))
         before = slot.store.summary()["reused"]
         kept, kept_ms = timed_call(q, k, v, layout, config, slot)
         reused = slot.store.summary()["reused"] > before
@@ -86,19 +89,21 @@ def reuse_row(q, k, v, layout, ref, step: int, sigma: float, config: SparseConfi
     return row
 
 
-def reuse_rows(scene_at, sigmas: list[tuple[int, float]], config: SparseConfig,
-               limit: float = DRIFT_LIMIT) -> tuple[list[dict], dict]:
-    """`reuse_row` over (step, sigma) pairs with one slot at drift limit `limit` (`scene_at(sigma)` ->
-    q, k, v, layout, dense output); rows flattened to fresh/reused errors; also the store's counts."""
+def reuse_rows(scene_at, sigmas: list[tuple[int, float]], config: SparseConfig, limit: float = DRIFT_LIMIT,
+               rule: str = "sigma") -> tuple[list[dict], dict]:
+    """`reuse_row` over (step, sigma) pairs of a schedule ending at sigma 0, with one slot (`rule`, drift
+    limit `limit`; `scene_at(sigma)` -> q, k, v, layout, dense output); rows flattened to fresh/reused
+    errors; also the store's counts."""
     store = PlanStore(drift_limit=limit)
     slot = store.slot("block")
     rows = []
-    for step, sigma in sigmas:
+    for i, (step, sigma) in enumerate(sigmas):
         q, k, v, layout, ref = scene_at(sigma)
         if not rows:  # the layout's caches are built before anything is timed
             sparse_attention(q, k, v, layout, config)
-        row = reuse_row(q, k, v, layout, ref, step, sigma, config, {limit: slot})
-        rows.append({**row, "reused": row["limits"][limit]["reused"]})
+        next_sigma = sigmas[i + 1][1] if i + 1 < len(sigmas) else 0.0
+        row = reuse_row(q, k, v, layout, ref, step, sigma, next_sigma, config, {(rule, limit): slot})
+        rows.append({**row, "reused": row["limits"][(rule, limit)]["reused"]})
     return rows, store.summary()
 
 
@@ -114,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--drift-limits", default=str(DRIFT_LIMIT),
                         help=f"plan reuse's drift limits to compare, comma-separated (default {DRIFT_LIMIT}, the node's)")
+    parser.add_argument("--rules", default="sigma",
+                        help="plan reuse's prediction rules to compare: sigma (the node's: the drift per unit of "
+                             "sigma over the schedule's next gap), steps (gaps counted in steps), comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
 
@@ -127,12 +135,15 @@ def run(args: argparse.Namespace) -> int:
     threshold = flow_sigma(args.shift, 1.0 - args.warmup_ratio) if 0 < args.warmup_ratio < 1 else (
         1.0 if args.warmup_ratio <= 0 else 0.0)
     ratios = [float(r) for r in args.ratios.split(",")]
-    limits = [float(x) for x in args.drift_limits.split(",")]
+    unknown = [r for r in args.rules.split(",") if r not in ("sigma", "steps")]
+    if unknown:
+        raise SystemExit(f"steps: --rules {args.rules!r}: {unknown} not allowed; expected sigma and/or steps")
+    limits = [(rule, float(x)) for rule in args.rules.split(",") for x in args.drift_limits.split(",")]
     results, worst = [], {limit: 0.0 for limit in limits}
     for name in args.scenes.split(","):
         configs = {r: SparseConfig(topk_ratio=r, tiling=args.tiling, min_tokens=0, kernel=args.kernel,
                                    warmup_ratio=args.warmup_ratio) for r in ratios}
-        slots = {r: {x: PlanStore(drift_limit=x).slot("block") for x in limits} for r in ratios}
+        slots = {r: {x: PlanStore(drift_limit=x[1]).slot("block") for x in limits} for r in ratios}
         rows = {r: {"scene": name, "ratio": r, "warmup": [], "reuse": []} for r in ratios}
         for step, sigma in enumerate(sigmas):  # one step's scene at a time
             s = make_scene(name, args.size, args.seed, device, dtype, noise=min(1.0, sigma))
@@ -142,8 +153,9 @@ def run(args: argparse.Namespace) -> int:
                 if sigma <= threshold * (1 + 1e-4):  # a sparse step of the run
                     if not rows[r]["reuse"]:  # the layout's caches are built before anything is timed
                         sparse_attention(s.q, s.k, s.v, s.layout, configs[r])
-                    rows[r]["reuse"].append(reuse_row(s.q, s.k, s.v, s.layout, ref, step, sigma, configs[r],
-                                                      slots[r]))
+                    next_sigma = sigmas[step + 1] if step + 1 < len(sigmas) else 0.0
+                    rows[r]["reuse"].append(reuse_row(s.q, s.k, s.v, s.layout, ref, step, sigma, next_sigma,
+                                                      configs[r], slots[r]))
             del s, ref
         for r in ratios:
             reuse = rows[r]["reuse"]
@@ -153,23 +165,33 @@ def run(args: argparse.Namespace) -> int:
                 worst[x] = max([worst[x]] + step_ratios)
                 rows[r]["limits"][x] = {"plans": slots[r][x].store.summary(),
                                         "worst_reuse_ratio": max(step_ratios, default=None)}
-                print(f"{name} r={r:g} limit {x:g}: worst reused/fresh {max(step_ratios, default=float('nan')):.4f}, "
+                print(f"{name} r={r:g} {x[0]} limit {x[1]:g}: worst reused/fresh {max(step_ratios, default=float('nan')):.4f}, "
                       f"{rows[r]['limits'][x]['plans']}", file=sys.stderr, flush=True)
             results.append(rows[r])
     print(render(results, args, threshold, limits))
     ok = [x for x in limits if worst[x] <= REUSE_BOUND]
     for x in limits:
-        print(f"\ndrift limit {x:g}: worst reused/fresh error over every sparse step {worst[x]:.4f} "
+        print(f"\n{x[0]} rule, drift limit {x[1]:g}: worst reused/fresh error over every sparse step {worst[x]:.4f} "
               f"(acceptance <= {REUSE_BOUND}): {'PASS' if x in ok else 'FAIL'}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": environment(device), "args": {k: v for k, v in vars(args).items() if k != "func"},
-                       "drift_limit": DRIFT_LIMIT, "worst": worst, "results": results}, f, indent=1)
+                       "drift_limit": DRIFT_LIMIT, "worst": [[*x, w] for x, w in worst.items()],
+                       "results": jsonable(results)}, f, indent=1)
     return 0 if len(ok) == len(limits) else 1
 
 
-def render(results: list[dict], args: argparse.Namespace, threshold: float, limits: list[float]) -> str:
-    """The two markdown tables (the reuse table: one row per scene, ratio and drift limit)."""
+def jsonable(results: list[dict]) -> list[dict]:
+    """`results` with the (rule, limit) keys written as "rule limit"."""
+    out = []
+    for r in results:
+        reuse = [{**x, "limits": {f"{a} {b:g}": y for (a, b), y in x["limits"].items()}} for x in r["reuse"]]
+        out.append({**r, "reuse": reuse, "limits": {f"{a} {b:g}": y for (a, b), y in r["limits"].items()}})
+    return out
+
+
+def render(results: list[dict], args: argparse.Namespace, threshold: float, limits: list[tuple[str, float]]) -> str:
+    """The two markdown tables (the reuse table: one row per scene, ratio, rule and drift limit)."""
     lines = [f"{args.size}, {args.steps} steps, shift {args.shift:g}, warmup_ratio {args.warmup_ratio:g} "
              f"(warmup sigma {threshold:.4f}), tiling {args.tiling}", "",
              "| scene | ratio | step | sigma | fidelity density | fidelity err | ramp density | ramp err |",
@@ -178,10 +200,10 @@ def render(results: list[dict], args: argparse.Namespace, threshold: float, limi
         for w in r["warmup"]:
             lines.append(f"| {r['scene']} | {r['ratio']:g} | {w['step']} | {w['sigma']:.4f} | {w['fidelity'][0]:.3f} | "
                          f"{w['fidelity'][1]:.4f} | {w['ramp'][0]:.3f} | {w['ramp'][1]:.4f} |")
-    lines += ["", "| scene | ratio | drift limit | sparse steps | fresh err (mean) | reused err (mean) | "
+    lines += ["", "| scene | ratio | rule | drift limit | sparse steps | fresh err (mean) | reused err (mean) | "
               "worst reused/fresh | plans built (rebuilds) | reused | planner ms fresh | planner ms reused | saved | "
               "drift at the reused steps |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows, n = r["reuse"], max(1, len(r["reuse"]))
         fresh_ms = sum(x["fresh_ms"] for x in rows)
@@ -191,7 +213,7 @@ def render(results: list[dict], args: argparse.Namespace, threshold: float, limi
             p, worst = r["limits"][limit]["plans"], r["limits"][limit]["worst_reuse_ratio"]
             drifts = ", ".join(f"{x['step']}: {x['limits'][limit]['drift']:.3f}" for x in rows
                                if x["limits"][limit]["drift"] is not None)
-            lines.append(f"| {r['scene']} | {r['ratio']:g} | {limit:g} | {len(rows)} | "
+            lines.append(f"| {r['scene']} | {r['ratio']:g} | {limit[0]} | {limit[1]:g} | {len(rows)} | "
                          f"{sum(x['fresh'] for x in rows) / n:.4f} | {sum(x['reused'] for x in kept) / n:.4f} | "
                          f"{worst or float('nan'):.4f} | {p['built']} ({p['rebuilds']}) | {p['reused']} | "
                          f"{fresh_ms / n:.1f} | {kept_ms / n:.1f} | "

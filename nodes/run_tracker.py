@@ -91,6 +91,13 @@ class RunTracker:
             self.flush_timers()
             return sum(v > entry for v in self.run_sigmas), s, segment
 
+    def next_sigma(self, sigma: float | None) -> float | None:
+        """The run's schedule's sigma after `sigma` (0.0 past its last step), None without one."""
+        if sigma is None:
+            return None
+        with self.lock:
+            return next((s for s in self.run_sigmas if s < sigma * (1.0 - 1e-6)), 0.0)
+
     def log_once(self, message: str, level: int = logging.WARNING) -> None:
         """Log a message (a warning by default) once per run (a reason that holds for every block is
         not repeated per block)."""

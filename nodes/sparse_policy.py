@@ -224,8 +224,8 @@ class SparseAttentionHook(BlockHook):
         self.tracker.notices.fallback(f"{self.title}: layer {layer} runs dense: {problem}", None, self.config.strict)
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
-        """(step, layout, engine config of the step, cond/uncond branch) when `choose` lets this call
-        run sparse, else None (the call is counted dense with its reason)."""
+        """(step, layout, engine config of the step, cond/uncond branch, (sigma, the schedule's next sigma))
+        when `choose` lets this call run sparse, else None (the call is counted dense with its reason)."""
         if self.left_to is not None:
             self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=self.left_to)
             return None
@@ -238,7 +238,8 @@ class SparseAttentionHook(BlockHook):
                              to.get("minimax_head_chunks", 1))
         if reason is None:
             self.note_other_override(to)
-            return ctx.step, layout, self.step_config(ctx), tuple(to.get("cond_or_uncond") or ())
+            return (ctx.step, layout, self.step_config(ctx), tuple(to.get("cond_or_uncond") or ()),
+                    (ctx.sigma, self.tracker.next_sigma(ctx.sigma)))
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
@@ -295,7 +296,7 @@ class SparseAttentionHook(BlockHook):
         """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in
         a run measures the density, the second is timed against dense attention for the report.
         Eager inside a compiled model too (its caller, `HookedAttention`, is skipped by torch.compile)."""
-        step, layout, config, branch = token
+        step, layout, config, branch, sigmas = token
         timer = self.tracker.start_timer(x[0] if isinstance(x, list) else x)
         key = (layout.signature(), config.topk_ratio)
         tracker = self.tracker
@@ -309,6 +310,8 @@ class SparseAttentionHook(BlockHook):
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
             nonlocal density, group
             slot = None if config.plan_reuse != "on" else tracker.plans.slot((branch, layer, layout.signature(), group))
+            if slot is not None:
+                slot.at(*sigmas)
             group += 1
             if density is None:  # measured once per shape, density and run: it needs a host sync
                 o, info = sparse_attention(q, k, v, layout, config, return_info=True, coarse_gate=g, plan_slot=slot,

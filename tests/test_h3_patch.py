@@ -84,7 +84,7 @@ def test_head_subset_calls_and_list_input(new, tiling):
 
     block = model.blocks[0]
     hook = SparseAttentionHook(cfg)
-    token = (0, layout_of(PACKED), hook.engine_config, ())  # (step, layout, step config, branch)
+    token = (0, layout_of(PACKED), hook.engine_config, (), (None, None))  # (step, layout, config, branch, sigmas)
     x = args["img"].clone()
     listed = hook.attend(0, token, block.attn, [x.clone()], args["rope_freqs"], {}, None)
     torch.testing.assert_close(listed, hook.attend(0, token, block.attn, x, args["rope_freqs"], {}, None), **TOL)

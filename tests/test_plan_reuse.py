@@ -102,6 +102,46 @@ def test_the_run_tracker_owns_the_store_and_reports_it(scene):
     assert not tracker.plans.slots and tracker.report()["plans"]["built"] == 0
 
 
+def verdict_after(sigmas: list[tuple[float | None, float | None]], drifts: list[float], limit: float = 0.08) -> bool:
+    """The slot's verdict (rebuild?) after a build at sigmas[0] and checks at the later sigmas, where each
+    check's block means have moved by drifts[i] (relative) from the build's."""
+    slot = PlanStore(drift_limit=limit).slot("block")
+    ones = torch.ones(1, 1, 4, 8)
+    slot.at(*sigmas[0])
+    slot.keep(("facts",), None, None, None, ones, ones)
+    for at, d in zip(sigmas[1:], drifts):
+        slot.at(*at)
+        slot.check(ones * (1 + d), ones, (0, 4))
+    return bool(slot.verdict[0])
+
+
+def test_the_check_predicts_the_next_drift_over_the_schedules_next_sigma_gap():
+    # built at 0.95, checked at 0.90 with drift 0.03: 0.6 per unit of sigma; the next gap decides
+    assert verdict_after([(0.95, 0.90), (0.90, 0.87)], [0.03]) is False  # 0.03 + 0.6 x 0.03 = 0.048
+    assert verdict_after([(0.95, 0.90), (0.90, 0.78)], [0.03]) is True  # 0.03 + 0.6 x 0.12 = 0.102
+    # without sigmas every gap is a step: 0.03 + 0.03 = 0.06, whatever comes next
+    assert verdict_after([(None, None), (None, None)], [0.03]) is False
+    assert verdict_after([(None, None), (None, None)], [0.03], limit=0.05) is True
+    # a rebuilt plan carries the rate: 0.6 over a next gap of 0.15 alone passes 0.08
+    slot = PlanStore().slot("block")
+    ones = torch.ones(1, 1, 4, 8)
+    for at, build in (((0.95, 0.90), True), ((0.90, 0.85), False), ((0.85, 0.70), True)):
+        slot.at(*at)
+        if build:
+            slot.keep(("facts",), None, None, None, ones, ones)
+        else:
+            slot.check(ones * 1.03, ones, (0, 4))
+    assert bool(slot.verdict[0]) is True
+
+
+def test_the_tracker_gives_the_schedules_next_sigma():
+    tracker = RunTracker("t")
+    assert tracker.next_sigma(None) is None
+    tracker.step_of({"sample_sigmas": torch.tensor([1.0, 0.9, 0.5, 0.0]), "sigmas": torch.tensor([0.9])})
+    assert tracker.next_sigma(float(torch.tensor(0.9))) == pytest.approx(0.5)
+    assert tracker.next_sigma(0.5) == 0.0 and tracker.next_sigma(1.0) == pytest.approx(0.9)
+
+
 def test_reused_plans_stay_within_the_bound_of_fresh_ones_along_a_trajectory():
     """The bench's rule on a small drifting scene: every sparse step of an 8-step shift-3 schedule,
     reused-plan error within REUSE_BOUND of a fresh plan's (bench/steps.py runs the CPU and GPU sizes)."""
