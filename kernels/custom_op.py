@@ -5,8 +5,26 @@ takes tensors and plain values, not dataclasses: the plan crosses it as `BlockSp
 and is put back together inside by `BlockSparsePlan.unflatten`. The ops' fake implementation
 (`fake_attention`) only describes the outputs. Importing an op's module registers it; the kernel's
 own module (and with it Triton or cuDNN) is imported only when the op runs.
+
+The ops' namespace is this copy's own (`op_name`): a process that imports the pack twice (the
+benchmark and ComfyUI's loader, which names the module by its folder path) would otherwise register
+each op twice under one name, and torch then runs the later copy's implementation from the earlier
+copy's op.
 """
+import hashlib
+
 import torch
+
+PACKAGE = __name__.rsplit(".kernels.", 1)[0]  # the name this copy was imported under
+NAMESPACE = "adaptive_sparse_attention"
+
+
+def op_name(name: str, package: str = PACKAGE) -> str:
+    """The qualified name of custom op `name` for the copy imported as `package`: NAMESPACE::name for
+    the installed package, NAMESPACE_<hash of the package name>::name for a copy under another name."""
+    if package == NAMESPACE:
+        return f"{NAMESPACE}::{name}"
+    return f"{NAMESPACE}_{hashlib.sha1(package.encode()).hexdigest()[:10]}::{name}"
 
 
 def fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_tensors: list[torch.Tensor],

@@ -1,11 +1,11 @@
 """The cuDNN attention as a `torch.library` custom op, and the `cudnn` row of the attention."""
 import torch
 
-from ..custom_op import check_grad, fake_attention
+from ..custom_op import check_grad, fake_attention, op_name
 from ..plan import BlockSparsePlan
 
 
-@torch.library.custom_op("adaptive_sparse_attention::cudnn_block_sparse", mutates_args=())
+@torch.library.custom_op(op_name("cudnn_block_sparse"), mutates_args=())
 def cudnn_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_tensors: list[torch.Tensor],
                        block_size: int, groups: list[int], tail: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `cudnn_attention.block_sparse_cudnn` on the flattened plan."""

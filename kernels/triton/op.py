@@ -1,11 +1,11 @@
 """The Triton attention kernel as a `torch.library` custom op, and the `triton` row of the attention."""
 import torch
 
-from ..custom_op import check_grad, fake_attention
+from ..custom_op import check_grad, fake_attention, op_name
 from ..plan import BlockSparsePlan
 
 
-@torch.library.custom_op("adaptive_sparse_attention::triton_block_sparse", mutates_args=())
+@torch.library.custom_op(op_name("triton_block_sparse"), mutates_args=())
 def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_tensors: list[torch.Tensor],
                         block_size: int, groups: list[int], tail: str, precision: str
                         ) -> tuple[torch.Tensor, torch.Tensor]:
