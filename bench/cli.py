@@ -27,10 +27,12 @@ tools/ folder, not commands of the installed package.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
 import time
+from typing import Any
 
 import torch
 
@@ -60,6 +62,18 @@ def _shifts(text: str) -> tuple[float, float]:
     if len(values) != 2 or not all(0.01 <= x <= 100.0 for x in values):
         raise argparse.ArgumentTypeError(f"expected two shifts in [0.01, 100] (VIDEO,AUDIO), got {text!r}")
     return values
+
+
+def _widget(text: str) -> tuple[str, Any]:
+    """NAME=VALUE of a sparse-node widget: VALUE as JSON where it is a number or a flag, else the text."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a widget of the sparse node), got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return name.strip(), value if isinstance(value, (bool, int, float)) else raw
 
 
 def _floats(text: str) -> list[float]:
@@ -201,10 +215,11 @@ def cmd_e2e(args: argparse.Namespace) -> int:
                            compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared,
                            profile_call=args.profile_call, weights=weights, launch=args.launch,
                            precision=args.precision, preset=args.preset, sigma_shift=args.sigma_shift,
-                           attention_backend=args.attention_backend)
+                           attention_backend=args.attention_backend, widgets=dict(args.set or ()))
     print(preset_line(result))
+    widgets = "".join(f", {k}={v}" for k, v in result["widgets"].items())
     print(f"ComfyUI launched as {result['launch']} (its attention: {result['comfyui_attention']}); our node at "
-          f"precision {result['precision']}; every ratio is against this launch without our node")
+          f"precision {result['precision']}{widgets}; every ratio is against this launch without our node")
     print(markdown(result))
     print()
     print(qkv_markdown(result))
@@ -291,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--use-sage-attention (sageattention package); every ratio is against the same launch")
     e2e.add_argument("--precision", default="auto", choices=("auto", "bf16", "8-bit"),
                      help="our node's precision widget in every run of ours (default auto: follows the launch)")
+    e2e.add_argument("--set", action="append", type=_widget, metavar="NAME=VALUE",
+                     help="a widget of our node in every run of ours, e.g. --set plan_reuse=on --set topk_ratio=0.1 "
+                          "(repeatable; the runs that set a widget themselves, such as ours-ratio-0.1, keep theirs)")
     e2e.add_argument("--profile-call", type=int, metavar="N",
                      help="profile the N-th model call (0-based) of every run: kernel tables in WORK/profiles/RUN.txt")
     e2e.set_defaults(func=cmd_e2e)

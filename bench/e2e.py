@@ -242,6 +242,17 @@ def node_widgets(scale: Scale, **changes: Any) -> dict:
     return values
 
 
+def check_widgets(widgets: dict[str, Any], scale: Scale) -> None:
+    """Refuse widget values that are not the sparse node's (naming the widget, the value and what is allowed)."""
+    from ..nodes.widgets import SPARSE_WIDGETS, config_from_widgets
+
+    names = [w.name for w in SPARSE_WIDGETS]
+    unknown = [name for name in widgets if name not in names]
+    if unknown:
+        raise ValueError(f"e2e: widgets {unknown} are not widgets of the sparse node; allowed: {', '.join(names)}")
+    config_from_widgets(node_widgets(scale))  # raises naming the field, the value and what it allows
+
+
 def summarise(name: str, calls: list[float], total_s: float, peak: float | None, dense_calls: int | None,
               latent: torch.Tensor, reference: torch.Tensor | None, log_lines: list[str]) -> dict:
     """One run's row. `dense_calls`: how many leading calls ran dense under our node (None: no node)."""
@@ -413,7 +424,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                   compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False,
                   profile_call: int | None = None, weights: str | None = None, launch: str = "default",
                   precision: str = "auto", preset: str = DEFAULT_PRESET, sigma_shift: tuple[float, float] | None = None,
-                  attention_backend: str | None = None) -> dict:
+                  attention_backend: str | None = None, widgets: dict[str, Any] | None = None) -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `preset` picks the sampler setup (bench/e2e_graphs.py PRESETS); `steps`, `cfg` and `weights`
@@ -431,7 +442,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     (bench/checkpoints.py WEIGHTS), refused where the device does not multiply in it.
     `launch`: ComfyUI launched as default, ck
     (``--use-ck-attention``) or sage (``--use-sage-attention``), for every run, so each ratio is against
-    the same launch without our node. `precision`: the node's precision widget in every run of ours."""
+    the same launch without our node. `precision`: the node's precision widget in every run of ours.
+    `widgets`: other widget values of every run of ours (a run that sets one itself keeps its own)."""
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     unknown_runs = [r for r in runs if r not in RUNS]
@@ -444,7 +456,9 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     reason = launch_unavailable_reason(launch)
     if reason is not None:
         raise ValueError(f"e2e --launch {launch}: {reason}")
-    scale = dataclasses.replace(SCALES[scale_name], widgets={**SCALES[scale_name].widgets, "precision": precision})
+    scale = dataclasses.replace(SCALES[scale_name],
+                                widgets={**SCALES[scale_name].widgets, "precision": precision, **(widgets or {})})
+    check_widgets(widgets or {}, scale)
     unknown = [clip for clip in clips if clip not in scale.frames]
     if unknown or not clips:
         raise ValueError(f"e2e: clips {unknown or clips!r} are not clips of scale {scale_name!r}; allowed: "
@@ -471,7 +485,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                               "sigma_shift": sigma_shift, "attention_backend": attention_backend,
                               "scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
                               "weights": weights, "compile": compile_backend, "qkv": {},
-                              "launch": launch, "precision": precision,
+                              "launch": launch, "precision": precision, "widgets": dict(widgets or {}),
                               "comfyui_attention": launched_attention(),
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                               "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}

@@ -120,6 +120,25 @@ def test_cli_takes_launch_and_precision(capsys):
     assert "invalid choice: 'xformers'" in capsys.readouterr().err
 
 
+def test_set_gives_widgets_to_every_run_of_ours_and_refuses_what_the_node_has_not(tmp_path: Path, capsys):
+    from adaptive_sparse_attention.bench.cli import build_parser
+
+    args = build_parser().parse_args(["e2e", "--set", "plan_reuse=on", "--set", "topk_ratio=0.1", "--set",
+                                      "strict=true", "--set", "dense_layers=0,1"])
+    assert dict(args.set) == {"plan_reuse": "on", "topk_ratio": 0.1, "strict": True, "dense_layers": "0,1"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["e2e", "--set", "plan_reuse"])
+    assert "expected NAME=VALUE" in capsys.readouterr().err
+    scale = e2e.dataclasses.replace(e2e.SCALES["tiny"], widgets={**e2e.SCALES["tiny"].widgets, "plan_reuse": "on"})
+    assert config_from_widgets(e2e.node_widgets(scale)).plan_reuse == "on"
+    assert config_from_widgets(e2e.node_widgets(scale, warmup_mode="ramp")).plan_reuse == "on"
+    with pytest.raises(ValueError, match=r"widgets \['plan_reuses'\] are not widgets of the sparse node; allowed: "):
+        e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], widgets={"plan_reuses": "on"})
+    with pytest.raises(ValueError, match="plan_reuse"):
+        e2e.run_benchmark("/nowhere", tmp_path, "tiny", 1, 2, 3.0, ["10s"], widgets={"plan_reuse": "yes"})
+    assert not (tmp_path / "custom_nodes").exists()  # refused before ComfyUI loads
+
+
 def test_precision_reaches_every_run_of_ours():
     scale = e2e.dataclasses.replace(e2e.SCALES["tiny"], widgets={**e2e.SCALES["tiny"].widgets, "precision": "8-bit"})
     assert config_from_widgets(e2e.node_widgets(scale, topk_ratio=0.1)).precision == "8-bit"
