@@ -46,6 +46,7 @@ class CallContext:
         sigma: the call's sigma (None likewise).
         segment: (step, total) within this sampler call's own schedule, or None.
         packed: the PackedLayout found by the DIFFUSION_MODEL wrapper, if any.
+        next_sigma: the run's schedule's sigma after this call's (`RunTracker.next_sigma`), or None.
     """
 
     hook: BlockHook
@@ -54,6 +55,7 @@ class CallContext:
     sigma: float | None = None
     segment: tuple[int, int] | None = None
     packed: Any = None
+    next_sigma: float | None = None
 
     def attn(self, layer: int) -> torch.nn.Module:
         """The attention module of block `layer` of the model this call runs on."""
@@ -142,7 +144,7 @@ class BlockHook(ABC):
         the packed layout. Always eager (one graph break per model call under torch.compile; H3's
         forward reads its sigma on the host there too)."""
         step, sigma, segment = self.tracker.step_of(transformer_options)
-        ctx = CallContext(self, model, step, sigma, segment)
+        ctx = CallContext(self, model, step, sigma, segment, next_sigma=self.tracker.next_sigma(sigma))
         try:
             ctx.packed = payload_layout(model, x, context, payload)
         except Exception as err:  # layout discovery must never break sampling; blocks report it

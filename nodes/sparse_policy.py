@@ -239,7 +239,7 @@ class SparseAttentionHook(BlockHook):
         if reason is None:
             self.note_other_override(to)
             return (ctx.step, layout, self.step_config(ctx), tuple(to.get("cond_or_uncond") or ()),
-                    (ctx.sigma, self.tracker.next_sigma(ctx.sigma)))
+                    (ctx.sigma, ctx.next_sigma))
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
