@@ -81,9 +81,9 @@ def reuse_row(q, k, v, layout, ref, step: int, sigma: float, next_sigma: float, 
     row = {"step": step, "sigma": sigma, "fresh": video_error(fresh, ref, layout), "fresh_ms": fresh_ms, "limits": {}}
     for limit, slot in slots.items():
         slot.at(*((sigma, next_sigma) if limit[0] == "sigma" else (None, None)))
-        before = slot.store.summary()["reused"]
+        before = slot.kept
         kept, kept_ms = timed_call(q, k, v, layout, config, slot)
-        reused = slot.store.summary()["reused"] > before
+        reused = before is not None and slot.kept is before  # a fresh plan replaces the kept one
         row["limits"][limit] = {"reused": video_error(kept, ref, layout), "ms": kept_ms,
                                 "drift": float(slot.kept.last_drift) if reused else None}
     return row
