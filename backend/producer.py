@@ -13,10 +13,10 @@ head group, the function that multiplies a chunk of rows for that group. The nod
 that goes through the layer's own (possibly quantised) matmul, so the checkpoint's format decides
 the arithmetic; here the producer only decides the rows and the heads.
 
-Norm + RoPE use comfy-kitchen's `rms_rope_split_half_` when it is importable (the kernel H3
-itself calls, so the results match the model bit for bit on the same backend) and an equivalent
-torch implementation otherwise. Rows are produced in model order: the tiling's permutation is
-applied by the kernel's indexed loads, not by gathering rows before the projection.
+The epilogue (q/k RMSNorm, split-half RoPE, the head-major layout) is the table's `norm_rope` row: one
+Triton pass on a GPU, the torch reference (`kernels/reference/norm_rope.py`, comfy-kitchen's arithmetic)
+by default. Rows are produced in model order: the tiling's permutation is applied by the kernel's
+indexed loads, not by gathering rows before the projection.
 """
 from __future__ import annotations
 
@@ -26,36 +26,10 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels.reference.norm_rope import norm_rope_torch
+
 CHUNK_ROWS = 4096  # rows per projection chunk: 4096 x 3 x 7168 bf16 = 176 MB at H3's width
-KITCHEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what comfy-kitchen's rope kernels take
-
-
-def kitchen():
-    """comfy-kitchen's module when importable (it imports `packaging` without declaring it); after
-    the first import this is a lookup in Python's module table, so nothing is cached here."""
-    try:
-        import comfy_kitchen
-    except Exception:  # not installed or broken install: the torch path is equivalent
-        return None
-    return comfy_kitchen if hasattr(comfy_kitchen, "rms_rope_split_half_") else None
-
-
-def rms_rope_split_half(x: torch.Tensor, table: torch.Tensor | None, scale: torch.Tensor, eps: float,
-                        rot_dim: int) -> torch.Tensor:
-    """Per-head RMSNorm of x [..., S, heads, D] then split-half RoPE on its first `rot_dim` dims.
-
-    Mirrors comfy-kitchen's eager kernel: the norm in x's dtype, the rotation in the table's
-    dtype, the result in x's dtype.
-    """
-    y = F.rms_norm(x, (x.shape[-1],), weight=scale.to(x.dtype), eps=eps)
-    if table is None:
-        return y
-    half = rot_dim // 2
-    a = y[..., :half].to(table.dtype)
-    b = y[..., half:rot_dim].to(table.dtype)
-    first = table[..., 0, 0] * a + table[..., 0, 1] * b
-    second = table[..., 1, 0] * a + table[..., 1, 1] * b
-    return torch.cat((first.to(x.dtype), second.to(x.dtype), y[..., rot_dim:]), dim=-1)
+NormRope = Callable[..., None]  # (chunk, q, k, v, start, table, q_scale, k_scale, eps), `norm_rope_torch`'s
 
 
 def head_rows(t: torch.Tensor, num_heads: int, head_dim: int, heads: tuple[int, int]) -> torch.Tensor:
@@ -92,8 +66,8 @@ class WeightProjection:
 
 def produce_qkv(x: torch.Tensor, weight: torch.Tensor | Projection, bias: torch.Tensor | None, num_heads: int,
                 head_dim: int, q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float, rope: torch.Tensor | None,
-                heads: tuple[int, int] | None = None, chunk_rows: int = CHUNK_ROWS
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                heads: tuple[int, int] | None = None, chunk_rows: int = CHUNK_ROWS,
+                norm_rope: NormRope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """H3's q, k, v of block input x, produced in chunks of rows straight into the kernel's layout.
 
     Args:
@@ -105,6 +79,8 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor | Projection, bias: torch.
         rope: H3's rotation table, or None for no RoPE.
         heads: the head range [h0, h1) to produce (default: all), e.g. one low-VRAM head group.
         chunk_rows: rows projected at a time, so the fused [S, 3*H*D] output never exists whole.
+        norm_rope: the epilogue of each projected chunk (the resolved `Kernels.norm_rope`); default
+            the torch reference.
     Returns:
         q, k, v [1, h1 - h0, S, D] in x's dtype, model order.
     """
@@ -124,21 +100,8 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor | Projection, bias: torch.
     plain = isinstance(weight, torch.Tensor)
     project = (WeightProjection(weight, bias, num_heads, head_dim) if plain else weight).for_heads((h0, h1))
     q, k, v = (x.new_empty(1, g, S, head_dim) for _ in range(3))
-    rot_dim = 0 if rope is None else rope.shape[-3] * 2
-    # the kitchen op is in place (inference only); with autograd the torch path keeps the graph
-    tracked = (x, q_scale, k_scale, weight) if plain else (x, q_scale, k_scale)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tracked)
-    ck = kitchen() if rope is not None and x.dtype in KITCHEN_DTYPES and not grad else None
+    epilogue = norm_rope_torch if norm_rope is None else norm_rope
     for a in range(0, S, chunk_rows):
         e = min(S, a + chunk_rows)
-        qc, kc, vc = (t.view(1, e - a, g, head_dim) for t in project(x[a:e]).split(g * head_dim, dim=-1))
-        table = None if rope is None else rope[:, a:e]
-        if ck is not None:
-            ck.rms_rope_split_half_(qc, kc, table, q_scale, k_scale, epsilon=eps, rot_dim=rot_dim)
-        else:
-            qc = rms_rope_split_half(qc, table, q_scale, eps, rot_dim)
-            kc = rms_rope_split_half(kc, table, k_scale, eps, rot_dim)
-        q[0, :, a:e] = qc[0].transpose(0, 1)
-        k[0, :, a:e] = kc[0].transpose(0, 1)
-        v[0, :, a:e] = vc[0].transpose(0, 1)
+        epilogue(project(x[a:e]), q, k, v, a, None if rope is None else rope[:, a:e], q_scale, k_scale, eps)
     return q, k, v

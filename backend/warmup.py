@@ -3,9 +3,10 @@
 The Triton kernels specialise only on what a clip length cannot change (dtype, head size, block
 size, config), on buckets of row widths (three per power of two for the radix-select rows, the power
 of two for the reblock levels) and, where a launch picks its chunk by how many programs it has (the
-reblock split's wide levels), on the head count. So one call with the real
-layout and head count compiles every kernel the sparse steps will launch; its Q/K/V are one random
-head expanded over the heads (one head's memory), its buffers those of a sparse call of the block.
+reblock split's wide levels), on the head count. So one call with the real layout and head count, and
+one of the QKV producer's epilogue, compile every kernel the sparse steps will launch; its Q/K/V are
+one random head expanded over the heads (one head's memory), its buffers those of a sparse call of the
+block.
 The node runs it at the first block call of a layout (a dense warmup step in the default schedule),
 after saying so; Triton keeps what it compiled in its on-disk cache for later processes, and `python
 -m adaptive_sparse_attention prepare` fills that cache ahead.
@@ -18,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels.registry import Kernels
 from ..kernels.triton.build_ahead import build_ahead
 from ..notices import logger
 from .attention import sparse_attention
@@ -57,6 +59,18 @@ def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, d
     return layout.cache.has("prepared", preparation_key(config, dtype, device, head_dim, heads))
 
 
+def epilogue(kernels: Kernels, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+             g: torch.Generator) -> None:
+    """One call of the QKV producer's epilogue (`Kernels.norm_rope`) on a few random rows of `heads` heads,
+    with a rotation table in the model's dtype as H3 builds it: the kernel a sparse step launches first."""
+    rows, half = 16, max(1, head_dim // 4)
+    chunk = torch.randn(rows, 3 * heads * head_dim, generator=g, device=device, dtype=dtype)
+    table = torch.randn(1, rows, 1, half, 2, 2, generator=g, device=device, dtype=dtype)
+    scale = torch.ones(head_dim, device=device, dtype=dtype)
+    out = [torch.empty(1, heads, rows, head_dim, device=device, dtype=dtype) for _ in range(3)]
+    kernels.norm_rope(chunk, *out, 0, table, scale, scale, 1e-6)
+
+
 def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
                     head_dim: int, heads: int, announce: Callable[[str], None] | None = None,
                     build_threads: int = 0) -> float | None:
@@ -76,7 +90,8 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
     Returns:
         Seconds spent, or None when nothing was to do.
     """
-    if not layout_kernels(layout, config, device, dtype, head_dim).compiles:
+    kernels = layout_kernels(layout, config, device, dtype, head_dim)
+    if not kernels.compiles:
         return None
     key = preparation_key(config, dtype, device, head_dim, heads)
     if layout.cache.has("prepared", key):
@@ -97,8 +112,9 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         if build_threads and device.type == "cuda":
             dry = SequenceLayout(layout.segments)  # what the dry run caches (from unset buffers) goes with it
             dry.cache.graphs, dry.cache.notices = False, layout.cache.notices
-            build_ahead(lambda: sparse_attention(q, k, v, dry, config.replace(kernel="triton")), device,
-                        build_threads)
+            build_ahead(lambda: (sparse_attention(q, k, v, dry, config.replace(kernel="triton")),
+                                 epilogue(kernels, heads, head_dim, dtype, device, g)), device, build_threads)
+        epilogue(kernels, heads, head_dim, dtype, device, g)
         sparse_attention(q, k, v, scratch, config)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once per layout: the time is reported

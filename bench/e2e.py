@@ -297,16 +297,20 @@ def clip_layout(scale: Scale, clip: str) -> Any:
 
 def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.device, reps: int = 5,
                lora: bool = False, rounds: int = 3) -> dict:
-    """Milliseconds of the first block's QKV projection on a clip's rows (random input in the model's
-    dtype): ComfyUI's own `attn.qkv_proj(x)`, ours (`qkv_projection` in the producer's chunks of
-    rows, all heads) and our whole producer (projection, norm, RoPE, head-major layout). With `lora`
-    the benchmark's Turbo LoRA is patched on first (LoraLoaderModelOnly), so both time the patched layer.
-    ComfyUI's and ours alternate for `rounds` rounds of `reps` calls (the GPU's clock drifts between
+    """Milliseconds of the first block's QKV production on a clip's rows (random input in the model's
+    dtype, a rotation table of H3's layout): ComfyUI's own `attn.qkv_proj(x)`, ours (`qkv_projection` in
+    the producer's chunks of rows, all heads); ComfyUI's whole production (what H3's `Attention.forward`
+    does before its attention: the projection, comfy-kitchen's norm + RoPE in place, v's copy) and our
+    whole producer (projection, norm, RoPE, head-major layout, the epilogue ``auto`` resolves to). With
+    `lora` the benchmark's Turbo LoRA is patched on first (LoraLoaderModelOnly), so both time the patched
+    layer. ComfyUI's and ours alternate for `rounds` rounds of `reps` calls (the GPU's clock drifts between
     back-to-back measurements by more than the 5% being judged); each time is the median over rounds
     and the ratio the median of the rounds' ratios."""
     import comfy.model_management
+    import comfy.quant_ops
 
     from ..backend.producer import CHUNK_ROWS, produce_qkv
+    from ..kernels.registry import resolve
     from ..nodes.comfy_weights import on_device, qkv_projection
     from .timing import time_call
 
@@ -320,10 +324,18 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.dev
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(rows, scale.model["hidden_size"], generator=g, device=device, dtype=dtype)
     H, D = attn.heads, attn.head_dim
-    half = (D // 2) // 2  # a rotation table of the model's layout on half of each head
+    half = 3 * D // 8  # H3's table: 3 axes x 16 frequencies rotate 96 of 128 dims, in the model's dtype
     angle = torch.rand(1, rows, 1, half, generator=g, device=device)
-    rope = torch.stack([torch.stack([angle.cos(), -angle.sin()], -1), torch.stack([angle.sin(), angle.cos()], -1)], -2)
+    rope = torch.stack([torch.stack([angle.cos(), -angle.sin()], -1),
+                        torch.stack([angle.sin(), angle.cos()], -1)], -2).to(dtype)
     qw, kw = on_device(attn.q_norm.weight, device), on_device(attn.k_norm.weight, device)
+    norm_rope = resolve("auto", device, dtype, head_dim=D).norm_rope
+
+    def comfyui() -> None:
+        q, k, v = attn.qkv_proj(x).split(H * D, dim=-1)
+        comfy.quant_ops.ck.rms_rope_split_half_(q.view(1, rows, H, D), k.view(1, rows, H, D), rope, qw, kw,
+                                                epsilon=attn.q_norm.eps, rot_dim=2 * half)
+        v.view(rows, H, D).clone()
 
     def ours() -> None:
         with qkv_projection(attn.qkv_proj, x, H, D) as projection:
@@ -333,18 +345,22 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.dev
 
     def producer() -> None:
         with qkv_projection(attn.qkv_proj, x, H, D) as projection:
-            produce_qkv(x, projection, None, H, D, qw, kw, attn.q_norm.eps, rope)
+            produce_qkv(x, projection, None, H, D, qw, kw, attn.q_norm.eps, rope, norm_rope=norm_rope)
 
     with torch.inference_mode():
         fmt = getattr(attn.qkv_proj, "quant_format", None) or str(dtype).split(".")[-1]
-        theirs, mine = [], []
+        theirs, mine, whole, ours_whole = [], [], [], []
         for _ in range(rounds):
             theirs.append(time_call(lambda: attn.qkv_proj(x), device, reps=reps))
             mine.append(time_call(ours, device, reps=reps))
+            whole.append(time_call(comfyui, device, reps=reps))
+            ours_whole.append(time_call(producer, device, reps=reps))
         out = {"rows": rows, "format": fmt + (" + LoRA" if lora else ""),
                "comfyui_qkv_proj_ms": statistics.median(theirs), "ours_projection_ms": statistics.median(mine),
                "projection_vs_comfyui": statistics.median(b / a for a, b in zip(theirs, mine)),
-               "ours_producer_ms": time_call(producer, device, reps=reps)}
+               "comfyui_production_ms": statistics.median(whole), "ours_producer_ms": statistics.median(ours_whole),
+               "producer_vs_comfyui": statistics.median(b / a for a, b in zip(whole, ours_whole)),
+               "epilogue": norm_rope.family}
     del patcher, attn, x
     return out
 
@@ -677,13 +693,16 @@ def markdown(result: dict) -> str:
 
 
 def qkv_markdown(result: dict) -> str:
-    """The QKV projection per clip: ComfyUI's own layer against ours on the same rows."""
+    """The QKV production per clip: ComfyUI's own layer against ours on the same rows, the projection alone
+    and the whole production (+ q/k norm, RoPE, v's copy or our head-major layout)."""
     rows = ["| clip | rows | weights | ComfyUI attn.qkv_proj ms | ours (projection) ms | ours vs ComfyUI "
-            "| our producer ms (+ norm, RoPE, layout) |", "|" + "---|" * 7]
+            "| ComfyUI + norm, RoPE, v copy ms | our producer ms (+ norm, RoPE, layout; epilogue) | ours vs ComfyUI |",
+            "|" + "---|" * 9]
     for clip, t in result.get("qkv", {}).items():
         rows.append(f"| {clip} | {t['rows']:,} | {t['format']} | {t['comfyui_qkv_proj_ms']:.2f} | "
                     f"{t['ours_projection_ms']:.2f} | {t['projection_vs_comfyui']:.3f}x | "
-                    f"{t['ours_producer_ms']:.2f} |")
+                    f"{t['comfyui_production_ms']:.2f} | {t['ours_producer_ms']:.2f} ({t['epilogue']}) | "
+                    f"{t['producer_vs_comfyui']:.3f}x |")
     return "\n".join(rows)
 
 

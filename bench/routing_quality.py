@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name} r={ratio:g} {row['scores']}: overlap {row['overlap']:.4f} mass kept "
                       f"{row['mass_kept']:.4f}", file=sys.stderr, flush=True)
         del scene
-    print(f"| scene | ratio | scores | overlap with fp32 picks | mass kept vs fp32 | fp32 recall |\n|---|---|---|---|---|---|")
+    print("| scene | ratio | scores | overlap with fp32 picks | mass kept vs fp32 | fp32 recall |\n|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['scene']} | {r['ratio']:g} | {r['scores']} | {r['overlap']:.4f} | {r['mass_kept']:.4f} | "
               f"{r['fp32_recall']:.4f} |")

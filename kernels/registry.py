@@ -1,6 +1,7 @@
 """The one table of operations x implementation families, and its resolution for a call.
 
-Rows (`OPERATIONS`) are what a sparse call runs: the planner's stages and the attention itself.
+Rows (`OPERATIONS`) are what a sparse call runs: the QKV producer's epilogue, the planner's stages and
+the attention itself.
 Each family (a package under kernels/: `reference`, `triton`, `cudnn`, `flash4`) declares its own
 implementations in its `family.py`, with what each needs of the call (`Requirement`: device, dtype,
 compute capability, head dim, block size, an optional package) and, where a kernel takes only some
@@ -43,6 +44,7 @@ DENSE_KERNELS: tuple[DenseKernel, ...] = (FLASH4,)  # offered to the dense choic
 SPARSE_KERNELS: tuple[SparseKernel, ...] = (CUDNN_BF16, TRITON_BF16, TRITON_8BIT)
 
 ROWS = (  # (operation, what it does), in the order a call runs them
+    ("norm_rope", "q/k RMSNorm and split-half RoPE of projected rows, q/k/v written head-major (the QKV producer)"),
     ("block_sums", "per-block sums of Q/K/V rows gathered by the tiling (pooling)"),
     ("block_summaries", "mean / reweighted tail summaries of every key block"),
     ("pooled_scores", "routing scores q_mean k_mean^T / sqrt(D), a window at a time"),
@@ -115,13 +117,15 @@ class Stage:
 
 @dataclass(frozen=True)
 class Kernels:
-    """Every operation's implementation for one call (`resolve`): the planner's stages as `Stage`s
+    """Every operation's implementation for one call (`resolve`): the producer's epilogue and the planner's
+    stages as `Stage`s
     and the attention, whose `attend_blocks(q, k, v, plan) -> (out, lse)` is defined in its kernel's file
     (`reference/reference.py`, `triton/op.py`, `cudnn/op.py`)."""
 
     family: str
     compiles: bool
     attention: Any
+    norm_rope: Stage
     block_sums: Stage
     block_summaries: Stage
     pooled_scores: Stage

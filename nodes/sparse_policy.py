@@ -12,6 +12,7 @@ from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.plan_reuse import PlanSlot
+from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
 from ..backend.warmup import prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
@@ -324,19 +325,20 @@ class SparseAttentionHook(BlockHook):
                 o = sparse_attention(q, k, v, layout, config, coarse_gate=g, plan_slot=slot, **kernel)
             return o
 
-        out = self.output(attn, x, rope_freqs, transformer_options, run)
+        out = self.output(attn, x, rope_freqs, transformer_options, run, layout, config)
         tracker.stop_timer(timer)
         tracker.note_block(step, sparse=True, density=density, layer=layer)
         return out
 
     def output(self, attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,
-               run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-               ) -> torch.Tensor:
+               run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+               layout: SequenceLayout, config: SparseConfig) -> torch.Tensor:
         """The attention output [S, hidden] of block input x (or KJNodes' one-item list, freed early):
-        Q/K/V per head group (``minimax_head_chunks``), `run(q, k, v, gate)` -> [1, h, S, D] on each,
-        then out_proj."""
+        Q/K/V per head group (``minimax_head_chunks``, the epilogue the layout's kernels give), `run(q, k, v,
+        gate)` -> [1, h, S, D] on each, then out_proj."""
         x = unwrap_input(x)
         heads, dim = attn.heads, attn.head_dim
+        norm_rope = layout_kernels(layout, config, x.device, x.dtype, dim).norm_rope
         with outside_allocation_graph():
             out = x.new_empty(x.shape[0], heads, dim)
             gate = coarse_gate(attn, x, self.config)
@@ -344,7 +346,7 @@ class SparseAttentionHook(BlockHook):
                 qw, kw = on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device)
                 for h0, h1 in head_groups(heads, transformer_options.get("minimax_head_chunks", 1)):
                     q, k, v = produce_qkv(x, projection, None, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs,
-                                          (h0, h1))
+                                          (h0, h1), norm_rope=norm_rope)
                     g = None if gate is None else gate[:, h0:h1]
                     o = run(q, k, v, g)
                     out[:, h0:h1] = o[0].transpose(0, 1)

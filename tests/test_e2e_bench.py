@@ -198,8 +198,10 @@ def test_checkpoint_formats_the_device_cannot_multiply_in_are_refused(tmp_path: 
 
 def test_qkv_table_puts_ours_beside_comfyuis():
     t = {"rows": 73_000, "format": "int8_tensorwise", "comfyui_qkv_proj_ms": 10.0, "ours_projection_ms": 10.4,
-         "projection_vs_comfyui": 1.04, "ours_producer_ms": 14.0}
-    assert "| 10s | 73,000 | int8_tensorwise | 10.00 | 10.40 | 1.040x | 14.00 |" in e2e.qkv_markdown({"qkv": {"10s": t}})
+         "projection_vs_comfyui": 1.04, "comfyui_production_ms": 13.0, "ours_producer_ms": 14.0,
+         "producer_vs_comfyui": 14.0 / 13.0, "epilogue": "triton"}
+    assert ("| 10s | 73,000 | int8_tensorwise | 10.00 | 10.40 | 1.040x | 13.00 | 14.00 (triton) | 1.077x |"
+            in e2e.qkv_markdown({"qkv": {"10s": t}}))
 
 
 @needs_comfyui
@@ -221,6 +223,7 @@ def test_tiny_int8_convrot_run_in_real_comfyui(tmp_path: Path):
     qkv = result["qkv"]["10s"]
     assert qkv["format"] == "int8_tensorwise"
     assert qkv["rows"] > 0
-    assert qkv["comfyui_qkv_proj_ms"] > 0
+    assert qkv["comfyui_qkv_proj_ms"] > 0 and qkv["comfyui_production_ms"] > 0 and qkv["ours_producer_ms"] > 0
+    assert qkv["epilogue"] == "torch"  # a CPU run: the torch reference
     assert "| 10s |" in proc.stdout
     assert "int8_tensorwise" in proc.stdout

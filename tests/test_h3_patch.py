@@ -279,21 +279,20 @@ def test_model_check():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_producer_matches_the_block_and_kitchen(dtype, monkeypatch):
+def test_producer_matches_the_block(dtype):
+    """The producer (its default epilogue, the torch reference) gives the block's own q, k, v for any chunk
+    size and head range (the Triton epilogue: test_norm_rope.py)."""
     block = model_of(True, seed=19).blocks[0].to(dtype)
     args = block_args(block, PACKED, seed=20, new=True, dtype=dtype)
     attn = block.attn
     expected = [t for t in attn.qkv(args["img"], args["rope_freqs"])]
     tol = TOL if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
-    kitchens = [None] + ([producer.kitchen()] if producer.kitchen() is not None else [])
-    for ck in kitchens:
-        monkeypatch.setattr(producer, "kitchen", lambda ck=ck: ck)
-        for chunk, heads in ((7, None), (4096, (1, 3)), (100, (0, 1))):
-            got = producer.produce_qkv(args["img"], attn.qkv_proj.weight, None, 3, 32, attn.q_norm.weight,
-                                       attn.k_norm.weight, attn.q_norm.eps, args["rope_freqs"], heads, chunk)
-            h0, h1 = heads or (0, 3)
-            for g, e in zip(got, expected):
-                torch.testing.assert_close(g, e[:, h0:h1], **tol)
+    for chunk, heads in ((7, None), (4096, (1, 3)), (100, (0, 1))):
+        got = producer.produce_qkv(args["img"], attn.qkv_proj.weight, None, 3, 32, attn.q_norm.weight,
+                                   attn.k_norm.weight, attn.q_norm.eps, args["rope_freqs"], heads, chunk)
+        h0, h1 = heads or (0, 3)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e[:, h0:h1], **tol)
     with pytest.raises(ValueError, match="heads"):
         producer.produce_qkv(args["img"], attn.qkv_proj.weight, None, 3, 32, attn.q_norm.weight,
                              attn.k_norm.weight, 1e-5, None, (2, 2))

@@ -8,7 +8,8 @@ the smallest of its members), 227 KB on sm90. The kernels that gather bf16 rows 
 in vectors: a two-byte global load means a row went element by element (what unspecialised
 strides without an alignment hint compile to). The attention kernel's tiled variants (Q/K/V
 packed contiguous) must read their tiles in 16-byte vectors; their two-byte loads are the int16
-pick list's. The 8-bit variants (INT8 Q.K^T, FP8 or INT8 P.V by family) compile for every target,
+pick list's. The producer's epilogue reads its q, k, v rows in 16-byte vectors (its two-byte loads are
+the rotation partners and the table, from lines just read). The 8-bit variants (INT8 Q.K^T, FP8 or INT8 P.V by family) compile for every target,
 and every family's 8-bit config also as sm90 code (the H200 runs them).
 """
 import json
@@ -45,4 +46,6 @@ def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
             problems.append(f"{name}: {r['loads']['2']} two-byte global loads (bf16 rows read one element at a time)")
         elif name.endswith(" tiled") and not r["loads"].get("16"):
             problems.append(f"{name}: no 16-byte global loads ({r['loads']}): packed tiles not read in vectors")
+        elif name.endswith(" norm rope") and r["loads"].get("16", 0) < 6:
+            problems.append(f"{name}: {r['loads']}: q, k and v rows not all read in 16-byte vectors")
     assert not problems, "\n".join(problems)

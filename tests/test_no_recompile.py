@@ -130,3 +130,25 @@ def test_head_choice_kernels_do_not_specialise_on_length(monkeypatch):
     first = calls(37, 580)
     assert [launch[0] for launch in first] == ["_block_log_mass", "_top_share"]
     assert first == calls(48, 700)  # 37 and 48 key blocks: one row bucket, 48 a multiple of 16
+
+
+def test_the_producer_epilogue_launches_one_binary(monkeypatch):
+    """The QKV producer's epilogue launches one specialisation for every chunk of any clip length, any head
+    group, and for the preparation's call (`warmup.epilogue`), which must compile it for the run."""
+    from adaptive_sparse_attention.backend.producer import CHUNK_ROWS, produce_qkv
+    from adaptive_sparse_attention.backend.warmup import epilogue
+    from adaptive_sparse_attention.kernels.registry import resolve
+
+    seen = record_launches(monkeypatch, execute=False)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    kernels = resolve("triton", cpu, bf16, head_dim=32, strict=True)
+    g = torch.Generator().manual_seed(0)
+    epilogue(kernels, 3, 32, bf16, cpu, g)
+    scale = torch.ones(32, dtype=bf16)
+    for rows, heads in ((CHUNK_ROWS + 37, (0, 3)), (2 * CHUNK_ROWS + 5, (1, 3)), (100, (0, 1))):
+        x = torch.randn(rows, 48, generator=g).to(bf16)
+        weight = torch.randn(3 * 3 * 32, 48, generator=g).to(bf16)
+        table = torch.randn(1, rows, 1, 12, 2, 2, generator=g).to(bf16)  # H3's rot_dim is 3/4 of the head
+        produce_qkv(x, weight, None, 3, 32, scale, scale, 1e-6, table, heads, norm_rope=kernels.norm_rope)
+    assert len(seen) == 1 + 2 + 3 + 1
+    assert len(set(seen)) == 1, sorted(set(seen))

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from adaptive_sparse_attention.kernels.triton import (block_mass, block_quantise, block_scores, block_select, block_stats,
-                                                      reblock_features, reblock_split, tiled_pack)
+                                                      norm_rope, reblock_features, reblock_split, tiled_pack)
 from adaptive_sparse_attention.kernels.triton import attention as triton_attention
 from adaptive_sparse_attention.kernels.triton.configs import (CONFIGS, EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES,
                                                               FINISH_CONFIGS, PV_FORMATS, eight_bit_family, family_of)
@@ -146,6 +146,11 @@ def pack_qkv(capability: int) -> dict:
                        {"HEAD_DIM": 128, "BLOCK": tiled_pack.SLOTS, "ALIGN": 8}, capability, 4, 3)
 
 
+def norm_rope_pass(capability: int) -> dict:
+    return compile_for(norm_rope._norm_rope, {n: "*bf16" for n in ("C", "Q", "K", "V", "T", "QScale", "KScale")},
+                       {"eps"}, {"HEAD_DIM": 128, "BLOCK_ROWS": norm_rope.ROWS, "ROPE": True}, capability, 4, 3)
+
+
 def jobs() -> list[tuple]:
     """Every compile as (row name, function, args, kwargs); `planner` returns several rows, named under its own."""
     out = []
@@ -155,6 +160,7 @@ def jobs() -> list[tuple]:
                 (f"sm{cap} attention D128 query tiled", attention, (cap, 128, True), {"tiled": True}),
                 (f"sm{cap} attention D128 query 8-bit", attention, (cap, 128, True), {"eight_bit": fam8}),
                 (f"sm{cap} quantise {PV_FORMATS[fam8]}", quantise_pass, (cap, PV_FORMATS[fam8]), {}),
+                (f"sm{cap} norm rope", norm_rope_pass, (cap,), {}),
                 (f"sm{cap}", planner, (cap,), {})]
     for tiled in (False, True):
         mode = " tiled" * tiled

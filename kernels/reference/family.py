@@ -5,6 +5,7 @@ from typing import Callable
 
 from ..vocabulary import Family, Implementation
 from . import planner_reference as ref
+from .norm_rope import norm_rope_torch
 from . import reblock_reference as tree_ref
 from .reference import ReferenceAttention
 
@@ -14,6 +15,7 @@ def _torch(operation: str, function: Callable) -> Implementation:
 
 
 TORCH = Family("torch", (
+    _torch("norm_rope", norm_rope_torch),
     _torch("block_sums", ref.block_sums_torch),
     _torch("block_summaries", ref.block_summaries_torch),
     _torch("pooled_scores", ref.pooled_scores_torch),

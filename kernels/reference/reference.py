@@ -125,7 +125,6 @@ class _QuantisedKeys:
         self.plan, self.pv, self.acc = plan, config.pv, acc
         self.block_n = min(config.block_n, plan.block_size)
         self.codes = quantise_blocks_torch(q, k, v, plan, config.pv)
-        bs = plan.block_size
         self.k_codes = self.codes.k_codes.to(torch.float64)  # integer products and sums stay exact
         self.v_deq = self.codes.v_codes.float().transpose(-1, -2).to(acc) * self.codes.v_scale.unsqueeze(2).to(acc)
         # the kernel's fp32 scale argument

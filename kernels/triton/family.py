@@ -52,6 +52,25 @@ def _projection_rank(x: torch.Tensor, factor: torch.Tensor, proj: torch.Tensor) 
     return None if _pow2(r) else f"feature rank {r}: the kernel takes a power of two >= 16"
 
 
+def _epilogue_inputs(chunk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     table: torch.Tensor | None, q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float
+                     ) -> str | None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (chunk, table, q_scale, k_scale)):
+        return "the inputs need gradients, and the kernel has no backward"
+    if chunk.stride(-1) != 1 or q.stride(-1) != 1 or not q.stride() == k.stride() == v.stride():
+        return (f"strides chunk {chunk.stride()}, q {q.stride()}, k {k.stride()}, v {v.stride()}: the kernel takes "
+                "unit column strides and one layout for q, k, v")
+    if table is not None and (table.dtype not in TRITON_DTYPES or table.stride()[3:] != (4, 2, 1)):
+        return (f"a {table.dtype} rotation table with strides {table.stride()} (the kernel takes "
+                f"{', '.join(str(d) for d in TRITON_DTYPES)} with each row's 2 x 2 matrices contiguous)")
+    return None
+
+
+def _norm_rope() -> Any:
+    from . import norm_rope
+    return norm_rope
+
+
 def _stats() -> Any:
     from . import block_stats
     return block_stats
@@ -92,6 +111,8 @@ TRITON_BF16 = SparseKernel("triton", "Triton bf16", ATTENTION)  # candidates of 
 TRITON_8BIT = SparseKernel("triton-8bit", "Triton 8-bit", ATTENTION, precision="8-bit")
 
 TRITON = Family("triton", (
+    _triton("norm_rope", lambda: _norm_rope().norm_rope_triton, _epilogue_inputs,
+            "no gradients, unit column strides, a contiguous float16/bfloat16/float32 table"),
     _triton("block_sums", lambda: _stats().block_sums_triton),
     _triton("block_summaries", lambda: _stats().block_summaries_triton),
     _triton("pooled_scores", lambda: _scores().pooled_scores_triton, float32_inputs("block means"), "float32 means"),
