@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..kernels.registry import Kernels
-from ..kernels.triton.build_ahead import build_ahead
+from ..kernels.triton.build_ahead import NotInMemory, build_ahead, in_memory_only, triton_knobs
 from ..notices import logger
 from .attention import sparse_attention
 from .config import SparseConfig
@@ -103,23 +103,64 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         if announce is not None:
             announce(message)
         start = time.perf_counter()
-        g = torch.Generator(device).manual_seed(0)
-        q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
-                   .expand(1, heads, layout.total, head_dim) for _ in range(3))
-        scratch = SequenceLayout(layout.segments)  # what this call builds goes with it
-        scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
-        scratch.cache.notices = layout.cache.notices  # what it says is said once for the layout
-        if build_threads and device.type == "cuda":
-            dry = SequenceLayout(layout.segments)  # what the dry run caches (from unset buffers) goes with it
-            dry.cache.graphs, dry.cache.notices = False, layout.cache.notices
-            build_ahead(lambda: (sparse_attention(q, k, v, dry, config.replace(kernel="triton")),
-                                 epilogue(kernels, heads, head_dim, dtype, device, g)), device, build_threads)
-        epilogue(kernels, heads, head_dim, dtype, device, g)
-        sparse_attention(q, k, v, scratch, config)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # once per layout: the time is reported
+        launch_all(layout, config, dtype, device, head_dim, heads, kernels, build_threads)
         seconds = time.perf_counter() - start
         log.info("adaptive sparse attention: kernels ready in %.1f s", seconds)
         return seconds
 
     return layout.cache.get("prepared", key, run)
+
+
+def prepare_from_memory(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+                        head_dim: int, heads: int) -> float | None:
+    """`prepare_kernels` on a CUDA device where this process holds every Triton kernel the call launches
+    already (a model patched again with other widgets, a clip length of known row buckets): nothing to
+    announce, no child to start. Triton is told to stop the call at the first kernel not in its memory
+    (`kernels/triton/build_ahead.in_memory_only`), before it loads or builds anything.
+
+    Returns:
+        Seconds spent, the layout then recorded as prepared; None where a kernel was not in memory (nothing
+        recorded: the caller starts a child or prepares as before), the device is no CUDA GPU, the kernels
+        compile nothing, the layout was prepared already, or this Triton has no hook to tell.
+    """
+    kernels = layout_kernels(layout, config, device, dtype, head_dim)
+    key = preparation_key(config, dtype, device, head_dim, heads)
+    if device.type != "cuda" or not kernels.compiles or layout.cache.has("prepared", key):
+        return None
+    knobs = triton_knobs()
+    if knobs is None:
+        return None
+
+    def run() -> float:
+        start = time.perf_counter()
+        with in_memory_only(knobs):
+            launch_all(layout, config, dtype, device, head_dim, heads, kernels)
+        seconds = time.perf_counter() - start
+        log.info("adaptive sparse attention: kernels ready in %.2f s (every one in this process's memory)", seconds)
+        return seconds
+
+    try:
+        return layout.cache.get("prepared", key, run)
+    except NotInMemory as err:
+        log.info("adaptive sparse attention: %s", err)
+        return None
+
+
+def launch_all(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+               head_dim: int, heads: int, kernels: Kernels, build_threads: int = 0) -> None:
+    """One call of every kernel a sparse step of this shape launches (`prepare_kernels`' work), synchronised."""
+    g = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
+               .expand(1, heads, layout.total, head_dim) for _ in range(3))
+    scratch = SequenceLayout(layout.segments)  # what this call builds goes with it
+    scratch.cache.graphs = False  # no CUDA graph for a shape never seen again
+    scratch.cache.notices = layout.cache.notices  # what it says is said once for the layout
+    if build_threads and device.type == "cuda":
+        dry = SequenceLayout(layout.segments)  # what the dry run caches (from unset buffers) goes with it
+        dry.cache.graphs, dry.cache.notices = False, layout.cache.notices
+        build_ahead(lambda: (sparse_attention(q, k, v, dry, config.replace(kernel="triton")),
+                             epilogue(kernels, heads, head_dim, dtype, device, g)), device, build_threads)
+    epilogue(kernels, heads, head_dim, dtype, device, g)
+    sparse_attention(q, k, v, scratch, config)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # once per layout: the time is reported

@@ -14,7 +14,7 @@ from ..backend.layout import SequenceLayout
 from ..backend.plan_reuse import PlanSlot
 from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
-from ..backend.warmup import prepare_kernels
+from ..backend.warmup import prepare_from_memory, prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.dense.pays_from import describe, pays_at, saved
 from ..kernels.registry import resolve_family
@@ -269,10 +269,15 @@ class SparseAttentionHook(BlockHook):
                                             self.config, device, dtype, head_dim))
         if notice is not None:  # once per run, in the console (WARNING) and in the run's report
             self.tracker.say_in_report(notice)
+        def from_memory() -> float | None:
+            return prepare_from_memory(layout, config, dtype, device, head_dim, heads)
+
         with outside_allocation_graph():
-            if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim, heads):
+            if warmup and start_during_warmup(self.warm_start, layout, config, dtype, device, head_dim, heads,
+                                              from_memory):
                 return
-            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, heads, progress_text)
+            take_over_before_sparse(self.warm_start, layout, config, dtype, device, head_dim, heads, progress_text,
+                                    from_memory)
             prepare_kernels(layout, config, dtype, device, head_dim, heads, announce=progress_text)
 
     def dense_args(self, args: dict) -> dict:

@@ -24,7 +24,10 @@ done first, without waiting for the child's start-up). The preparation is shown 
 child that fails or runs past its budget is said once, and this process compiles the kernels itself, as it
 does without the child. Once a child of one clip length has ended, a new length of the same kernels starts no
 child: it prepares in this process at its first warmup step, where at most its new row-bucket kernels build
-(`kernels/triton/radix_select.row_split`), in less time than a child's start-up.
+(`kernels/triton/radix_select.row_split`), in less time than a child's start-up. Nor does a run shape whose
+every Triton kernel this process holds already (another model patched with the same kernels, e.g. after a
+widget change): the first warmup step first tries a preparation that stops at the first kernel not in memory
+(`backend.warmup.prepare_from_memory`); where it runs through, the standby child is stopped unused.
 
 One child per run shape (`job_key`) per owner (a node's patched model and its clones), at most
 MAX_JOBS at once; children are always reaped, and killed when their owner goes or the process exits.
@@ -340,32 +343,41 @@ class WarmStart:
 
 
 def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
-                        device: torch.device, head_dim: int, heads: int) -> bool:
+                        device: torch.device, head_dim: int, heads: int,
+                        from_memory: Callable[[], float | None] | None = None) -> bool:
     """At a warmup step (or at the first sparse step, for a standby child no warmup step came to): start the
-    child for this run shape when its kernels compile on this GPU and this layout is not prepared yet, and no
-    child of another clip length of its kernels has ended (`WarmStart.ended_beside`). Returns whether the child
-    is still running (the warmup step then leaves the preparation to it); once it ended, a warmup step prepares
-    in this process, which loads what the child compiled from Triton's cache and compiles what only a process's
-    memory keeps (cuDNN-frontend's kernels), while the steps are still dense."""
+    child for this run shape when its kernels compile on this GPU and this layout is not prepared yet, unless
+    `from_memory` prepared it from the kernels this process holds (`backend.warmup.prepare_from_memory`: the
+    standby child is then stopped before it touches the GPU) or a child of another clip length of its kernels
+    has ended (`WarmStart.ended_beside`). Returns whether the child is still running (the warmup step then
+    leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads what the
+    child compiled from Triton's cache and compiles what only a process's memory keeps (cuDNN-frontend's
+    kernels), while the steps are still dense."""
     if device.type != "cuda" or not layout_kernels(layout, config, device, dtype, head_dim).compiles:
         return False
     if prepared(layout, config, dtype, device, head_dim, heads):
         return False
     key = job_key(layout, config, dtype, device, head_dim, heads)
-    if key not in warm.jobs and warm.ended_beside(key):  # a new clip length of kernels this process has
-        return False
+    if key not in warm.jobs:
+        if from_memory is not None and from_memory() is not None:  # every kernel in memory: prepared, no child
+            warm.drop_spare()
+            return False
+        if warm.ended_beside(key):  # a new clip length of kernels this process has
+            return False
     return warm.start(key, shape_spec(layout, config, dtype, device, head_dim))
 
 
 def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
                             device: torch.device, head_dim: int, heads: int,
-                            announce: Callable[[str], None] | None = None) -> bool | None:
+                            announce: Callable[[str], None] | None = None,
+                            from_memory: Callable[[], float | None] | None = None) -> bool | None:
     """Before a sparse step of a layout not prepared yet: end its child, if any (`WarmStart.take_over`, which
     prepares here beside a child still running; `announce` shows that preparation's message). A standby child
     no warmup step handed a run shape to (``warmup_mode`` speed: the first step is sparse) takes this one and
-    builds beside this process; one whose shape compiles nothing here is stopped."""
+    builds beside this process, unless `from_memory` prepares it here (`start_during_warmup`); one whose shape
+    compiles nothing here is stopped."""
     if STANDBY_KEY in warm.jobs:
-        start_during_warmup(warm, layout, config, dtype, device, head_dim, heads)
+        start_during_warmup(warm, layout, config, dtype, device, head_dim, heads, from_memory)
     warm.drop_spare()
     if not warm.jobs or prepared(layout, config, dtype, device, head_dim, heads):
         return None

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SequenceLayout, SparseConfig
+from adaptive_sparse_attention.backend.warmup import preparation_key
 from adaptive_sparse_attention.nodes.warm_start import (STANDBY_KEY, STANDBY_LINE, UP_LINE, WarmStart, job_key,
                                                         prepare_command, shape_spec, standby_for, start_during_warmup,
                                                         take_over_before_sparse)
@@ -219,6 +220,40 @@ def test_a_standby_child_takes_the_run_shape_at_the_first_warmup_step():
     assert warm.standby() is False  # a child ran for this owner: no second standby
 
 
+def test_a_run_shape_prepared_from_memory_starts_no_child_and_stops_the_standby():
+    """Where this process holds every kernel of the run shape (`from_memory` runs through), the first warmup
+    step prepares here: no child starts and the standby child is stopped before it touches the GPU. Where a
+    kernel is not in memory (`from_memory` gives None) the standby child takes the shape as before; a shape
+    prepared already, or one whose child runs, does not try again."""
+    config, device = SparseConfig(kernel="triton"), torch.device("cuda")
+    layout = SequenceLayout.from_segments(LAYOUT)
+    args = (config, torch.bfloat16, device, 64, 2)
+    tries = []
+
+    def held() -> float:
+        tries.append("held")
+        layout.cache.get("prepared", preparation_key(*args), lambda: 0.1)  # what prepare_from_memory records
+        return 0.1
+
+    warm = WarmStart(stand_in(standby_child(5.0)))
+    assert warm.standby()
+    spare = warm.jobs[STANDBY_KEY].process
+    assert not start_during_warmup(warm, layout, *args, from_memory=held)
+    assert tries == ["held"] and warm.jobs == {} and spare.poll() is not None  # stopped and reaped
+    assert not start_during_warmup(warm, layout, *args, from_memory=held)  # prepared: nothing tried again
+    assert tries == ["held"]
+
+    other = SequenceLayout.from_segments(LAYOUT)
+    warm = WarmStart(stand_in(standby_child(5.0)))
+    assert warm.standby()
+    missing = []
+    assert start_during_warmup(warm, other, *args, from_memory=lambda: missing.append(1))  # None: a kernel missing
+    assert missing == [1] and job_key(other, *args) in warm.jobs and STANDBY_KEY not in warm.jobs
+    assert start_during_warmup(warm, other, *args, from_memory=lambda: missing.append(2))  # its child runs
+    assert missing == [1]
+    warm.close()
+
+
 def test_a_standby_child_no_shape_came_to_is_stopped_at_the_first_sparse_step():
     warm = WarmStart(stand_in(standby_child(0)))
     assert warm.standby()
@@ -350,6 +385,40 @@ def test_the_child_fills_tritons_cache_for_the_run_shape(tmp_path, monkeypatch):
     assert take_over_before_sparse(warm, layout, config, torch.bfloat16, device, 128, 4) is True, job.last_line()
     assert job.last_line().startswith("prepare --shape: ready in")
     assert any(cache.rglob("*.cubin"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_shape_whose_kernels_this_process_holds_prepares_from_memory(monkeypatch):
+    """After one preparation, the same run shape on another layout object (a model patched again) prepares
+    from memory; a kernel this process does not hold stops that preparation at its launch, nothing recorded."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from adaptive_sparse_attention.backend import warmup
+    from adaptive_sparse_attention.kernels.triton.build_ahead import triton_knobs
+
+    if triton_knobs() is None:
+        pytest.skip("this Triton has no jit_cache_hook (it came in 3.4)")
+    layout = SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + 8 * 24 * 42, "video", (8, 24, 42))])
+    args = (SparseConfig(kernel="triton", precision="bf16"), torch.bfloat16, torch.device("cuda"), 128, 4)
+    assert warmup.prepare_kernels(layout, *args) is not None
+    again = SequenceLayout.from_segments(layout.segments)
+    seconds = warmup.prepare_from_memory(again, *args)
+    assert seconds is not None and warmup.prepared(again, *args)
+    assert warmup.prepare_from_memory(again, *args) is None  # prepared already: nothing runs
+
+    @triton.jit
+    def never_built(X):
+        tl.store(X, 1.0)
+
+    launch_all = warmup.launch_all
+    monkeypatch.setattr(warmup, "launch_all", lambda *a, **k: (launch_all(*a, **k),
+                                                              never_built[(1,)](torch.zeros(1, device="cuda"))))
+    third, hook = SequenceLayout.from_segments(layout.segments), triton_knobs().runtime.jit_cache_hook
+    assert warmup.prepare_from_memory(third, *args) is None
+    assert not warmup.prepared(third, *args)
+    assert triton_knobs().runtime.jit_cache_hook is hook  # put back
 
 
 @pytest.mark.gpu

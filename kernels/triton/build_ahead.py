@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -30,6 +31,10 @@ log = logger()
 
 class Launched(RuntimeError):
     """A dry run reached a kernel built already: it would have run on unset buffers."""
+
+
+class NotInMemory(RuntimeError):
+    """A launch under `in_memory_only` asked for a kernel this process does not hold."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,26 @@ def record_builds(call: Callable[[], object], knobs) -> tuple[list[Build], str |
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.launch_enter_hook = saved
     return list(builds.values()), ended
+
+
+@contextmanager
+def in_memory_only(knobs) -> Iterator[None]:
+    """While inside, a Triton launch of a kernel not in this process's memory raises `NotInMemory` instead of
+    loading it from the disk cache or building it (Triton's ``jit_cache_hook`` runs only on such a miss).
+    The hook is Triton's, process-wide: only for a short call on the thread that runs the model.
+
+    Args:
+        knobs: `triton_knobs()`.
+    """
+    def refuse(*, fn, **_) -> bool:
+        raise NotInMemory(f"the Triton kernel {getattr(fn, 'name', fn)} is not in this process's memory")
+
+    saved = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = refuse
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = saved
 
 
 def build_all(builds: list[Build], device: torch.device, threads: int) -> None:
