@@ -7,9 +7,9 @@ A method name is a spec string:
 - ``dense:<kernel>``: another dense kernel where it is installed (`DENSE_KERNELS`): FlashAttention-4
   (fa4), comfy-kitchen's INT8 attention as ComfyUI's ``--use-ck-attention`` runs it (ck-int8), and
   SageAttention as ``--use-sage-attention`` calls it (sage).
-- ``ours:<tiling>:<tail>:<granularity>``: `sparse_attention` with that SparseConfig
-  (tiling cube|reblock, tail none|mean|reweight|coarse, granularity query|block); ``*`` in a field
-  expands to every choice.
+- ``ours:<tiling>:<tail>:<granularity>[:b<block>]``: `sparse_attention` with that SparseConfig
+  (tiling cube|reblock, tail none|mean|reweight|coarse, granularity query|block, block size b64 (the
+  default) or b128: 128-token query tiles and key blocks); ``*`` in a field expands to every choice.
 - ``sol:topk`` / ``sol:tau=<x>``: comfy-kitchen's `sol_attn` (optional dependency) in top-k mode
   at the run's ratios, or in threshold mode at one tau; context rows are its sink blocks/queries.
 - ``flex:<tiling>``: PyTorch FlexAttention (CUDA only) over a packed copy of Q/K/V with the
@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..backend.attention import sparse_attention
-from ..backend.config import TAIL_GRANULARITIES, TAILS, TILINGS, SparseConfig
+from ..backend.config import BLOCK_SIZES, TAIL_GRANULARITIES, TAILS, TILINGS, SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.planner import build_plan
 from ..kernels.flash4 import attention as flash4
@@ -111,14 +111,17 @@ def expand_methods(specs: list[str]) -> list[str]:
         head, _, rest = base.partition(":")
         if head == "ours":
             fields = rest.split(":")
-            if len(fields) != 3:
-                raise ValueError(f"method {spec!r}: expected ours:<tiling>:<tail>:<granularity>")
+            if len(fields) not in (3, 4):
+                raise ValueError(f"method {spec!r}: expected ours:<tiling>:<tail>:<granularity>[:b<block>]")
+            blocks = tuple(f"b{b}" for b in BLOCK_SIZES)
             choices = []
-            for value, allowed in zip(fields, (TILINGS, TAILS, TAIL_GRANULARITIES)):
+            for value, allowed in zip(fields, (TILINGS, TAILS, TAIL_GRANULARITIES, blocks)):
                 if value != "*" and value not in allowed:
                     raise ValueError(f"method {spec!r}: {value!r} is not one of {', '.join(allowed)}")
                 choices.append(allowed if value == "*" else (value,))
-            out += [f"ours:{t}:{a}:{g}{suffix}" for t in choices[0] for a in choices[1] for g in choices[2]]
+            sizes = [""] if len(fields) == 3 else [f":{b}" for b in choices[3]]
+            out += [f"ours:{t}:{a}:{g}{b}{suffix}" for t in choices[0] for a in choices[1] for g in choices[2]
+                    for b in sizes]
         elif base == "dense" or base == "sol:topk" or (head == "flex" and rest in TILINGS) or (
                 head == "dense" and rest in DENSE_KERNELS):
             out.append(spec)
@@ -130,7 +133,8 @@ def expand_methods(specs: list[str]) -> list[str]:
             out.append(spec)
         else:
             raise ValueError(f"method {spec!r} is not known: expected dense, dense:<{'|'.join(DENSE_KERNELS)}>, "
-                             "ours:<tiling>:<tail>:<granularity>, sol:topk, sol:tau=<x> or flex:<cube|reblock>, "
+                             "ours:<tiling>:<tail>:<granularity>[:b<block>], sol:topk, sol:tau=<x> or "
+                             "flex:<cube|reblock>, "
                              "optionally with @ratio/ratio")
     return list(dict.fromkeys(out))
 
@@ -206,9 +210,10 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Calla
 
 
 def ours_config(spec: str, ratio: float, backend: str) -> SparseConfig:
-    _, tiling, tail, granularity = spec.split(":")
+    """The SparseConfig of an ``ours:`` spec at `ratio` on kernel family `backend`."""
+    _, tiling, tail, granularity, *block = spec.split(":")
     return SparseConfig(topk_ratio=ratio, tiling=tiling, tail=tail, tail_granularity=granularity,
-                        kernel=backend, min_tokens=0)
+                        kernel=backend, min_tokens=0, block_size=int(block[0][1:]) if block else 64)
 
 
 def context_blocks(layout: SequenceLayout, block: int = 64) -> int:

@@ -62,7 +62,12 @@ def test_method_specs_expand_and_reject():
     assert methods.expand_methods(["ours:cube:*:query"]) == [f"ours:cube:{t}:query" for t in ("reweight", "mean", "none", "coarse")]
     assert methods.expand_methods(["ours:*:none:block@0.1/0.3"]) == ["ours:reblock:none:block@0.1/0.3", "ours:cube:none:block@0.1/0.3"]
     assert methods.split_spec("flex:cube@0.1/0.3") == ("flex:cube", [0.1, 0.3])
-    for bad in ("ours:cube:reweight", "ours:hex:none:query", "sol:tau=x", "flash", "dense@x", "sol:topk@2"):
+    assert methods.expand_methods(["ours:reblock:reweight:query:*@0.2"]) == [
+        "ours:reblock:reweight:query:b64@0.2", "ours:reblock:reweight:query:b128@0.2"]
+    assert methods.ours_config("ours:cube:none:block:b128", 0.2, "torch").block_size == 128
+    assert methods.ours_config("ours:cube:none:block", 0.2, "torch").block_size == 64
+    for bad in ("ours:cube:reweight", "ours:hex:none:query", "ours:cube:none:query:b96", "sol:tau=x", "flash",
+                "dense@x", "sol:topk@2"):
         with pytest.raises(ValueError, match="method"):
             methods.expand_methods([bad])
 
