@@ -5,8 +5,9 @@ times (the norm and rotation of q and k in place, then one transposing copy per 
 program per (rows, head) reads its q, k and v rows once, normalises and rotates q and k in registers
 and stores all three in the [1, g, S, D] layout the sparse kernels read. Same arithmetic as the
 reference: the sum of squares and the scaling in fp32, the normed row rounded to x's dtype, the
-rotation in the table's dtype (emulated in fp32: each operation rounded as torch rounds it). A pair's partner (dim i +- rot_dim/2) is loaded a second time from the
-same cache lines rather than moved between lanes. Importing this module imports Triton.
+rotation in the table's dtype (emulated in fp32: each operation rounded as torch rounds it). A pair's
+partner (dim i +- rot_dim/2) is loaded a second time from the same cache lines rather than moved
+between lanes. Importing this module imports Triton.
 """
 from __future__ import annotations
 
