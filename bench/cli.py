@@ -104,9 +104,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo: synthetic H3-like scene (text + audio + a moving-object video grid) on {device}{off_gpu}",
           file=sys.stderr)
     from .runner import scene_cases
+    from .scenes import SIZES
 
-    rows = run_cases(scene_cases(preset, preset.scenes, args.seed, device), 1, demo_methods(), args.ratios, device,
-                     backend, preset.rows_per_group, preset.warmup, preset.reps, args.seed)
+    rows = run_cases(scene_cases(SIZES[preset.size], preset.scenes, args.seed, device), 1, demo_methods(), args.ratios,
+                     device, backend, preset.rows_per_group, preset.warmup, preset.reps, args.seed)
     print(markdown_table(rows))
     print("\n" + column_notes())
     if device.type != "cuda":
@@ -139,7 +140,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     code = 0
     for preset in args.preset:
         deadline = time.monotonic() + args.budget_s if args.budget_s else None
-        result = run_preset(preset, methods, args.ratios, device, args.kernel, args.seed, scenes, deadline)
+        result = run_preset(preset, methods, args.ratios, device, args.kernel, args.seed, scenes, deadline,
+                            args.heads)
         paths = write_outputs(result, args.out, lambda s: print(s, file=sys.stderr))
         print(render_markdown(result))
         print("wrote " + ", ".join(paths), file=sys.stderr)
@@ -254,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "spec@0.1/0.2 (default: " + ",".join(BENCH_METHODS) + ")")
     bench.add_argument("--scenes", help="comma-separated scenes (pan, cuts, gaussian; default per preset)")
     bench.add_argument("--out", default="bench_out", help="output folder (default bench_out)")
+    bench.add_argument("--heads", type=int, help="the preset's geometry with this many heads (1-8; 4: one of each "
+                       "head kind): H3-size presets then run on the CPU too, errors per head as at 56 heads")
     bench.add_argument("--budget-s", type=float, help="per preset: stop starting new runs after this many seconds (results so far are written)")
     common(bench, "0.1,0.2,0.3")
     bench.set_defaults(func=cmd_bench)

@@ -11,7 +11,7 @@ import datetime
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -20,7 +20,7 @@ from ..backend.layout import SequenceLayout
 from ..kernels import registry
 from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .metrics import quality_report, sample_rows
-from .scenes import SIZES, make_scene
+from .scenes import SIZES, SceneSize, make_scene
 from .timing import time_call
 
 
@@ -36,6 +36,7 @@ class Preset:
     needs_cuda: bool
 
 
+MAX_CPU_HEADS = 8  # `run_preset(heads=...)`: enough for each head kind twice, little enough for a CPU at H3 size
 PRESETS = {
     "demo": Preset("demo", ("pan",), 32, 0, 1, False),
     "cpu-small": Preset("cpu-small", ("pan", "cuts", "gaussian"), 64, 0, 2, False),
@@ -69,11 +70,11 @@ def resolve_kernel(requested: str, device: torch.device) -> str:
     return registry.resolve_family(requested, device, bench_dtype(device))
 
 
-def scene_cases(preset: Preset, scenes: Iterable[str], seed: int, device: torch.device) -> Iterator[Case]:
-    """Generate the preset's scenes one at a time (`bench_dtype`)."""
+def scene_cases(size: SceneSize, scenes: Iterable[str], seed: int, device: torch.device) -> Iterator[Case]:
+    """Generate the scenes at `size` one at a time (`bench_dtype`)."""
     dtype = bench_dtype(device)
     for name in scenes:
-        s = make_scene(name, SIZES[preset.size], seed, device, dtype)
+        s = make_scene(name, size, seed, device, dtype)
         yield Case(name, s.q, s.k, s.v, s.layout)
 
 
@@ -183,18 +184,27 @@ def _quality_text(row: dict) -> str:
 
 
 def run_preset(name: str, methods: list[str], ratios: list[float], device: torch.device, backend: str = "auto",
-               seed: int = 0, scenes: list[str] | None = None, deadline: float | None = None) -> dict:
-    """Run a named preset; returns {"preset", "environment", "backend", "rows"}."""
+               seed: int = 0, scenes: list[str] | None = None, deadline: float | None = None,
+               heads: int | None = None) -> dict:
+    """Run a named preset; returns {"preset", "environment", "backend", "rows"}.
+
+    `heads`: the preset's geometry with this many heads instead (the scenes cycle through the four head
+    kinds, so 4 has one of each): an H3-size preset then also runs on the CPU, its errors per head as at
+    56 heads, each method timed once there (no speed claim)."""
     if name not in PRESETS:
         raise ValueError(f"preset {name!r} is not known: expected one of {', '.join(PRESETS)}")
+    if heads is not None and not 1 <= heads <= MAX_CPU_HEADS:
+        raise ValueError(f"bench: --heads {heads} is not allowed: expected 1 to {MAX_CPU_HEADS}")
     preset = PRESETS[name]
-    if preset.needs_cuda and device.type != "cuda":
-        raise ValueError(f"preset {name!r} needs a CUDA GPU (its scenes are full H3 size)")
+    if preset.needs_cuda and device.type != "cuda" and heads is None:
+        raise ValueError(f"preset {name!r} needs a CUDA GPU (its scenes are full H3 size; --heads 4 runs its "
+                         "geometry with one head of each kind on the CPU)")
     scenes = list(scenes or preset.scenes)
     backend = resolve_kernel(backend, device)
-    rows = run_cases(scene_cases(preset, scenes, seed, device), len(scenes), methods, ratios, device, backend,
-                     preset.rows_per_group, preset.warmup, preset.reps, seed, deadline)
-    size = SIZES[preset.size]
+    size = SIZES[preset.size] if heads is None else replace(SIZES[preset.size], heads=heads)
+    warmup, reps = (0, 1) if heads is not None and device.type != "cuda" else (preset.warmup, preset.reps)
+    rows = run_cases(scene_cases(size, scenes, seed, device), len(scenes), methods, ratios, device, backend,
+                     preset.rows_per_group, warmup, reps, seed, deadline)
     return {"preset": name, "size": {"text": size.text, "audio": size.audio, "grid": list(size.grid),
                                      "heads": size.heads, "head_dim": size.head_dim, "tokens": size.total},
             "environment": environment(device), "backend": backend, "seed": seed, "rows": rows}

@@ -130,6 +130,23 @@ def test_time_budget_records_runs_not_made(tiny_presets):
     assert [r["error"] for r in result["rows"]] == ["not run: time budget spent"] * 2
 
 
+def test_an_h3_preset_runs_on_the_cpu_only_with_fewer_heads(monkeypatch):
+    """`--heads` runs an H3-size preset's geometry with a few heads on the CPU; without it the preset needs a GPU."""
+    from adaptive_sparse_attention.bench import runner
+
+    monkeypatch.setitem(scenes.SIZES, "h3-5s", dataclasses.replace(TINY, heads=56))  # the preset's, small enough here
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="needs a CUDA GPU.*--heads 4"):
+        runner.run_preset("h3-5s", ["dense"], [0.2], cpu, "torch")
+    with pytest.raises(ValueError, match="--heads 9 is not allowed: expected 1 to 8"):
+        runner.run_preset("h3-5s", ["dense"], [0.2], cpu, "torch", heads=9)
+    result = runner.run_preset("h3-5s", ["dense", "ours:cube:none:query:b128"], [0.2], cpu, "torch", scenes=["pan"],
+                               heads=2)
+    assert result["size"]["heads"] == 2 and result["size"]["tokens"] == TINY.total
+    assert [r["method"] for r in result["rows"]] == ["dense", "ours:cube:none:query:b128"]
+    assert all("error" not in r for r in result["rows"])
+
+
 # Each GPU tool's subcommand and the options it must keep (scripts and BENCHMARKS.md commands use them).
 GPU_TOOLS = {
     "planner-timing": ["--out", "--shape", "--ratio"],
