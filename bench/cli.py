@@ -4,7 +4,8 @@
   few ratios and tail modes, one table (density, attention-mass recall, relative L2 error vs
   dense, time). Uses the GPU when CUDA is available; about a minute on a 2-core CPU.
 - bench: a preset (cpu-small, h3-5s, h3-10s, h3-14s, h3-30s, h3-60s) x methods x ratios; writes a markdown
-  table, JSON and plots to --out and prints the table.
+  table, JSON and plots to --out and prints the table (--heads: an H3 preset's geometry with a few heads,
+  which the CPU can run).
 - evaluate: the same metrics on a capture file written by the "Capture H3 Attention" node.
 - prepare: compile the kernels and measure the dense-kernel choice for this GPU ahead of the first
   sampler run (bench/prepare.py; install.py runs it too).
