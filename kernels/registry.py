@@ -118,9 +118,8 @@ class Stage:
 @dataclass(frozen=True)
 class Kernels:
     """Every operation's implementation for one call (`resolve`): the producer's epilogue and the planner's
-    stages as `Stage`s
-    and the attention, whose `attend_blocks(q, k, v, plan) -> (out, lse)` is defined in its kernel's file
-    (`reference/reference.py`, `triton/op.py`, `cudnn/op.py`)."""
+    stages as `Stage`s, and the attention, whose `attend_blocks(q, k, v, plan) -> (out, lse)` is defined in
+    its kernel's file (`reference/reference.py`, `triton/op.py`, `cudnn/op.py`)."""
 
     family: str
     compiles: bool

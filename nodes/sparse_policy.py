@@ -269,6 +269,7 @@ class SparseAttentionHook(BlockHook):
                                             self.config, device, dtype, head_dim))
         if notice is not None:  # once per run, in the console (WARNING) and in the run's report
             self.tracker.say_in_report(notice)
+
         def from_memory() -> float | None:
             return prepare_from_memory(layout, config, dtype, device, head_dim, heads)
 
