@@ -59,10 +59,22 @@ def prepared(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, d
     return layout.cache.has("prepared", preparation_key(config, dtype, device, head_dim, heads))
 
 
+def to_prepare(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
+               head_dim: int, heads: int) -> tuple[Kernels, tuple] | None:
+    """(the call's kernels, the preparation key) while the layout has kernels to prepare: its kernel family
+    compiles and this process has not prepared it yet; None otherwise."""
+    kernels = layout_kernels(layout, config, device, dtype, head_dim)
+    key = preparation_key(config, dtype, device, head_dim, heads)
+    if not kernels.compiles or layout.cache.has("prepared", key):
+        return None
+    return kernels, key
+
+
 def epilogue(kernels: Kernels, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
              g: torch.Generator) -> None:
     """One call of the QKV producer's epilogue (`Kernels.norm_rope`) on a few random rows of `heads` heads,
-    with a rotation table in the model's dtype as H3 builds it: the kernel a sparse step launches first."""
+    with a rotation table in the model's dtype as H3's is (its width is no specialisation of the kernel):
+    the kernel a sparse step launches first."""
     rows, half = 16, max(1, head_dim // 4)
     chunk = torch.randn(rows, 3 * heads * head_dim, generator=g, device=device, dtype=dtype)
     table = torch.randn(1, rows, 1, half, 2, 2, generator=g, device=device, dtype=dtype)
@@ -90,12 +102,10 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
     Returns:
         Seconds spent, or None when nothing was to do.
     """
-    kernels = layout_kernels(layout, config, device, dtype, head_dim)
-    if not kernels.compiles:
+    pending = to_prepare(layout, config, dtype, device, head_dim, heads)
+    if pending is None:
         return None
-    key = preparation_key(config, dtype, device, head_dim, heads)
-    if layout.cache.has("prepared", key):
-        return None
+    kernels, key = pending
 
     def run() -> float:
         message = first_use_message(layout, dtype, head_dim)
@@ -123,13 +133,11 @@ def prepare_from_memory(layout: SequenceLayout, config: SparseConfig, dtype: tor
         recorded: the caller starts a child or prepares as before), the device is no CUDA GPU, the kernels
         compile nothing, the layout was prepared already, or this Triton has no hook to tell.
     """
-    kernels = layout_kernels(layout, config, device, dtype, head_dim)
-    key = preparation_key(config, dtype, device, head_dim, heads)
-    if device.type != "cuda" or not kernels.compiles or layout.cache.has("prepared", key):
-        return None
-    knobs = triton_knobs()
+    pending = None if device.type != "cuda" else to_prepare(layout, config, dtype, device, head_dim, heads)
+    knobs = None if pending is None else triton_knobs()
     if knobs is None:
         return None
+    kernels, key = pending
 
     def run() -> float:
         start = time.perf_counter()

@@ -54,8 +54,7 @@ import torch
 
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.planner import layout_kernels
-from ..backend.warmup import kernel_fields, preparation_key, prepare_kernels, prepared
+from ..backend.warmup import kernel_fields, preparation_key, prepare_kernels, prepared, to_prepare
 from ..notices import Notices, logger
 
 log = logger()
@@ -353,9 +352,7 @@ def start_during_warmup(warm: WarmStart, layout: SequenceLayout, config: SparseC
     leaves the preparation to it); once it ended, a warmup step prepares in this process, which loads what the
     child compiled from Triton's cache and compiles what only a process's memory keeps (cuDNN-frontend's
     kernels), while the steps are still dense."""
-    if device.type != "cuda" or not layout_kernels(layout, config, device, dtype, head_dim).compiles:
-        return False
-    if prepared(layout, config, dtype, device, head_dim, heads):
+    if device.type != "cuda" or to_prepare(layout, config, dtype, device, head_dim, heads) is None:
         return False
     key = job_key(layout, config, dtype, device, head_dim, heads)
     if key not in warm.jobs:
