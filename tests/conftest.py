@@ -1,8 +1,9 @@
 """Shared fixtures.
 
-One Triton mode per test process (see triton_interpreter.py). Without a GPU, Triton is first
-imported here under its interpreter, so the kernel tests pass in any order and selection, also
-after a module that imports the package's nodes (and with them Triton) first; the interpreter
+One Triton mode per test process (see triton_interpreter.py). Without a GPU, Triton and the pack's
+Triton kernel modules are first imported here under the interpreter, so the kernel tests pass in any
+order and selection, also after a module that imports the package's nodes (and with them Triton) or
+resolves kernels for a stand-in CUDA device first; the interpreter
 patches Triton's language once per kernel launch (`patch_language_once_per_launch`). Where CUDA
 is available Triton is first imported here compiled, test modules import kernels compiled
 (`kernel_imports`), and `compiled_kernels_only` fails any test that finds or leaves a kernel
@@ -24,7 +25,9 @@ Markers (pytest.ini): a test that uses the `interpreter` fixture is marked `inte
 one that uses `triton_device` where there is no CUDA); a test marked `comfyui`
 (`comfyui_harness.needs_comfyui`) is skipped unless COMFYUI_PATH holds a ComfyUI checkout.
 """
+import importlib
 import os
+import pkgutil
 from typing import Iterator
 
 import pytest
@@ -43,6 +46,11 @@ with kernel_imports():
     else:
         if not CUDA:
             patch_language_once_per_launch()
+            # every kernel module of the pack too: a test that resolves kernels for a stand-in CUDA device
+            # (nodes/warm_start's tests) loads them without TRITON_INTERPRET, which would decorate them compiled
+            import adaptive_sparse_attention.kernels.triton as triton_kernels
+            for module in pkgutil.iter_modules(triton_kernels.__path__):
+                importlib.import_module(f"{triton_kernels.__name__}.{module.name}")
 
 
 @pytest.fixture
