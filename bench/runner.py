@@ -11,7 +11,7 @@ import datetime
 import platform
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -20,7 +20,7 @@ from ..backend.layout import SequenceLayout
 from ..kernels import registry
 from .methods import expand_methods, prepare, split_spec, unavailable_reason
 from .metrics import quality_report, sample_rows
-from .scenes import SIZES, SceneSize, make_scene
+from .scenes import SceneSize, make_scene, with_heads
 from .timing import time_call
 
 
@@ -36,7 +36,6 @@ class Preset:
     needs_cuda: bool
 
 
-MAX_CPU_HEADS = 8  # `run_preset(heads=...)`: enough for each head kind twice, little enough for a CPU at H3 size
 PRESETS = {
     "demo": Preset("demo", ("pan",), 32, 0, 1, False),
     "cpu-small": Preset("cpu-small", ("pan", "cuts", "gaussian"), 64, 0, 2, False),
@@ -193,15 +192,13 @@ def run_preset(name: str, methods: list[str], ratios: list[float], device: torch
     56 heads, each method timed once there (no speed claim)."""
     if name not in PRESETS:
         raise ValueError(f"preset {name!r} is not known: expected one of {', '.join(PRESETS)}")
-    if heads is not None and not 1 <= heads <= MAX_CPU_HEADS:
-        raise ValueError(f"bench: --heads {heads} is not allowed: expected 1 to {MAX_CPU_HEADS}")
     preset = PRESETS[name]
+    size = with_heads(preset.size, heads, "bench")
     if preset.needs_cuda and device.type != "cuda" and heads is None:
         raise ValueError(f"preset {name!r} needs a CUDA GPU (its scenes are full H3 size; --heads 4 runs its "
                          "geometry with one head of each kind on the CPU)")
     scenes = list(scenes or preset.scenes)
     backend = resolve_kernel(backend, device)
-    size = SIZES[preset.size] if heads is None else replace(SIZES[preset.size], heads=heads)
     warmup, reps = (0, 1) if heads is not None and device.type != "cuda" else (preset.warmup, preset.reps)
     rows = run_cases(scene_cases(size, scenes, seed, device), len(scenes), methods, ratios, device, backend,
                      preset.rows_per_group, warmup, reps, seed, deadline)

@@ -45,7 +45,7 @@ at a time, writing straight into the output dtype (bf16 at full H3 size fits on 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -94,6 +94,19 @@ SIZES = {
     "h3-60s": SceneSize(256, 4860, (427, 24, 42), 56, 128),
 }
 
+
+MAX_FEW_HEADS = 8  # `with_heads`: each head kind twice, little enough for a CPU at H3 size
+
+
+def with_heads(size: str, heads: int | None, command: str) -> SceneSize:
+    """SIZES[size], with `heads` heads instead when given (1-8): the scenes cycle through the four
+    head kinds, so 4 heads hold one of each and a head's error is what it is at 56 heads; H3 sizes
+    then run on a CPU too. Raises ValueError naming `command`'s --heads for any other count."""
+    if heads is None:
+        return SIZES[size]
+    if not 1 <= heads <= MAX_FEW_HEADS:
+        raise ValueError(f"{command}: --heads {heads} is not allowed: expected 1 to {MAX_FEW_HEADS}")
+    return replace(SIZES[size], heads=heads)
 
 @dataclass(frozen=True)
 class HeadKind:

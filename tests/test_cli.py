@@ -147,6 +147,17 @@ def test_an_h3_preset_runs_on_the_cpu_only_with_fewer_heads(monkeypatch):
     assert all("error" not in r for r in result["rows"])
 
 
+def test_steps_runs_a_size_with_fewer_heads(capsys):
+    """`steps --heads` runs a size's geometry with a few heads (its tables say so); other counts are refused."""
+    with pytest.raises(ValueError, match="steps: --heads 9 is not allowed: expected 1 to 8"):
+        main(["steps", "--size", "demo", "--heads", "9"])
+    code = main(["steps", "--size", "demo", "--heads", "1", "--scenes", "pan", "--ratios", "0.2", "--steps", "4",
+                 "--warmup-ratio", "0.4", "--kernel", "torch", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and out.startswith("demo with 1 head, 4 steps"), out
+    assert "| pan | 0.2 | sigma | 0.08 | 2 |" in out, out
+
+
 # Each GPU tool's subcommand and the options it must keep (scripts and BENCHMARKS.md commands use them).
 GPU_TOOLS = {
     "planner-timing": ["--out", "--shape", "--ratio"],
@@ -154,7 +165,7 @@ GPU_TOOLS = {
     "tiling-ceiling": ["--preset", "--scene", "--part", "--out"],
     "ulysses-timing": ["--out", "--video", "--heads", "--ratio", "--tiling"],
     "routing-quality": ["--size", "--scenes", "--ratios", "--tiling", "--rows", "--device", "--seed", "--out"],
-    "steps": ["--size", "--scenes", "--ratios", "--steps", "--shift", "--warmup-ratio", "--tiling", "--device", "--out"],
+    "steps": ["--size", "--heads", "--scenes", "--ratios", "--steps", "--shift", "--warmup-ratio", "--tiling", "--device", "--out"],
 }
 
 
