@@ -32,8 +32,12 @@ save nothing.
 Ownership: a `PlanStore` belongs to one patched model's run state (`nodes/run_tracker.py`), holds at
 most `MAX_SLOTS` slots (least recently used first out) and is cleared when the run ends. Steps a step
 cache (EasyCache) skipped never reach the planner, so they do not count. A slot keeps the plan's
-permutations, its q2k table and the bf16 block means on the GPU (docs/node-details.md has the size
-at 10 s).
+permutations, its q2k table and the bf16 block means on the device (docs/node-details.md has the size
+at 10 s), and the store keeps plans only within a memory budget (`memory_budget`: a share of the GPU's
+memory, fixed per device so the same inputs give the same bits): a plan that would pass it is used
+for its step and not kept, the store says so once, and that slot's next step plans afresh (counted
+as "memory budget"). Blocks are called in the same order every step, so the first blocks of a run
+keep their plans and the others plan every step; no slot evicts another's plan on the way.
 """
 from __future__ import annotations
 
@@ -45,10 +49,13 @@ from typing import Hashable
 import torch
 
 from ..kernels.plan import Tiling
+from ..notices import Notices
 from .config import SparseConfig
 
 DRIFT_LIMIT = 0.08  # predicted relative drift of the block means that forces a rebuild (tuned on the bench scenes)
 MAX_SLOTS = 512  # slots a store keeps (50 blocks x 2 branches x a few head groups)
+MEMORY_SHARE = 0.05  # of a GPU's memory the kept plans may hold: H3's 50 blocks at 10 s and cfg 1 on an 80 GB GPU
+OTHER_DEVICE_BYTES = 2 << 30  # the budget on a device that is not a GPU
 PLAN_FIELDS = ("tiling", "reblock_layout", "topk_ratio", "sparse_scope", "block_size", "routing_scores", "kernel",
                "precision")
 
@@ -71,6 +78,20 @@ class Kept:
     q_ref: torch.Tensor
     k_ref: torch.Tensor
     last_drift: torch.Tensor  # drift at the latest step that used it (0 at the build), on the device
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes the kept plans of one store may hold on `device`: `MEMORY_SHARE` of a GPU's total memory
+    (not its free memory, which changes from run to run), else `OTHER_DEVICE_BYTES`."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * MEMORY_SHARE)
+    return OTHER_DEVICE_BYTES
+
+
+def held_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the distinct storages behind `tensors` (a permutation shared by Q and K counts once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def drift(q_mean: torch.Tensor, k_mean: torch.Tensor, q_ref: torch.Tensor, k_ref: torch.Tensor,
@@ -98,6 +119,8 @@ class PlanSlot:
     def __init__(self, store: PlanStore):
         self.store = store
         self.kept: Kept | None = None
+        self.bytes = 0  # what `kept` holds, as the store accounts it
+        self.refused = False  # the latest fresh plan was not kept: the memory budget was spent
         self.verdict: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # rebuild at the next step?
         self.host: torch.Tensor | None = None  # pinned buffer the verdict is copied into (CUDA)
         self.rate: torch.Tensor | None = None  # drift per unit gap between the latest two evaluated steps, on the device
@@ -123,7 +146,7 @@ class PlanSlot:
         """The kept plan when this step may reuse it, else None (the store counts why: never host-synchronises)."""
         kept, reason = self.kept, None
         if kept is None:
-            reason = "first"
+            reason = "memory budget" if self.refused else "first"
         elif kept.facts != facts:
             reason = "shape or settings changed"
         elif self.verdict is not None:
@@ -139,9 +162,14 @@ class PlanSlot:
              q_mean: torch.Tensor, k_mean: torch.Tensor) -> None:
         """Keep a freshly built plan and the means it was routed on; the next step reuses it unless the
         last drift rate seen (before this rebuild) alone, over the next gap, passes the limit."""
-        refs = (m.to(torch.bfloat16) for m in (q_mean, k_mean))  # bf16 rounding (0.4%) is far below DRIFT_LIMIT
-        self.kept = Kept(facts, tiling, q2k_idx, q2k_num, *refs, q_mean.new_zeros((), dtype=torch.float32))
+        refs = [m.to(torch.bfloat16) for m in (q_mean, k_mean)]  # bf16 rounding (0.4%) is far below DRIFT_LIMIT
+        size = held_bytes(tiling.q_perm, tiling.k_perm, tiling.block_len, q2k_idx, q2k_num, *refs)
+        self.refused = not self.store.admit(self, size, q_mean.device)
+        self.kept = None if self.refused else Kept(facts, tiling, q2k_idx, q2k_num, *refs,
+                                                   q_mean.new_zeros((), dtype=torch.float32))
         self.verdict = None
+        if self.refused:
+            return
         if self.rate is not None and self.rate.device == q_mean.device:
             self.post(self.rate * self.gaps()[1] > self.store.drift_limit)
         self.last_sigma = self.sigma
@@ -177,15 +205,21 @@ class PlanStore:
     Args:
         bound: slots kept at once.
         drift_limit: the predicted drift that forces a rebuild (`DRIFT_LIMIT`; the benchmark sweeps it).
+        budget_bytes: bytes the kept plans may hold; None: `memory_budget` of the first plan's device.
     """
 
-    def __init__(self, bound: int = MAX_SLOTS, drift_limit: float = DRIFT_LIMIT):
+    def __init__(self, bound: int = MAX_SLOTS, drift_limit: float = DRIFT_LIMIT, budget_bytes: int | None = None):
         if not drift_limit > 0:
             raise ValueError(f"PlanStore: drift_limit={drift_limit!r} must be > 0")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"PlanStore: budget_bytes={budget_bytes!r} must be >= 0 or None")
         self.bound = bound
         self.drift_limit = drift_limit
+        self.budget_bytes = budget_bytes
+        self.used = 0  # bytes the kept plans hold
         self.slots: OrderedDict[Hashable, PlanSlot] = OrderedDict()
         self.counts: dict[str, int] = {}
+        self.notices = Notices()
         self.lock = threading.Lock()
 
     def slot(self, key: Hashable) -> PlanSlot:
@@ -195,9 +229,31 @@ class PlanStore:
             if slot is None:
                 slot = self.slots[key] = PlanSlot(self)
                 while len(self.slots) > self.bound:
-                    self.slots.popitem(last=False)
+                    self._forget(self.slots.popitem(last=False)[1])
             self.slots.move_to_end(key)
             return slot
+
+    def admit(self, slot: PlanSlot, size: int, device: torch.device) -> bool:
+        """Whether `slot` may keep a plan of `size` bytes in place of its own: within the budget. A plan
+        refused drops the slot's old one too (it no longer matches the step); said once per run."""
+        with self.lock:
+            if self.budget_bytes is None:
+                self.budget_bytes = memory_budget(device)
+            self.used -= slot.bytes
+            fits = self.used + size <= self.budget_bytes
+            slot.bytes = size if fits else 0
+            self.used += slot.bytes
+            budget = self.budget_bytes
+        if not fits:
+            self.notices.say(f"plan_reuse: the kept plans reached their memory budget ({budget / 2**30:.2f} GiB; on "
+                             f"a GPU {MEMORY_SHARE:.0%} of its memory), a plan here holds {size / 2**20:.0f} MiB: the "
+                             "blocks past it plan afresh at every step (the report counts them)")
+        return fits
+
+    def _forget(self, slot: PlanSlot) -> None:
+        """Release `slot`'s plan from the store's accounting (a caller may still hold the slot)."""
+        self.used -= slot.bytes
+        slot.kept, slot.bytes = None, 0
 
     def count(self, what: str) -> None:
         """Count one planning decision: "reused", or why the plan was built afresh."""
@@ -210,16 +266,22 @@ class PlanStore:
         with self.lock:
             counts = dict(self.counts)
         built = sum(n for why, n in counts.items() if why != "reused")
-        return {"reused": counts.get("reused", 0), "built": built, "rebuilds": built - counts.get("first", 0),
+        fresh = counts.get("first", 0) + counts.get("memory budget", 0)  # nothing was kept to rebuild
+        return {"reused": counts.get("reused", 0), "built": built, "rebuilds": built - fresh,
                 **{f"built: {why}": n for why, n in sorted(counts.items()) if why != "reused"}}
 
     def drop_plans(self) -> None:
         """Drop every kept plan, keeping the counts (the run's schedule ended; its report still reads them)."""
         with self.lock:
+            for slot in self.slots.values():
+                self._forget(slot)
             self.slots.clear()
 
     def clear(self) -> None:
-        """Drop every kept plan and count (the run ended)."""
+        """Drop every kept plan and count (the run ended); the budget's notice may be said again."""
         with self.lock:
+            for slot in self.slots.values():
+                self._forget(slot)
             self.slots.clear()
             self.counts.clear()
+        self.notices.clear()

@@ -209,7 +209,9 @@ class RunTracker:
             line += "; sparse attention on " + ", ".join(sorted(s.sparse_kernels))
         plans = self.plans.summary()
         if plans["reused"]:
-            line += f"; plans reused {plans['reused']}, built {plans['built']} ({plans['rebuilds']} rebuilds)"
+            past = plans.get("built: memory budget", 0)
+            line += (f"; plans reused {plans['reused']}, built {plans['built']} ({plans['rebuilds']} rebuilds"
+                     + (f", {past} past the plans' memory budget" if past else "") + ")")
         return line
 
     def report(self) -> dict:

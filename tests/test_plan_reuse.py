@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
-from adaptive_sparse_attention.backend.plan_reuse import DRIFT_LIMIT, PlanStore, drift
+from adaptive_sparse_attention.backend.plan_reuse import (DRIFT_LIMIT, MEMORY_SHARE, OTHER_DEVICE_BYTES, PlanStore,
+                                                          drift, held_bytes, memory_budget)
 from adaptive_sparse_attention.backend.planner import build_plan, make_tiling
+from adaptive_sparse_attention.kernels.plan import Tiling
 from adaptive_sparse_attention.bench.scenes import make_scene
 from adaptive_sparse_attention.bench.steps import REUSE_BOUND, reuse_rows, simple_sigmas
 from adaptive_sparse_attention.nodes.run_tracker import RunTracker
@@ -90,6 +92,55 @@ def test_the_store_is_bounded_and_a_run_end_drops_the_plans_not_the_counts(scene
     assert store.summary() == {"reused": 0, "built": 0, "rebuilds": 0}
 
 
+def test_plans_past_the_memory_budget_are_used_not_kept_and_said_once(scene, caplog):
+    """The store keeps plans within its byte budget: a plan past it runs its step, is not kept, and its
+    slot plans afresh next time (counted as such, not as a rebuild); nothing is evicted on the way."""
+    sizer = PlanStore(budget_bytes=1 << 40)
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=sizer.slot("a"))
+    one = sizer.used
+    q = scene.q
+    J = sizer.slots["a"].kept.q2k_idx.shape[2]
+    assert one >= 2 * q.shape[0] * q.shape[1] * J * q.shape[-1] * 2  # at least the bf16 block means of Q and K
+    store = PlanStore(budget_bytes=one + one // 2)  # room for one plan
+    slots = [store.slot(key) for key in "ab"]
+    for _ in range(3):  # three steps of two blocks
+        plans = [build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=slot) for slot in slots]
+        assert same_plan(plans[1], build_plan(scene.q, scene.k, scene.v, scene.layout, CFG))
+    assert slots[0].kept is not None and slots[1].kept is None and store.used == one == slots[0].bytes
+    assert store.summary() == {"reused": 2, "built": 4, "rebuilds": 0, "built: first": 2, "built: memory budget": 2}
+    said = [r for r in caplog.records if "memory budget" in r.getMessage()]
+    assert len(said) == 1 and "plan afresh at every step" in said[0].getMessage()
+    tracker = RunTracker("adaptive sparse attention")
+    tracker.plans = store
+    tracker.note_block(0, sparse=True, density=0.3)
+    assert "plans reused 2, built 4 (0 rebuilds, 2 past the plans' memory budget)" in tracker.summary()
+    store.drop_plans()
+    assert store.used == 0 and slots[0].kept is None and slots[0].bytes == 0
+    build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=store.slot("b"))  # room again
+    assert store.used == one
+    store.clear()
+    assert store.used == 0
+
+
+def test_held_bytes_counts_a_shared_storage_once():
+    perm = torch.zeros(2, 3, 64, dtype=torch.int32)
+    assert held_bytes(perm, perm, perm[:, :1]) == perm.nbytes
+    assert held_bytes(perm, perm.clone()) == 2 * perm.nbytes
+
+
+def test_the_budget_is_a_share_of_the_gpus_memory(monkeypatch):
+    """A fixed share of the GPU's total memory (the same bits run to run, whatever is free), a fixed size
+    elsewhere; a negative budget is refused by name."""
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    assert memory_budget(torch.device("cuda", 0)) == int(80 * 2**30 * MEMORY_SHARE) == 4 * 2**30
+    assert memory_budget(torch.device("cpu")) == OTHER_DEVICE_BYTES
+    with pytest.raises(ValueError, match="budget_bytes=-1 must be >= 0 or None"):
+        PlanStore(budget_bytes=-1)
+
+
 def test_the_run_tracker_owns_the_store_and_reports_it(scene):
     tracker = RunTracker("adaptive sparse attention")
     slot = tracker.plans.slot("block")
@@ -102,13 +153,20 @@ def test_the_run_tracker_owns_the_store_and_reports_it(scene):
     assert not tracker.plans.slots and tracker.report()["plans"]["built"] == 0
 
 
+def tiny_plan() -> tuple[Tiling, torch.Tensor, torch.Tensor]:
+    """A tiling of 4 one-row blocks and an empty routing: what a slot keeps beside the means."""
+    perm = torch.arange(4, dtype=torch.int32).view(1, 1, 4)
+    return (Tiling(1, perm, perm, torch.ones(4, dtype=torch.int32)), torch.zeros(1, 1, 4, 1, dtype=torch.int16),
+            torch.zeros(1, 1, 4, dtype=torch.int32))
+
+
 def verdict_after(sigmas: list[tuple[float | None, float | None]], drifts: list[float], limit: float = 0.08) -> bool:
     """The slot's verdict (rebuild?) after a build at sigmas[0] and checks at the later sigmas, where each
     check's block means have moved by drifts[i] (relative) from the build's."""
     slot = PlanStore(drift_limit=limit).slot("block")
     ones = torch.ones(1, 1, 4, 8)
     slot.at(*sigmas[0])
-    slot.keep(("facts",), None, None, None, ones, ones)
+    slot.keep(("facts",), *tiny_plan(), ones, ones)
     for at, d in zip(sigmas[1:], drifts):
         slot.at(*at)
         slot.check(ones * (1 + d), ones, (0, 4))
@@ -128,7 +186,7 @@ def test_the_check_predicts_the_next_drift_over_the_schedules_next_sigma_gap():
     for at, build in (((0.95, 0.90), True), ((0.90, 0.85), False), ((0.85, 0.70), True)):
         slot.at(*at)
         if build:
-            slot.keep(("facts",), None, None, None, ones, ones)
+            slot.keep(("facts",), *tiny_plan(), ones, ones)
         else:
             slot.check(ones * 1.03, ones, (0, 4))
     assert bool(slot.verdict[0]) is True
