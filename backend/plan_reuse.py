@@ -21,13 +21,13 @@ carries the last rate seen before it: when rate x the next gap alone passes the 
 fast-moving steps), the step after the rebuild plans afresh too. Without the sigmas (a caller that
 gives none) every gap counts as one step: the prediction is drift + (drift - previous drift).
 
-No host synchronisation: the check is a tensor on the device; its verdict is copied to the host
-asynchronously (pinned memory and an event on CUDA) and read at the slot's next evaluated step,
-one model call or more later, when the device has long finished it. The decision therefore lags one
-step, and a verdict that is not ready
-yet (the event not reached: the host ran a whole step ahead) counts as failed, never waited for.
-Selecting between old and new plans with `torch.where` would need the new plan built every step and
-save nothing.
+No host synchronisation on the device's current work: the check is a tensor on the device; its
+verdict is copied to the host asynchronously (pinned memory and an event on CUDA) and read at the
+slot's next evaluated step, one model call or more later, when the device has long finished it. The
+decision therefore lags one step. A verdict not ready yet (the event not reached: the host ran a whole
+step ahead) is waited for: the device then still holds a step of queued work, so the wait starves it
+of nothing, and the decision, hence the output's bits, never depends on timing. Selecting between old
+and new plans with `torch.where` would need the new plan built every step and save nothing.
 
 Ownership: a `PlanStore` belongs to one patched model's run state (`nodes/run_tracker.py`), holds at
 most `MAX_SLOTS` slots (least recently used first out) and is cleared when the run ends. Steps a step
@@ -143,7 +143,8 @@ class PlanSlot:
         return prev - now, now - nxt
 
     def reusable(self, facts: tuple) -> Kept | None:
-        """The kept plan when this step may reuse it, else None (the store counts why: never host-synchronises)."""
+        """The kept plan when this step may reuse it, else None (the store counts why). Waits only for a
+        verdict the device has not reached although it was posted a model call ago (see the module)."""
         kept, reason = self.kept, None
         if kept is None:
             reason = "memory budget" if self.refused else "first"
@@ -151,9 +152,9 @@ class PlanSlot:
             reason = "shape or settings changed"
         elif self.verdict is not None:
             flag, event = self.verdict
-            if event is not None and not event.query():
-                reason = "check not ready"
-            elif bool(flag):
+            if event is not None:
+                event.synchronize()  # returns at once unless the host ran a whole step ahead
+            if bool(flag):
                 reason = "statistics moved"
         self.store.count(reason or "reused")
         return kept if reason is None else None

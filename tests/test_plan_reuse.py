@@ -173,6 +173,28 @@ def verdict_after(sigmas: list[tuple[float | None, float | None]], drifts: list[
     return bool(slot.verdict[0])
 
 
+def test_a_verdict_the_device_has_not_reached_is_waited_for_not_taken_as_failed():
+    """The decision never depends on timing: an unreached verdict (the host a step ahead) is waited for."""
+    class Event:
+        reached = False
+
+        def query(self):
+            return self.reached
+
+        def synchronize(self):
+            self.reached = True
+
+    ones = torch.ones(1, 1, 4, 8)
+    for moved in (False, True):
+        store = PlanStore()
+        slot = store.slot("block")
+        slot.keep(("facts",), *tiny_plan(), ones, ones)
+        event = Event()
+        slot.verdict = (torch.tensor(moved), event)
+        assert (slot.reusable(("facts",)) is None) is moved and event.reached
+        assert store.summary()["reused" if not moved else "built: statistics moved"] == 1
+
+
 def test_the_check_predicts_the_next_drift_over_the_schedules_next_sigma_gap():
     # built at 0.95, checked at 0.90 with drift 0.03: 0.6 per unit of sigma; the next gap decides
     assert verdict_after([(0.95, 0.90), (0.90, 0.87)], [0.03]) is False  # 0.03 + 0.6 x 0.03 = 0.048
