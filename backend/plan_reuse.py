@@ -33,7 +33,7 @@ Ownership: a `PlanStore` belongs to one patched model's run state (`nodes/run_tr
 most `MAX_SLOTS` slots (least recently used first out) and is cleared when the run ends. Steps a step
 cache (EasyCache) skipped never reach the planner, so they do not count. A slot keeps the plan's
 permutations, its q2k table and the bf16 block means on the device (docs/node-details.md has the size
-at 10 s), and the store keeps plans only within a memory budget (`memory_budget`: a share of the GPU's
+at 10 s), and the store keeps plans only within a memory budget per device (`memory_budget`: a share of the GPU's
 memory, fixed per device so the same inputs give the same bits): a plan that would pass it is used
 for its step and not kept, the store says so once, and that slot's next step plans afresh (counted
 as "memory budget"). Blocks are called in the same order every step, so the first blocks of a run
@@ -120,6 +120,7 @@ class PlanSlot:
         self.store = store
         self.kept: Kept | None = None
         self.bytes = 0  # what `kept` holds, as the store accounts it
+        self.device = ""  # where it holds it
         self.refused = False  # the latest fresh plan was not kept: the memory budget was spent
         self.verdict: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # rebuild at the next step?
         self.host: torch.Tensor | None = None  # pinned buffer the verdict is copied into (CUDA)
@@ -206,7 +207,7 @@ class PlanStore:
     Args:
         bound: slots kept at once.
         drift_limit: the predicted drift that forces a rebuild (`DRIFT_LIMIT`; the benchmark sweeps it).
-        budget_bytes: bytes the kept plans may hold; None: `memory_budget` of the first plan's device.
+        budget_bytes: bytes the kept plans may hold on each device; None: `memory_budget` of the device.
     """
 
     def __init__(self, bound: int = MAX_SLOTS, drift_limit: float = DRIFT_LIMIT, budget_bytes: int | None = None):
@@ -217,7 +218,7 @@ class PlanStore:
         self.bound = bound
         self.drift_limit = drift_limit
         self.budget_bytes = budget_bytes
-        self.used = 0  # bytes the kept plans hold
+        self.used: dict[str, int] = {}  # device -> bytes the kept plans hold there
         self.slots: OrderedDict[Hashable, PlanSlot] = OrderedDict()
         self.counts: dict[str, int] = {}
         self.notices = Notices()
@@ -238,13 +239,12 @@ class PlanStore:
         """Whether `slot` may keep a plan of `size` bytes in place of its own: within the budget. A plan
         refused drops the slot's old one too (it no longer matches the step); said once per run."""
         with self.lock:
-            if self.budget_bytes is None:
-                self.budget_bytes = memory_budget(device)
-            self.used -= slot.bytes
-            fits = self.used + size <= self.budget_bytes
-            slot.bytes = size if fits else 0
-            self.used += slot.bytes
-            budget = self.budget_bytes
+            self._forget(slot)
+            budget = memory_budget(device) if self.budget_bytes is None else self.budget_bytes
+            fits = self.used.get(str(device), 0) + size <= budget
+            if fits:
+                slot.bytes, slot.device = size, str(device)
+                self.used[slot.device] = self.used.get(slot.device, 0) + size
         if not fits:
             self.notices.say(f"plan_reuse: the kept plans reached their memory budget ({budget / 2**30:.2f} GiB; on "
                              f"a GPU {MEMORY_SHARE:.0%} of its memory), a plan here holds {size / 2**20:.0f} MiB: the "
@@ -253,7 +253,8 @@ class PlanStore:
 
     def _forget(self, slot: PlanSlot) -> None:
         """Release `slot`'s plan from the store's accounting (a caller may still hold the slot)."""
-        self.used -= slot.bytes
+        if slot.bytes:
+            self.used[slot.device] -= slot.bytes
         slot.kept, slot.bytes = None, 0
 
     def count(self, what: str) -> None:

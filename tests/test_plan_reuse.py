@@ -97,7 +97,7 @@ def test_plans_past_the_memory_budget_are_used_not_kept_and_said_once(scene, cap
     slot plans afresh next time (counted as such, not as a rebuild); nothing is evicted on the way."""
     sizer = PlanStore(budget_bytes=1 << 40)
     build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=sizer.slot("a"))
-    one = sizer.used
+    one = sizer.used["cpu"]
     q = scene.q
     J = sizer.slots["a"].kept.q2k_idx.shape[2]
     assert one >= 2 * q.shape[0] * q.shape[1] * J * q.shape[-1] * 2  # at least the bf16 block means of Q and K
@@ -106,7 +106,7 @@ def test_plans_past_the_memory_budget_are_used_not_kept_and_said_once(scene, cap
     for _ in range(3):  # three steps of two blocks
         plans = [build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=slot) for slot in slots]
         assert same_plan(plans[1], build_plan(scene.q, scene.k, scene.v, scene.layout, CFG))
-    assert slots[0].kept is not None and slots[1].kept is None and store.used == one == slots[0].bytes
+    assert slots[0].kept is not None and slots[1].kept is None and store.used == {"cpu": one} and slots[0].bytes == one
     assert store.summary() == {"reused": 2, "built": 4, "rebuilds": 0, "built: first": 2, "built: memory budget": 2}
     said = [r for r in caplog.records if "memory budget" in r.getMessage()]
     assert len(said) == 1 and "plan afresh at every step" in said[0].getMessage()
@@ -115,11 +115,21 @@ def test_plans_past_the_memory_budget_are_used_not_kept_and_said_once(scene, cap
     tracker.note_block(0, sparse=True, density=0.3)
     assert "plans reused 2, built 4 (0 rebuilds, 2 past the plans' memory budget)" in tracker.summary()
     store.drop_plans()
-    assert store.used == 0 and slots[0].kept is None and slots[0].bytes == 0
+    assert store.used == {"cpu": 0} and slots[0].kept is None and slots[0].bytes == 0
     build_plan(scene.q, scene.k, scene.v, scene.layout, CFG, slot=store.slot("b"))  # room again
-    assert store.used == one
+    assert store.used == {"cpu": one}
     store.clear()
-    assert store.used == 0
+    assert store.used == {"cpu": 0}
+
+
+def test_each_device_has_its_own_budget():
+    """A store that serves clones on two devices (ComfyUI's multi-GPU threads) gives each its own budget."""
+    store = PlanStore(budget_bytes=100)
+    a, b, c = (store.slot(key) for key in "abc")
+    assert store.admit(a, 80, torch.device("cpu")) and store.admit(b, 80, torch.device("meta"))
+    assert not store.admit(c, 80, torch.device("cpu"))
+    assert store.used == {"cpu": 80, "meta": 80}
+    assert store.admit(a, 90, torch.device("cpu")) and store.used["cpu"] == 90  # a slot's new plan replaces its own
 
 
 def test_held_bytes_counts_a_shared_storage_once():
