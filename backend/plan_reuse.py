@@ -33,8 +33,8 @@ Ownership: a `PlanStore` belongs to one patched model's run state (`nodes/run_tr
 most `MAX_SLOTS` slots (least recently used first out) and is cleared when the run ends. Steps a step
 cache (EasyCache) skipped never reach the planner, so they do not count. A slot keeps the plan's
 permutations, its q2k table and the bf16 block means on the device (docs/node-details.md has the size
-at 10 s), and the store keeps plans only within a memory budget per device (`memory_budget`: a share of the GPU's
-memory, fixed per device so the same inputs give the same bits): a plan that would pass it is used
+at 10 s), and the store keeps plans only within a memory budget per device (`memory_budget`: a share
+of the GPU's memory, fixed so the same inputs give the same bits): a plan that would pass it is used
 for its step and not kept, the store says so once, and that slot's next step plans afresh (counted
 as "memory budget"). Blocks are called in the same order every step, so the first blocks of a run
 keep their plans and the others plan every step; no slot evicts another's plan on the way.
