@@ -277,8 +277,10 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
                        density=float(m[3]), attention_s=float(m[4]))
         if m := re.search(r"kernels ready in ([\d.]+) s", line):
             row["prepare_s"] = float(m[1])
-        if m := re.search(r"plans reused (\d+), built (\d+) \((\d+) rebuilds\)", line):
-            row.update(plans_reused=int(m[1]), plans_built=int(m[2]), plan_rebuilds=int(m[3]))
+        if m := re.search(r"plans reused (\d+), built (\d+) \((\d+) rebuilds(?:, (\d+) past the plans' memory budget)?\)",
+                          line):
+            row.update(plans_reused=int(m[1]), plans_built=int(m[2]), plan_rebuilds=int(m[3]),
+                       plans_past_budget=int(m[4] or 0))
     return row
 
 

@@ -57,7 +57,10 @@ def test_summary_splits_dense_first_and_steady_calls():
     assert row["rel_l2"] == pytest.approx(0.01)
     assert row["prepare_s"] == 3.2
     assert (row["dense_blocks"], row["sparse_blocks"], row["density"], row["attention_s"]) == (4, 12, 0.25, 1.5)
-    assert (row["plans_reused"], row["plans_built"], row["plan_rebuilds"]) == (7, 5, 1)
+    assert (row["plans_reused"], row["plans_built"], row["plan_rebuilds"], row["plans_past_budget"]) == (7, 5, 1, 0)
+    past = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference, reference,
+                         [line.replace("(1 rebuilds)", "(1 rebuilds, 3 past the plans' memory budget)")])
+    assert (past["plans_reused"], past["plan_rebuilds"], past["plans_past_budget"]) == (7, 1, 3)
     plain = e2e.summarise("comfyui", calls, 5.0, None, None, reference, None, [])
     assert "first_sparse_ms" not in plain
     assert plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
