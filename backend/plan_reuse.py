@@ -164,14 +164,15 @@ class PlanSlot:
              q_mean: torch.Tensor, k_mean: torch.Tensor) -> None:
         """Keep a freshly built plan and the means it was routed on; the next step reuses it unless the
         last drift rate seen (before this rebuild) alone, over the next gap, passes the limit."""
-        refs = [m.to(torch.bfloat16) for m in (q_mean, k_mean)]  # bf16 rounding (0.4%) is far below DRIFT_LIMIT
-        size = held_bytes(tiling.q_perm, tiling.k_perm, tiling.block_len, q2k_idx, q2k_num, *refs)
+        ref = torch.bfloat16  # the means kept: bf16 rounding (0.4%) is far below DRIFT_LIMIT
+        size = (held_bytes(tiling.q_perm, tiling.k_perm, tiling.block_len, q2k_idx, q2k_num)
+                + (q_mean.numel() + k_mean.numel()) * ref.itemsize)
         self.refused = not self.store.admit(self, size, q_mean.device)
-        self.kept = None if self.refused else Kept(facts, tiling, q2k_idx, q2k_num, *refs,
-                                                   q_mean.new_zeros((), dtype=torch.float32))
         self.verdict = None
-        if self.refused:
+        if self.refused:  # nothing is kept: the means are not copied either
             return
+        self.kept = Kept(facts, tiling, q2k_idx, q2k_num, q_mean.to(ref), k_mean.to(ref),
+                         q_mean.new_zeros((), dtype=torch.float32))
         if self.rate is not None and self.rate.device == q_mean.device:
             self.post(self.rate * self.gaps()[1] > self.store.drift_limit)
         self.last_sigma = self.sigma
