@@ -73,7 +73,7 @@ def test_epilogue_matches_float64_and_the_reference(triton_device, dtype, tdtype
     want = [ideal(parts[0], table, scales[0], 1e-6), ideal(parts[1], table, scales[1], 1e-6), parts[2].double()]
     ulp = max(ULPS[dtype], ULPS.get(tdtype, 0.0))
     for out, r, w in zip(got, ref, want):
-        rows = out[0, :, start:start + n].transpose(0, 1).cpu().double()
+        rows, w = out[0, :, start:start + n].transpose(0, 1).cpu().double(), w.cpu()
         size = w.abs().amax(-1, keepdim=True)
         assert ((rows - w).abs() <= ulp * size).all(), ((rows - w).abs() / size).max()
         for other in (out[0, :, :start], out[0, :, start + n:]):  # rows outside the chunk untouched

@@ -400,10 +400,11 @@ def test_a_shape_whose_kernels_this_process_holds_prepares_from_memory(monkeypat
 
     if triton_knobs() is None:
         pytest.skip("this Triton has no jit_cache_hook (it came in 3.4)")
-    layout = SequenceLayout.from_segments([(0, 256, "text"), (256, 256 + 8 * 24 * 42, "video", (8, 24, 42))])
+    segments = [(0, 256, "text"), (256, 256 + 8 * 24 * 42, "video", (8, 24, 42))]
+    layout = SequenceLayout.from_segments(segments)
     args = (SparseConfig(kernel="triton", precision="bf16"), torch.bfloat16, torch.device("cuda"), 128, 4)
     assert warmup.prepare_kernels(layout, *args) is not None
-    again = SequenceLayout.from_segments(layout.segments)
+    again = SequenceLayout.from_segments(segments)
     seconds = warmup.prepare_from_memory(again, *args)
     assert seconds is not None and warmup.prepared(again, *args)
     assert warmup.prepare_from_memory(again, *args) is None  # prepared already: nothing runs
@@ -415,7 +416,7 @@ def test_a_shape_whose_kernels_this_process_holds_prepares_from_memory(monkeypat
     launch_all = warmup.launch_all
     monkeypatch.setattr(warmup, "launch_all", lambda *a, **k: (launch_all(*a, **k),
                                                               never_built[(1,)](torch.zeros(1, device="cuda"))))
-    third, hook = SequenceLayout.from_segments(layout.segments), triton_knobs().runtime.jit_cache_hook
+    third, hook = SequenceLayout.from_segments(segments), triton_knobs().runtime.jit_cache_hook
     assert warmup.prepare_from_memory(third, *args) is None
     assert not warmup.prepared(third, *args)
     assert triton_knobs().runtime.jit_cache_hook is hook  # put back
