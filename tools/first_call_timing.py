@@ -1,6 +1,7 @@
-"""First-use costs on a CUDA GPU: cold caches with and without the child compile, and a new clip length.
+"""First-use costs on a CUDA GPU: cold caches with and without the child compile, a new clip length, and a
+model patched again in a warm process.
 
-Two scenarios, each in its own process with an empty Triton cache and dense-choice file (so each is a
+Three scenarios, each in its own process with an empty Triton cache and dense-choice file (so each is a
 first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, the node's defaults):
 
 - ``main``: the kernels compile in this process at the first clip (what a bare clone did before the
@@ -14,6 +15,10 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   the node's patch does while ComfyUI loads the model and encodes the prompt) and takes the first shape;
   ``--dense-s 0`` is a run without warmup steps (warmup_mode speed), where the first sparse step hands it
   the shape and prepares beside it.
+- ``repatch``: a model patched again with other widgets in a warm process (the first clip prepared, every
+  kernel in memory): `backend.warmup.prepare_from_memory` on new layout objects of the same shape, alone,
+  right after a standby child started (what the node's patch does; ComfyUI then runs the first call at once,
+  the model and prompt being cached), and once that child's imports are done, then alone again.
 
 Per clip it prints: wait s (the first sparse step's preparation beside a child still running, stopping it),
 preparation s (the node's `prepare_kernels` after that), first call s,
@@ -25,6 +30,7 @@ and the host's function). Run from the repository root with the package importab
 
     python tools/first_call_timing.py                 # about 2 minutes on an H200
     python tools/first_call_timing.py --json out.json
+    python tools/first_call_timing.py --scenarios repatch   # about a minute
 """
 from __future__ import annotations
 
@@ -166,6 +172,34 @@ def scenario(name: str, clips: list[str], dense_s: float, dense_s2: float, kerne
     return result
 
 
+def repatch(clip: str, kernel: str) -> dict:
+    """The ``repatch`` scenario in this process: seconds of `prepare_from_memory` per case (module docstring)."""
+    import torch
+
+    from adaptive_sparse_attention import SparseConfig
+    from adaptive_sparse_attention.backend.warmup import prepare_from_memory, prepare_kernels
+    from adaptive_sparse_attention.nodes.warm_start import STANDBY_KEY, WarmStart, standby_for
+
+    device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
+    config = SparseConfig(precision="bf16", kernel=kernel)
+    result = {"scenario": "repatch", "clips": [], "tokens": clip_layout(clip).total,
+              "first_prepare_s": synced(lambda: prepare_kernels(clip_layout(clip), config, dtype, device, dim, heads)),
+              "cases": []}
+    for case in ("alone", "standby starting", "standby up", "alone again"):
+        warm, up_s = WarmStart(), None
+        if case.startswith("standby") and standby_for(warm, device, config):
+            start = time.perf_counter()
+            while case == "standby up" and not warm.jobs[STANDBY_KEY].up() and time.perf_counter() - start < 60:
+                time.sleep(0.05)
+            up_s = time.perf_counter() - start
+        done: list = []
+        seconds = synced(lambda: done.append(prepare_from_memory(clip_layout(clip), config, dtype, device, dim, heads)))
+        warm.close()
+        result["cases"].append({"case": case, "from_memory_s": seconds, "in_memory": done[0] is not None,
+                                "standby_waited_s": up_s})
+    return result
+
+
 def table(results: list[dict]) -> str:
     lines = ["| scenario | clip | tokens | child | dense calls | prepared in warmup s | wait s | prepare s | "
              "first call s | warm call s | first - warm s | kernels built (s) | child up s | child done s |",
@@ -186,8 +220,14 @@ def table(results: list[dict]) -> str:
                  "warm s counts it too: what the first sparse call of that clip costs over a warm one, apart from the "
                  "wait. Dense choice, first use of a bucket: " + "; ".join(
                      f"{r['scenario']}: all candidates {r['dense_first_use_s']:.2f} s, narrowed with a host function "
-                     f"{r['dense_narrowed_s']:.2f} s" for r in results))
+                     f"{r['dense_narrowed_s']:.2f} s" for r in results if "dense_first_use_s" in r))
     for r in results:
+        for c in r.get("cases", ()):
+            waited = "" if c["standby_waited_s"] is None else f" (the standby child started {c['standby_waited_s']:.1f} s before)"
+            lines.append(f"repatch at {r['tokens']} tokens, kernels in memory (first preparation "
+                         f"{r['first_prepare_s']:.2f} s): {c['case']}: " + ("prepared from memory" if c["in_memory"] else
+                                                                 "NOT all in memory, stopped") +
+                         f" in {c['from_memory_s']:.2f} s{waited}")
         for c in r["clips"]:
             if c["built"]:
                 lines.append(f"kernels built, {r['scenario']} {c['clip']}: " +
@@ -202,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-s2", type=float, default=6.0, help="dense work while the second clip's child runs (s)")
     p.add_argument("--load-s", type=float, default=0.0, help="a standby child starts this long before the first "
                                                               "clip's dense work (0: none)")
-    p.add_argument("--scenarios", default="main,child")
+    p.add_argument("--scenarios", default="main,child", help="main, child and repatch (default main,child)")
     p.add_argument("--kernel", default="auto", help="the node's kernel setting (auto: cuDNN-frontend where installed "
                                                      "on Hopper, else Triton)")
     p.add_argument("--json", help="also write the results here")
@@ -210,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     clips = args.clips.split(",")
     if args.one:
-        print(json.dumps(scenario(args.one, clips, args.dense_s, args.dense_s2, args.kernel, args.load_s)), flush=True)
+        result = (repatch(clips[0], args.kernel) if args.one == "repatch" else
+                  scenario(args.one, clips, args.dense_s, args.dense_s2, args.kernel, args.load_s))
+        print(json.dumps(result), flush=True)
         return 0
     results = []
     for name in args.scenarios.split(","):
