@@ -16,8 +16,8 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   ``--dense-s 0`` is a run without warmup steps (warmup_mode speed), where the first sparse step hands it
   the shape and prepares beside it.
 - ``repatch``: a model patched again with other widgets in a warm process (the first clip prepared, every
-  kernel in memory): `backend.warmup.prepare_from_memory` on new layout objects of the same shape, alone,
-  right after a standby child started (what the node's patch does; ComfyUI then runs the first call at once,
+  kernel in memory): `backend.warmup.prepare_from_memory` on new layout objects of the same shape, alone
+  (with the same widgets, then with plan_reuse on), right after a standby child started (what the node's patch does; ComfyUI then runs the first call at once,
   the model and prompt being cached), and once that child's imports are done, then alone again.
 
 Per clip it prints: wait s (the first sparse step's preparation beside a child still running, stopping it),
@@ -185,15 +185,17 @@ def repatch(clip: str, kernel: str) -> dict:
     result = {"scenario": "repatch", "clips": [], "tokens": clip_layout(clip).total,
               "first_prepare_s": synced(lambda: prepare_kernels(clip_layout(clip), config, dtype, device, dim, heads)),
               "cases": []}
-    for case in ("alone", "standby starting", "standby up", "alone again"):
+    cases = (("alone", config), ("alone, plan_reuse on", config.replace(plan_reuse="on")),
+             ("standby starting", config), ("standby up", config), ("alone again", config))
+    for case, widgets in cases:
         warm, up_s = WarmStart(), None
-        if case.startswith("standby") and standby_for(warm, device, config):
+        if case.startswith("standby") and standby_for(warm, device, widgets):
             start = time.perf_counter()
             while case == "standby up" and not warm.jobs[STANDBY_KEY].up() and time.perf_counter() - start < 60:
                 time.sleep(0.05)
             up_s = time.perf_counter() - start
         done: list = []
-        seconds = synced(lambda: done.append(prepare_from_memory(clip_layout(clip), config, dtype, device, dim, heads)))
+        seconds = synced(lambda: done.append(prepare_from_memory(clip_layout(clip), widgets, dtype, device, dim, heads)))
         warm.close()
         result["cases"].append({"case": case, "from_memory_s": seconds, "in_memory": done[0] is not None,
                                 "standby_waited_s": up_s})
