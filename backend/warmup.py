@@ -112,9 +112,7 @@ def prepare_kernels(layout: SequenceLayout, config: SparseConfig, dtype: torch.d
         log.warning("%s", message)
         if announce is not None:
             announce(message)
-        start = time.perf_counter()
-        launch_all(layout, config, dtype, device, head_dim, heads, kernels, build_threads)
-        seconds = time.perf_counter() - start
+        seconds = launch_all(layout, config, dtype, device, head_dim, heads, kernels, build_threads)
         log.info("adaptive sparse attention: kernels ready in %.1f s", seconds)
         return seconds
 
@@ -140,10 +138,8 @@ def prepare_from_memory(layout: SequenceLayout, config: SparseConfig, dtype: tor
     kernels, key = pending
 
     def run() -> float:
-        start = time.perf_counter()
         with in_memory_only(knobs):
-            launch_all(layout, config, dtype, device, head_dim, heads, kernels)
-        seconds = time.perf_counter() - start
+            seconds = launch_all(layout, config, dtype, device, head_dim, heads, kernels)
         log.info("adaptive sparse attention: kernels ready in %.2f s (every one in this process's memory)", seconds)
         return seconds
 
@@ -155,8 +151,13 @@ def prepare_from_memory(layout: SequenceLayout, config: SparseConfig, dtype: tor
 
 
 def launch_all(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,
-               head_dim: int, heads: int, kernels: Kernels, build_threads: int = 0) -> None:
-    """One call of every kernel a sparse step of this shape launches (`prepare_kernels`' work), synchronised."""
+               head_dim: int, heads: int, kernels: Kernels, build_threads: int = 0) -> float:
+    """One call of every kernel a sparse step of this shape launches (`prepare_kernels`' work), synchronised.
+    Returns its seconds, timed from an idle device: GPU work queued before it (a model call's earlier layers)
+    is waited for first and not counted, so the time reported is the preparation's own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, 1, layout.total, head_dim, generator=g, device=device, dtype=dtype)
                .expand(1, heads, layout.total, head_dim) for _ in range(3))
@@ -172,3 +173,4 @@ def launch_all(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype,
     sparse_attention(q, k, v, scratch, config)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # once per layout: the time is reported
+    return time.perf_counter() - start
