@@ -31,6 +31,7 @@ and the host's function). Run from the repository root with the package importab
     python tools/first_call_timing.py                 # about 2 minutes on an H200
     python tools/first_call_timing.py --json out.json
     python tools/first_call_timing.py --scenarios repatch   # about a minute
+    python tools/first_call_timing.py --scenarios main,main,child --triton-cache /tmp/tc --load-s 10 --dense-s 3.2
 """
 from __future__ import annotations
 
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="main,child", help="main, child and repatch (default main,child)")
     p.add_argument("--kernel", default="auto", help="the node's kernel setting (auto: cuDNN-frontend where installed "
                                                      "on Hopper, else Triton)")
+    p.add_argument("--triton-cache", help="one Triton cache folder for every scenario, kept (default: an empty one "
+                                          "each): `--scenarios main,main,child` then times a first run on a warm "
+                                          "disk cache without and with the child")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--one", help=argparse.SUPPRESS)  # run one scenario in this process (the parent's child)
     args = p.parse_args(argv)
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.scenarios.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tmp) / "triton"),
+            env = dict(os.environ, TRITON_CACHE_DIR=args.triton_cache or str(Path(tmp) / "triton"),
                        ADAPTIVE_SPARSE_DENSE_CACHE=str(Path(tmp) / "dense.json"))
             start = time.perf_counter()
             out = subprocess.run([sys.executable, __file__, "--one", name, "--clips", args.clips, "--dense-s",
