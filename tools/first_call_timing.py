@@ -1,8 +1,9 @@
 """First-use costs on a CUDA GPU: cold caches with and without the child compile, a new clip length, and a
 model patched again in a warm process.
 
-Three scenarios, each in its own process with an empty Triton cache and dense-choice file (so each is a
-first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, the node's defaults):
+Three scenarios, each in its own process with an empty Triton cache (unless ``--triton-cache`` names one
+kept for all) and dense-choice file (so each is a first run on a fresh machine), at H3's shapes (56 heads
+of 128, 1344x768, bf16, the node's defaults):
 
 - ``main``: the kernels compile in this process at the first clip (what a bare clone did before the
   child), then the first call, a warm call, and a second clip length (new row-width buckets).
@@ -17,8 +18,9 @@ first run on a fresh machine), at H3's shapes (56 heads of 128, 1344x768, bf16, 
   the shape and prepares beside it.
 - ``repatch``: a model patched again with other widgets in a warm process (the first clip prepared, every
   kernel in memory): `backend.warmup.prepare_from_memory` on new layout objects of the same shape, alone
-  (with the same widgets, then with plan_reuse on), right after a standby child started (what the node's patch does; ComfyUI then runs the first call at once,
-  the model and prompt being cached), and once that child's imports are done, then alone again.
+  (with the same widgets, then with plan_reuse on), right after a standby child started (what the node's
+  patch does; ComfyUI then runs the first call at once, the model and prompt being cached), once that
+  child's imports are done (it waits for its shape), then alone again.
 
 Per clip it prints: wait s (the first sparse step's preparation beside a child still running, stopping it),
 preparation s (the node's `prepare_kernels` after that), first call s,
@@ -179,7 +181,7 @@ def repatch(clip: str, kernel: str) -> dict:
 
     from adaptive_sparse_attention import SparseConfig
     from adaptive_sparse_attention.backend.warmup import prepare_from_memory, prepare_kernels
-    from adaptive_sparse_attention.nodes.warm_start import STANDBY_KEY, WarmStart, standby_for
+    from adaptive_sparse_attention.nodes.warm_start import STANDBY_KEY, STANDBY_LINE, WarmStart, standby_for
 
     device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
     config = SparseConfig(precision="bf16", kernel=kernel)
@@ -192,7 +194,8 @@ def repatch(clip: str, kernel: str) -> dict:
         warm, up_s = WarmStart(), None
         if case.startswith("standby") and standby_for(warm, device, widgets):
             start = time.perf_counter()
-            while case == "standby up" and not warm.jobs[STANDBY_KEY].up() and time.perf_counter() - start < 60:
+            while (case == "standby up" and STANDBY_LINE not in warm.jobs[STANDBY_KEY].text()
+                   and time.perf_counter() - start < 60):
                 time.sleep(0.05)
             up_s = time.perf_counter() - start
         done: list = []
