@@ -13,6 +13,7 @@ after saying so; Triton keeps what it compiled in its on-disk cache for later pr
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import fields
 from typing import Callable
@@ -148,6 +149,18 @@ def prepare_from_memory(layout: SequenceLayout, config: SparseConfig, dtype: tor
     except NotInMemory as err:
         log.info("adaptive sparse attention: %s", err)
         return None
+
+
+def holds_kernels(device: torch.device) -> bool:
+    """Whether this process ran a sparse step (or a preparation) on CUDA `device` already: the QKV producer's
+    Triton epilogue, the first kernel a sparse step launches, is in Triton's memory for it. A model patched
+    again in such a process then prepares from memory at its first warmup step (`prepare_from_memory`).
+    False off CUDA, without Triton, or where Triton keeps its cache where `holds_compiled` does not look."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    from ..kernels.triton.norm_rope import in_memory
+
+    return in_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_all(layout: SequenceLayout, config: SparseConfig, dtype: torch.dtype, device: torch.device,

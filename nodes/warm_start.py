@@ -54,7 +54,7 @@ import torch
 
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.warmup import kernel_fields, preparation_key, prepare_kernels, prepared, to_prepare
+from ..backend.warmup import holds_kernels, kernel_fields, preparation_key, prepare_kernels, prepared, to_prepare
 from ..notices import Notices, logger
 
 log = logger()
@@ -384,7 +384,14 @@ def take_over_before_sparse(warm: WarmStart, layout: SequenceLayout, config: Spa
 
 def standby_for(warm: WarmStart, device: torch.device, config: SparseConfig) -> bool:
     """When a node patches a model: start `warm`'s standby child where a run's kernels will compile (a CUDA
-    device, Triton importable, a kernel setting other than the torch reference). Returns whether it started."""
+    device, Triton importable, a kernel setting other than the torch reference), unless this process ran
+    sparse steps on that device already (`backend.warmup.holds_kernels`): a model patched again with other
+    widgets then prepares from memory, and a child starting up beside that preparation only slows it
+    (BENCHMARKS.md, the template presets on the H200). Returns whether it started."""
     if device.type != "cuda" or config.kernel == "torch" or importlib.util.find_spec("triton") is None:
+        return False
+    if holds_kernels(device):
+        log.info("adaptive sparse attention: no standby child: this process holds the sparse-attention kernels "
+                 "for %s already", device)
         return False
     return warm.standby()

@@ -307,6 +307,50 @@ def test_a_standby_child_only_where_kernels_compile():
     assert not warm.jobs
 
 
+def test_no_standby_child_where_the_process_holds_the_kernels(monkeypatch, caplog):
+    """A model patched again in a process that ran sparse steps on the device prepares from memory: no standby
+    child starts (one starting beside that preparation slowed it, H200 2026-12-05); where it holds nothing, one
+    does."""
+    from types import SimpleNamespace
+
+    from adaptive_sparse_attention.nodes import warm_start
+
+    warm = WarmStart(stand_in(standby_child(30)))
+    found = SimpleNamespace(util=SimpleNamespace(find_spec=lambda name: object()))  # Triton "importable" here
+    monkeypatch.setattr(warm_start, "importlib", found)
+    monkeypatch.setattr(warm_start, "holds_kernels", lambda device: True)
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        assert standby_for(warm, torch.device("cuda"), SparseConfig()) is False
+    assert not warm.jobs and any("no standby child" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(warm_start, "holds_kernels", lambda device: False)
+    assert standby_for(warm, torch.device("cuda"), SparseConfig()) is True and STANDBY_KEY in warm.jobs
+    warm.close()
+
+
+def test_holds_compiled_reads_the_device_cache_without_adding_to_it():
+    """`holds_compiled` looks at a JIT function's per-device cache (Triton's `device_caches`, a defaultdict that
+    would build an entry, and initialise the driver, on a plain lookup) and is False for anything else."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from adaptive_sparse_attention.kernels.triton.build_ahead import holds_compiled
+
+    def binder():
+        raise AssertionError("a lookup created an entry")
+
+    caches = defaultdict(binder)
+    caches[0] = ({"key": "kernel"}, {}, None, None, None)
+    caches[1] = ({}, {}, None, None, None)
+    fn = SimpleNamespace(device_caches=caches)
+    assert holds_compiled(fn, 0) is True
+    assert holds_compiled(fn, 1) is False
+    assert holds_compiled(fn, 2) is False and 2 not in caches
+    assert holds_compiled(SimpleNamespace(), 0) is False
+    assert holds_compiled(SimpleNamespace(device_caches={0: "other layout"}), 0) is False
+    from adaptive_sparse_attention.backend.warmup import holds_kernels
+    assert holds_kernels(torch.device("cpu")) is False
+
+
 def test_the_real_standby_command_reads_its_shape_from_its_input():
     """``install.py prepare --shape -``: imports, says it waits, then prepares the shape written to it."""
     layout = SequenceLayout.from_segments(LAYOUT)
@@ -404,6 +448,7 @@ def test_a_shape_whose_kernels_this_process_holds_prepares_from_memory(monkeypat
     layout = SequenceLayout.from_segments(segments)
     args = (SparseConfig(kernel="triton", precision="bf16"), torch.bfloat16, torch.device("cuda"), 128, 4)
     assert warmup.prepare_kernels(layout, *args) is not None
+    assert warmup.holds_kernels(torch.device("cuda"))  # Triton's per-device cache, as `holds_compiled` reads it
     again = SequenceLayout.from_segments(segments)
     seconds = warmup.prepare_from_memory(again, *args)
     assert seconds is not None and warmup.prepared(again, *args)

@@ -19,8 +19,9 @@ of 128, 1344x768, bf16, the node's defaults):
 - ``repatch``: a model patched again with other widgets in a warm process (the first clip prepared, every
   kernel in memory): `backend.warmup.prepare_from_memory` on new layout objects of the same shape, alone
   (with the same widgets, then with plan_reuse on), right after a standby child started (what the node's
-  patch does; ComfyUI then runs the first call at once, the model and prompt being cached), once that
-  child's imports are done (it waits for its shape), then alone again.
+  patch did before it learnt to skip the child in such a process; ComfyUI then runs the first call at once,
+  the model and prompt being cached), once that child's imports are done (it waits for its shape), then
+  alone again.
 
 Per clip it prints: wait s (the first sparse step's preparation beside a child still running, stopping it),
 preparation s (the node's `prepare_kernels` after that), first call s,
@@ -181,7 +182,7 @@ def repatch(clip: str, kernel: str) -> dict:
 
     from adaptive_sparse_attention import SparseConfig
     from adaptive_sparse_attention.backend.warmup import prepare_from_memory, prepare_kernels
-    from adaptive_sparse_attention.nodes.warm_start import STANDBY_KEY, STANDBY_LINE, WarmStart, standby_for
+    from adaptive_sparse_attention.nodes.warm_start import STANDBY_KEY, STANDBY_LINE, WarmStart
 
     device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, 56, 128
     config = SparseConfig(precision="bf16", kernel=kernel)
@@ -192,7 +193,8 @@ def repatch(clip: str, kernel: str) -> dict:
              ("standby starting", config), ("standby up", config), ("alone again", config))
     for case, widgets in cases:
         warm, up_s = WarmStart(), None
-        if case.startswith("standby") and standby_for(warm, device, widgets):
+        if case.startswith("standby") and warm.standby():  # the child itself: the node's `standby_for` no longer
+            # starts one where the process holds the kernels, as here
             start = time.perf_counter()
             while (case == "standby up" and STANDBY_LINE not in warm.jobs[STANDBY_KEY].text()
                    and time.perf_counter() - start < 60):

@@ -87,6 +87,20 @@ def record_builds(call: Callable[[], object], knobs) -> tuple[list[Build], str |
     return list(builds.values()), ended
 
 
+def holds_compiled(fn: Any, device_index: int) -> bool:
+    """Whether the Triton JIT function `fn` holds a compiled kernel for CUDA device `device_index` in this
+    process's memory (its per-device cache, read without creating an entry). False where this Triton keeps
+    that cache elsewhere: the caller then does what it does for a process that holds nothing.
+
+    Args:
+        fn: a ``triton.jit`` function.
+        device_index: the CUDA device's index.
+    """
+    caches = getattr(fn, "device_caches", None)
+    entry = caches.get(device_index) if isinstance(caches, dict) else None
+    return isinstance(entry, tuple) and isinstance(entry[0], dict) and bool(entry[0])
+
+
 @contextmanager
 def in_memory_only(knobs) -> Iterator[None]:
     """While inside, a Triton launch of a kernel not in this process's memory raises `NotInMemory` instead of
