@@ -155,8 +155,9 @@ def holds_kernels(device: torch.device) -> bool:
     """Whether this process ran a sparse step (or a preparation) on CUDA `device` already: the QKV producer's
     Triton epilogue, the first kernel a sparse step launches, is in Triton's memory for it. A model patched
     again in such a process then prepares from memory at its first warmup step (`prepare_from_memory`).
-    False off CUDA, without Triton, or where Triton keeps its cache where `holds_compiled` does not look."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    False off CUDA, before this process initialised CUDA, without Triton, or where Triton keeps its cache where
+    `holds_compiled` does not look."""
+    if device.type != "cuda" or not torch.cuda.is_initialized() or importlib.util.find_spec("triton") is None:
         return False
     from ..kernels.triton.norm_rope import in_memory
 
