@@ -367,9 +367,28 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.dev
     return out
 
 
+def reused_plan_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, config: Any, reps: int) -> float:
+    """Median planner milliseconds of the op on a kept plan (`plan_reuse.PlanSlot`: the same q, k each call, so
+    its drift check passes), the device synchronised: what a sparse step that reuses its plan spends planning
+    (block means, the check, the tail summaries). Raises if a call planned afresh instead."""
+    from .. import sparse_attention
+    from ..backend.plan_reuse import PlanStore
+
+    store = PlanStore()
+    slot = store.slot("op")
+    sparse_attention(q, k, v, layout, config, plan_slot=slot)  # the fresh plan the slot keeps
+    times = sorted(sparse_attention(q, k, v, layout, config, return_info=True, timings=True, plan_slot=slot)[1]
+                   .timings_ms["plan"] for _ in range(reps))
+    counts = store.summary()
+    if counts["reused"] != reps:
+        raise RuntimeError(f"reused_plan_ms: {counts} after {reps} calls on one kept plan; expected {reps} reused")
+    return times[reps // 2]
+
+
 def isolated_op(scale: Scale, clip: str, config: Any, device: torch.device, reps: int = 5) -> dict:
-    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel), dense SDPA backends and the
-    other dense kernels of the op bench where installed (FlashAttention-4, comfy-kitchen INT8, Sage)."""
+    """Milliseconds of the op alone at a clip's shape: our call (plan, kernel, the plan when reused), dense SDPA
+    backends and the other dense kernels of the op bench where installed (FlashAttention-4, comfy-kitchen INT8,
+    Sage)."""
     from .. import sparse_attention
     from ..kernels.dense.choice import sdpa
     from .methods import DENSE_KERNELS, dense_kernel, dense_unavailable_reason
@@ -387,6 +406,7 @@ def isolated_op(scale: Scale, clip: str, config: Any, device: torch.device, reps
         plan.append(info.timings_ms["plan"])
         kernel.append(info.timings_ms["kernel"])
     out["plan_ms"], out["kernel_ms"] = sorted(plan)[reps // 2], sorted(kernel)[reps // 2]
+    out["plan_reused_ms"] = reused_plan_ms(q, k, v, layout, config, reps)
     for name in ("cudnn", "flash"):
         out[f"dense_{name}_ms"] = time_call(lambda: sdpa(q, k, v, name), device, reps=reps)
     for name in DENSE_KERNELS:  # FlashAttention-4 and the launch modes' own kernels, where installed
@@ -711,8 +731,9 @@ def qkv_markdown(result: dict) -> str:
 def split_markdown(result: dict) -> str:
     """Where a steady sparse block's time goes: our attention in the graph against the op alone."""
     rows = ["| clip | steady sparse call ms / block | our attention in graph ms / block | op alone ms (plan + kernel) "
-            "| rest of block ms | ComfyUI dense call ms / block | dense FA2 / cuDNN alone ms | block vs op + rest |",
-            "|" + "---|" * 8]
+            "| plan reused ms | rest of block ms | ComfyUI dense call ms / block | dense FA2 / cuDNN alone ms "
+            "| block vs op + rest |",
+            "|" + "---|" * 9]
     n = result["blocks"]
     for clip, op in result["op"].items():
         ours = next((r for r in result["runs"] if r["run"] == "ours" and r["clip"] == clip), None)
@@ -723,6 +744,7 @@ def split_markdown(result: dict) -> str:
         in_graph = ours["attention_s"] * 1e3 / ours["sparse_blocks"]
         rest = dense["median_call_ms"] / n - op["dense_flash_ms"]  # ComfyUI's dense block minus its attention
         rows.append(f"| {clip} | {block:.1f} | {in_graph:.1f} | {op['op_ms']:.1f} ({op['plan_ms']:.1f} + "
-                    f"{op['kernel_ms']:.1f}) | {rest:.1f} | {dense['median_call_ms'] / n:.1f} | "
+                    f"{op['kernel_ms']:.1f}) | {op['plan_reused_ms']:.1f} | {rest:.1f} | "
+                    f"{dense['median_call_ms'] / n:.1f} | "
                     f"{op['dense_flash_ms']:.1f} / {op['dense_cudnn_ms']:.1f} | {block / (op['op_ms'] + rest):.2f} |")
     return "\n".join(rows)

@@ -207,6 +207,24 @@ def test_qkv_table_puts_ours_beside_comfyuis():
             in e2e.qkv_markdown({"qkv": {"10s": t}}))
 
 
+def test_reused_plan_ms_times_planning_on_a_kept_plan():
+    """The op table's "plan reused": every timed call reuses the kept plan (the torch reference on the CPU)."""
+    from adaptive_sparse_attention import SequenceLayout, SparseConfig
+
+    layout = SequenceLayout.from_segments([(0, 37, "text"), (37, 37 + 3 * 8 * 12, "video", (3, 8, 12))])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, layout.total, 64, generator=g) for _ in range(3))
+    assert e2e.reused_plan_ms(q, k, v, layout, SparseConfig(kernel="torch"), reps=3) > 0
+
+
+def test_split_table_shows_the_reused_plan_beside_the_fresh_one():
+    result = {"blocks": 4, "op": {"10s": {"op_ms": 106.4, "plan_ms": 14.9, "kernel_ms": 93.3, "plan_reused_ms": 3.2,
+                                           "dense_flash_ms": 435.0, "dense_cudnn_ms": 271.0}},
+              "runs": [{"run": "ours", "clip": "10s", "steady_sparse_ms": 767.0, "attention_s": 3.29, "sparse_blocks": 24},
+                       {"run": "comfyui", "clip": "10s", "median_call_ms": 2066.0}]}
+    assert "| 106.4 (14.9 + 93.3) | 3.2 | 81.5 |" in e2e.split_markdown(result)
+
+
 @needs_comfyui
 def test_tiny_int8_convrot_run_in_real_comfyui(tmp_path: Path):
     out = tmp_path / "e2e.json"
