@@ -282,9 +282,7 @@ class PlanStore:
 
     def clear(self) -> None:
         """Drop every kept plan and count (the run ended); the budget's notice may be said again."""
+        self.drop_plans()
         with self.lock:
-            for slot in self.slots.values():
-                self._forget(slot)
-            self.slots.clear()
             self.counts.clear()
         self.notices.clear()

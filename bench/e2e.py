@@ -371,14 +371,13 @@ def reused_plan_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: An
     """Median planner milliseconds of the op on a kept plan (`plan_reuse.PlanSlot`: the same q, k each call, so
     its drift check passes), the device synchronised: what a sparse step that reuses its plan spends planning
     (block means, the check, the tail summaries). Raises if a call planned afresh instead."""
-    from .. import sparse_attention
     from ..backend.plan_reuse import PlanStore
+    from .steps import timed_call
 
     store = PlanStore()
     slot = store.slot("op")
-    sparse_attention(q, k, v, layout, config, plan_slot=slot)  # the fresh plan the slot keeps
-    times = sorted(sparse_attention(q, k, v, layout, config, return_info=True, timings=True, plan_slot=slot)[1]
-                   .timings_ms["plan"] for _ in range(reps))
+    timed_call(q, k, v, layout, config, slot)  # the fresh plan the slot keeps
+    times = sorted(timed_call(q, k, v, layout, config, slot)[1] for _ in range(reps))
     counts = store.summary()
     if counts["reused"] != reps:
         raise RuntimeError(f"reused_plan_ms: {counts} after {reps} calls on one kept plan; expected {reps} reused")

@@ -108,6 +108,7 @@ def with_heads(size: str, heads: int | None, command: str) -> SceneSize:
         raise ValueError(f"{command}: --heads {heads} is not allowed: expected 1 to {MAX_FEW_HEADS}")
     return replace(SIZES[size], heads=heads)
 
+
 @dataclass(frozen=True)
 class HeadKind:
     """How one kind of head mixes its parts (squared shares of the unit q/k direction).
