@@ -127,6 +127,10 @@ class SparseConfig:
         "and shape) while a cheap check on the GPU says its block statistics have not moved enough to change them, "
         "and rebuilds them when they have (saves planner time; the run report counts the rebuilds). off: planned "
         "afresh at every step.")
+    measure_error: bool = setting(True, Flag(),
+        "On: every sparse call also runs a few sampled query blocks per head exactly against all keys (about 1% "
+        "of the call at 10 s) and measures its own error on them, the relative L2 of the video rows against dense "
+        "attention, shown in the run's report. Off: nothing is measured.")
     backend: InitVar[str | None] = None  # the old name of `kernel`: refused with a message that says so
 
     def __post_init__(self, backend: str | None) -> None:

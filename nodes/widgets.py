@@ -112,6 +112,7 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("routing_scores", advanced=True, optional=True),
     config_widget("precision", optional=True),
     config_widget("plan_reuse", advanced=True, optional=True),
+    config_widget("measure_error", advanced=True, optional=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (
