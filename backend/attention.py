@@ -10,6 +10,7 @@ import torch
 from ..kernels.plan import BlockSparsePlan
 from ..kernels.registry import Kernels
 from .config import SparseConfig
+from .fidelity import SampledError, sampled_error
 from .layout import SequenceLayout
 from .plan_reuse import PlanSlot
 from .planner import build_plan, call_kernels
@@ -25,13 +26,21 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclass
 class SparseInfo:
     """What a call computed: exact-pair density, per-region budgets, the attention kernel that ran (a family,
-    or under ``auto`` the measured choice's `SPARSE_KERNELS` name), the plan, optional timings."""
+    or under ``auto`` the measured choice's `SPARSE_KERNELS` name), the plan, optional timings, and with
+    ``measure_error`` the sampled estimate of the call's error (`backend/fidelity.py`):
+
+    - sampled_error: relative L2 of the output against dense attention on the sampled video rows, pooled
+      over heads and batch (None with ``measure_error`` off);
+    - sampled_error_heads: the same per head, [H] on the device (None with ``measure_error`` off).
+    """
 
     density: float
     budgets: dict[str, int]
     kernel: str
     plan: BlockSparsePlan
     timings_ms: dict[str, float] = field(default_factory=dict)
+    sampled_error: float | None = None
+    sampled_error_heads: torch.Tensor | None = None
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -91,7 +100,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                      config: SparseConfig | None = None, *, return_info: bool = False,
                      coarse_gate: torch.Tensor | None = None, timings: bool = False,
                      choices: SparseChoices | None = None, ran: Callable[[str, str], None] | None = None,
-                     plan_slot: PlanSlot | None = None):
+                     plan_slot: PlanSlot | None = None, error_rotation: int = 0,
+                     error_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
     """Adaptive block-sparse attention of q, k, v [B, H, S, D] in the model's token order.
 
     Plans the call (tiling, routing, tail summaries) and runs the block-sparse kernel on it; every
@@ -102,7 +112,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         q, k, v: one dtype and device, head_dim in HEAD_DIMS, S = layout.total.
         layout: the segments of the packed sequence.
         config: the engine's settings (default `SparseConfig()`).
-        return_info: also return a `SparseInfo` (reading its density synchronises once).
+        return_info: also return a `SparseInfo` (reading its density and sampled error synchronises once).
         coarse_gate: broadcastable to the output (e.g. [H, 1, 1]); scales the coarse branch of
             ``tail="coarse"``. Without it there is no coarse term, as for a model without gates.
         timings: synchronise the device to report plan and kernel milliseconds in the info.
@@ -112,6 +122,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
             choice's summary ("" where nothing was measured).
         plan_slot: the plan kept from this block's last evaluated step, reused where its rule
             allows (`plan_reuse.PlanSlot`; ``plan_reuse="on"`` in the node).
+        error_rotation: which query blocks the error measurement samples (`fidelity.sample_rows`): pass
+            the denoising step or a call counter, so a run's calls see every part of the clip.
+        error_sink: with ``config.measure_error``, receives the call's per-head sums on the device,
+            (sum |out - exact|^2 [H], sum |exact|^2 [H]) over the sampled video rows, to be added up
+            without a host synchronisation (the relative L2 is sqrt(sum of the first / sum of the second)).
+    The sampled rows run only with ``config.measure_error`` on and a reader (`return_info` or `error_sink`);
+    with it off nothing extra runs and the info's sampled_error fields are None.
     Returns:
         The output [B, H, S, D] (same order and dtype as q), and the info with `return_info`.
     """
@@ -125,15 +142,34 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if config.tail == "coarse" and coarse_gate is not None:
         out = out + coarse_gate.to(out.dtype) * coarse_branch(q, k, v, plan, config.tail_granularity, kernels)
     marks.append(_now(q, timings))
+    sample = None
+    if config.measure_error and (return_info or error_sink is not None):
+        sample = measure(q, k, v, out, layout, config, error_rotation, error_sink)
+        marks.append(_now(q, timings))
     if not return_info:
         return out
     budgets = {f"{seg.kind}[{seg.start}:{seg.stop}]": g.budget
                for seg, span in zip(plan.tiling.regions, plan.tiling.region_blocks)
                for g in plan.groups if (g.lo, g.hi) == span}
     info = SparseInfo(plan.density(), budgets, ran_on, plan)
+    if sample is not None:
+        info.sampled_error, info.sampled_error_heads = float(sample.pooled()), sample.heads()
     if timings:
         info.timings_ms = {"plan": (marks[1] - marks[0]) * 1e3, "kernel": (marks[2] - marks[1]) * 1e3}
+        if sample is not None:
+            info.timings_ms["error"] = (marks[3] - marks[2]) * 1e3
     return out, info
+
+
+def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layout: SequenceLayout,
+            config: SparseConfig, rotation: int, sink: Callable[[torch.Tensor, torch.Tensor], None] | None
+            ) -> SampledError:
+    """The call's sampled error (`fidelity.sampled_error` on the config's sparse regions), handed to `sink`
+    as (sum diff^2 [H], sum exact^2 [H]) when given."""
+    sample = sampled_error(q, k, v, out, layout, rotation, config.sparse_scope)
+    if sink is not None:
+        sink(sample.sq_diff, sample.sq_exact)
+    return sample
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, layout: SequenceLayout,
