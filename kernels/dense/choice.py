@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from ...notices import Notices, logger
 from ...timer import median_ms
 from ...version import __version__
+from ..offsets import wide_rows
 from ..registry import DENSE_KERNELS
-from ..triton.offsets import wide_rows
 from .store import MAX_CHOICES, ChoiceFile, Remembered, choice_path
 
 log = logger()

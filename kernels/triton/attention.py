@@ -31,11 +31,11 @@ import triton
 import triton.language as tl
 
 from ..eight_bit import PRECISIONS, QuantisedBlocks, key_mean, value_max
+from ..offsets import perm_strides, wide_rows
 from ..plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
 from .block_quantise import e4m3_grid, quantise_blocks_triton
 from .configs import TRITON_DTYPES as DTYPES
 from .configs import EightBitConfig, KernelConfig, dot_precision, eight_bit_config, kernel_config
-from .offsets import perm_strides, wide_rows
 from .tiled_pack import pack_qkv
 
 HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size

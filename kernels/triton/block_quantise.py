@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..eight_bit import PV_FORMATS, QuantisedBlocks
+from ..offsets import perm_strides
 from .configs import row_align
-from .offsets import perm_strides
 
 
 @triton.jit

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..offsets import perm_strides
 from .configs import TRITON_DTYPES as DTYPES
 from .configs import row_align
-from .offsets import perm_strides
 
 
 

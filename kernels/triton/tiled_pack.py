@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..offsets import perm_strides
 from .configs import row_align
-from .offsets import perm_strides
 
 SLOTS = 64  # slots per program
 
