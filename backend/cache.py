@@ -9,6 +9,7 @@ sees many devices, dtypes or block sizes.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Callable, Generic, Hashable, TypeVar
 
@@ -44,9 +45,12 @@ class BoundedCache(Generic[T]):
 class ShapeCache:
     """What was built for one layout, per job (`JOB_BOUNDS`), and the once-only record of what
     was said about it (`notices`: fallbacks logged once per layout, not once per call). `graphs`
-    off: nothing is captured as a CUDA graph (a scratch layout for shapes never seen again)."""
+    off: nothing is captured as a CUDA graph (a scratch layout for shapes never seen again). A layout may be
+    shared by threads (the clones of one model sampling on several GPUs): an entry is built under a lock,
+    once."""
 
     def __init__(self, graphs: bool = True) -> None:
+        self.lock = threading.RLock()  # re-entrant: a build may get other entries of the same layout
         self.jobs: dict[str, BoundedCache] = {}
         self.notices = Notices()
         self.graphs = graphs  # whether partitions built for this layout are captured and replayed as CUDA graphs
@@ -55,10 +59,11 @@ class ShapeCache:
         """The entry of `job` for `key` (what it depends on: device, dtype, block size, ...), built on a miss."""
         if job not in JOB_BOUNDS:
             raise ValueError(f"ShapeCache: job={job!r} is not allowed: expected one of {', '.join(JOB_BOUNDS)}")
-        cache = self.jobs.get(job)
-        if cache is None:
-            cache = self.jobs[job] = BoundedCache(JOB_BOUNDS[job])
-        return cache.get(key, build)
+        with self.lock:
+            cache = self.jobs.get(job)
+            if cache is None:
+                cache = self.jobs[job] = BoundedCache(JOB_BOUNDS[job])
+            return cache.get(key, build)
 
     def has(self, job: str, key: Hashable) -> bool:
         """Whether `job` holds an entry for `key`."""

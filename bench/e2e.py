@@ -47,15 +47,16 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..notices import logger
 from . import e2e_nodes
-from .checkpoints import quantise_state_dict, unsupported
+from .checkpoints import FORMATS, QUANTISED, SafetensorsWriter, header_bound, quantise_tensor, unsupported
 from .e2e_graphs import (DEFAULT_PRESET, LORA_NAME, PRESETS, TEMPLATE_SIZES, Preset, graph, template_frames,
                          write_lora)
 
@@ -204,32 +205,105 @@ def load_comfyui(comfyui: str, work: Path, cpu: bool, launch: str = "default"):
     return nodes, execution
 
 
-def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device, weights: str = "bf16") -> None:
-    """A random-weight H3 of `blocks` DiT blocks in bf16 (fp32 where the model keeps fp32), its
-    block Linear weights quantised to `weights` (bench/checkpoints.py) unless that is bf16."""
+def meta_specs(build: Callable[[], torch.nn.Module]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the state dict of the module `build()` makes, built on the meta device
+    (no memory for its tensors anywhere)."""
+    with torch.device("meta"):
+        net = build()
+    return {key: (tuple(t.shape), t.dtype) for key, t in net.state_dict().items()}
+
+
+def h3_specs(model: dict, blocks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of a ComfyUI MiniMax-H3 of `blocks` DiT blocks in bf16 (`model`: its
+    constructor's widths; fp32 where the model keeps fp32), listed on the meta device."""
     import comfy.ops
-    import safetensors.torch
     from comfy.ldm.minimax.model import MiniMaxH3Model
 
-    with torch.device(device):
-        net = MiniMaxH3Model(**model, num_layers=blocks, dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
-    g = torch.Generator(device).manual_seed(0)
-    sd = {}
-    for key, p in net.state_dict().items():
-        if key.endswith("norm.weight") or p.dim() < 2:
-            t = torch.ones_like(p) if key.endswith("norm.weight") else torch.randn(p.shape, generator=g, device=device,
-                                                                                 dtype=p.dtype) * 0.02
-        else:
-            t = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * p.shape[-1] ** -0.5
-        sd[key] = t
-    if weights != "bf16":  # quantised on the device (comfy-kitchen's kernels), stored from the CPU
-        group = 256 if model["hidden_size"] % 256 == 0 and model["ffn_hidden_size"] % 256 == 0 else 64
-        sd = quantise_state_dict(sd, weights, convrot_groupsize=group)
-    sd = {key: t.cpu() for key, t in sd.items()}
-    n = model.get("rope_inv_freq_len", 16)
-    sd["rope.inv_freq"] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
-    safetensors.torch.save_file(sd, str(path))
-    del net, sd
+    return meta_specs(lambda: MiniMaxH3Model(**model, num_layers=blocks, dtype=torch.bfloat16,
+                                             operations=comfy.ops.disable_weight_init))
+
+
+def tensor_seed(key: str, seed: int = 0) -> int:
+    """The generator seed of the random tensor `key`: `seed` and a CRC-32 of the name, so that a
+    tensor's values depend on neither the order of the others nor the model's depth."""
+    if not 0 <= seed < 2 ** 31:
+        raise ValueError(f"tensor_seed: seed={seed!r}: expected 0 <= seed < 2**31")
+    return (seed << 32) | zlib.crc32(key.encode())
+
+
+def random_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  seed: int = 0) -> torch.Tensor:
+    """The random checkpoint's tensor `key` made on `device`: norm weights 1, other tensors of fewer
+    than two dimensions (biases) N(0, 0.02), matrices N(0, 1 / fan-in); ``rope.inv_freq`` is H3's
+    rotary table 1 / 10000^(i / n). Each tensor is drawn from its own generator on `device`
+    (`tensor_seed`): the same key, seed and device kind give the same values."""
+    if key == "rope.inv_freq":
+        n = shape[0]
+        return (1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))).to(device=device, dtype=dtype)
+    if key.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    g = torch.Generator(device).manual_seed(tensor_seed(key, seed))
+    t = torch.randn(shape, generator=g, device=device, dtype=dtype)
+    return t.mul_(0.02 if len(shape) < 2 else shape[-1] ** -0.5)
+
+
+def write_random_checkpoint(path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                            device: torch.device, weights: str = "bf16", convrot_groupsize: int = 256,
+                            seed: int = 0) -> dict[str, float]:
+    """Write a random checkpoint of the tensors `specs` lists (`meta_specs`) to `path`, one tensor
+    at a time: each made on `device` (`random_tensor`), its DiT block Linear weights quantised there
+    unless `weights` is bf16 (`checkpoints.quantise_tensor`: the keys and ``comfy_quant`` markers of
+    `quantise_state_dict`), moved to the CPU, appended to the file (`SafetensorsWriter`) and freed
+    before the next. Neither the device nor the host holds more than about one tensor and its
+    quantised form; the same specs, seed, format and device kind give the same bytes.
+
+    Returns:
+        the peak device memory of the build in GiB (``device_peak_gib``, CUDA only) and the largest
+        tensor made in GiB (``largest_tensor_gib``).
+    """
+    if weights != "bf16":
+        if weights not in FORMATS:
+            raise ValueError(f"write_random_checkpoint: weights={weights!r} is not a format; allowed: bf16, "
+                             f"{', '.join(FORMATS)}")
+        if not any(QUANTISED.match(key) for key in specs):
+            raise ValueError("write_random_checkpoint: the model has no DiT block Linear weights (blocks.N.attn/mlp) "
+                             f"to store in {weights}")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    largest = 0
+    with SafetensorsWriter(path, header_bound(specs, 1 if weights == "bf16" else 4)) as out:
+        for key, (shape, dtype) in specs.items():
+            t = random_tensor(key, shape, dtype, device, seed)
+            largest = max(largest, t.numel() * t.element_size())
+            parts = {key: t} if weights == "bf16" else quantise_tensor(key, t, weights, convrot_groupsize)
+            for name, part in parts.items():
+                out.add(name, part.cpu())
+            del t, parts
+    stats = {"largest_tensor_gib": largest / 2 ** 30}
+    if cuda:
+        stats["device_peak_gib"] = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 30
+        torch.cuda.empty_cache()
+    return stats
+
+
+def save_random_h3(path: Path, model: dict, blocks: int, device: torch.device, weights: str = "bf16",
+                   seed: int = 0) -> dict[str, float]:
+    """A random-weight H3 of `blocks` DiT blocks in bf16 (fp32 where the model keeps fp32), its
+    block Linear weights quantised to `weights` (bench/checkpoints.py) unless that is bf16.
+
+    The model is built on the meta device only to list its tensors; each tensor is then made,
+    quantised and stored one at a time (`write_random_checkpoint`), so a full-depth H3 (50 blocks)
+    builds on an 80 GB GPU. Deterministic: the same arguments on the same device kind give the same
+    file, byte for byte (CPU and CUDA draw different values).
+
+    Returns:
+        `write_random_checkpoint`'s memory figures.
+    """
+    group = 256 if model["hidden_size"] % 256 == 0 and model["ffn_hidden_size"] % 256 == 0 else 64
+    return write_random_checkpoint(path, h3_specs(model, blocks), device, weights, group, seed)
 
 
 def node_widgets(scale: Scale, **changes: Any) -> dict:
@@ -418,15 +492,15 @@ RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-al
         "ours-ramp-reuse", "ours-new-length", "comfyui-two-threads", "ours-two-threads", "other-clips")
 
 
-def prepare_ahead(clip: str, scale_name: str, work: Path) -> float:
-    """Seconds of `python -m adaptive_sparse_attention prepare` for `clip`, run in a child process on
-    this benchmark's (empty) Triton cache and dense-choice file, as a user would before the first run."""
+def prepare_ahead(work: Path) -> float:
+    """Seconds of `python -m adaptive_sparse_attention prepare` (its fixed set of shapes), run in a child process
+    on this benchmark's (empty) Triton cache and choice files, as the install step does before the first run."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this package, importable
     package = __name__.split(".")[0]
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", package, "prepare", "--clips", clip], check=True, env=env, cwd=str(work))
+    subprocess.run([sys.executable, "-m", package, "prepare"], check=True, env=env, cwd=str(work))
     return time.perf_counter() - start
 
 
@@ -515,7 +589,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         raise RuntimeError("e2e: this ComfyUI has no TorchCompileModel node (comfy_extras/nodes_torch_compile.py)")
     ckpt = f"h3_random_{scale_name}_{blocks}blocks_{weights}.safetensors"
     start = time.perf_counter()
-    save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device, weights)
+    build = save_random_h3(work / "models" / "diffusion_models" / ckpt, scale.model, blocks, device, weights)
     lora_layers = write_lora(work / "models" / "loras" / LORA_NAME, scale.model, blocks) if setup.lora else 0
     result: dict[str, Any] = {"preset": setup.name, "preset_source": setup.template, "sampler": setup.sampler,
                               "scheduler": setup.scheduler, "lora_layers": lora_layers,
@@ -525,7 +599,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                               "launch": launch, "precision": precision, "widgets": dict(widgets or {}),
                               "comfyui_attention": launched_attention(),
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                              "model_build_s": time.perf_counter() - start, "runs": [], "op": {}}
+                              "model_build_s": time.perf_counter() - start,
+                              **{f"model_build_{k}": v for k, v in build.items()}, "runs": [], "op": {}}
     executor = execution.PromptExecutor(ServerStub(), cache_type=execution.CacheType.CLASSIC,
                                         cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
     from ..nodes.schedule import warmup_steps
@@ -576,7 +651,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
 
     main = clips[0]
     if prepared:
-        result["prepare_ahead_s"] = prepare_ahead(main, scale_name, work)
+        result["prepare_ahead_s"] = prepare_ahead(work)
         echo(f"e2e prepare (child process): {result['prepare_ahead_s']:.1f} s")
     run("load", main, None, n_steps=1)  # loads the model onto the device; not reported
     result["runs"].clear()

@@ -1,48 +1,88 @@
-"""Prepare a machine ahead of the first run: compile the kernels, measure the dense- and sparse-kernel choices.
+"""Prepare a machine ahead of the first run: compile the fixed set of kernels, measure the dense and sparse choices.
 
-The first sparse use on a machine compiles the Triton kernels, the first dense block of a shape
-measures which exact dense kernel is fastest, and the first sparse block which sparse kernel is
-(`kernel="auto"`). The results persist (Triton's disk cache, the choice files), so doing them here,
-once, takes the wait out of the first sampler run. The command also measures from which clip length
-sparse attention pays on this GPU (bench/pays_from.py), which the node names when a run is too small
-for it.
-`python -m adaptive_sparse_attention prepare` runs it; `install.py` runs it too when it finds a
-GPU. H3's shapes at 1344x768: the kernels depend on the clip length only through row buckets (three
-per power of two of the key blocks, `kernels/triton/radix_select.row_split`), so the 5 s and 10 s clips
-cover the lengths near them; another length builds its bucket's two small kernels once per machine.
-``--shape SPEC`` compiles the kernels of one run's exact shape instead (the child process `nodes/warm_start.py` starts during a run's dense
-warmup steps, or, with ``--shape -``, when the node patches a model: it then reads the shape from its
-input); it measures nothing. Both build the Triton kernels side by side, a thread per core
-(``--build-threads``; `kernels/triton/build_ahead.py`).
+What a sparse call compiles depends on the GPU, dtype, head size and count, config and the bucket of its
+rows (`kernels/triton/radix_select.row_split`: three per power of two of a region's key blocks; the
+reblock levels: the power of two), never on the exact clip length or resolution. `rungs` lists one H3
+shape per bucket from the smallest clip to `--max-seconds` (60 s by default) at 1344x768, beside the
+official templates' sizes (0.4 MP, 0.9 MP, 1344x768) at 2, 5 and 10 s; for each, this compiles (or loads)
+the kernels (`backend.prepare.prepare`), measures the dense-kernel choice and the sparse-kernel choice
+(bf16 and 8-bit bounds), so a run compiles and measures nothing it covers. The results persist (Triton's
+disk cache, the choice files). It also measures from which clip length sparse attention pays on this GPU
+(bench/pays_from.py), which the node names when a run is too small for it.
+`python install.py prepare` runs it (ComfyUI-Manager's install step does too, when it finds a GPU).
 """
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import json
 import logging
-import os
-import sys
-import threading
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
-from ..backend.layout import SequenceLayout
-from ..backend.warmup import prepare_kernels
+from ..backend.prepare import prepare as prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
-from ..nodes.warm_start import STANDBY_LINE, STANDBY_SPEC, UP_LINE
 from ..notices import logger
-from .scenes import SIZES, strided_qkv
+from .scenes import SceneSize, strided_qkv
 
 log = logger()
-CLIPS = {"5s": "h3-5s", "10s": "h3-10s", "14s": "h3-14s", "30s": "h3-30s"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# the official templates' canvases (ResolutionSelector 16:9, multiple 32) and the benchmark's 1344x768
+CANVASES = {"0.4mp": (864, 480), "0.9mp": (1280, 736), "1344x768": (1344, 768)}
+TEMPLATE_SECONDS = (2.0, 5.0, 10.0)
+TEXT_TOKENS = 256
+HEADS, HEAD_DIM = 56, 128  # H3's
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One shape `prepare` runs: its name and scene size."""
+
+    name: str
+    size: SceneSize
+
+
+def latent_frames(seconds: float) -> int:
+    """H3's latent frames of a clip of `seconds` as the templates make it: max(5, round(24 s)) frames
+    snapped up to 17n + 5, then (frames - 5) / 17 * 5 + 2."""
+    frames = max(5, round(seconds * 24))
+    frames += (5 - frames % 17) % 17
+    return (frames - 5) // 17 * 5 + 2
+
+
+def clip_size(width: int, height: int, latents: int) -> SceneSize:
+    """The tokens of an H3 clip: text, audio (about 11.25 tokens a latent frame) and the video grid
+    (16x spatial VAE, 2x2 patches)."""
+    return SceneSize(TEXT_TOKENS, round(11.25 * latents), (latents, height // 32, width // 32), HEADS, HEAD_DIM)
+
+
+def bucket(size: SceneSize, block_size: int = 64) -> tuple:
+    """What the row-width specialisations of a sparse call depend on: the radix-select split and the
+    power of two of the video region's key blocks."""
+    from ..kernels.triton.radix_select import row_split
+
+    blocks = math.ceil(size.grid[0] * size.grid[1] * size.grid[2] / block_size)
+    return row_split(blocks), 1 << max(0, math.ceil(math.log2(blocks)))
+
+
+def rungs(max_seconds: float = 60.0) -> list[Rung]:
+    """The templates' sizes at 2, 5 and 10 s, then one 1344x768 clip for each row bucket not met yet, up to
+    `max_seconds`: together they compile every kernel a clip up to that length launches."""
+    found = [Rung(f"{canvas} {s:g}s", clip_size(*CANVASES[canvas], latent_frames(s)))
+             for canvas in CANVASES for s in TEMPLATE_SECONDS if s <= max_seconds]
+    seen = {bucket(r.size) for r in found}
+    for latents in range(2, latent_frames(max_seconds) + 1):
+        size = clip_size(*CANVASES["1344x768"], latents)
+        if bucket(size) not in seen:
+            seen.add(bucket(size))
+            found.append(Rung(f"1344x768 {latents} latent frames", size))
+    return found
 
 
 def comfy_user_dir(pack_dir: Path) -> Path | None:
@@ -52,50 +92,48 @@ def comfy_user_dir(pack_dir: Path) -> Path | None:
     return None
 
 
-def prepare(clips: list[str], device: torch.device, dtype: torch.dtype, config: SparseConfig,
-            choices: DenseChoices, echo=print, sparse_choices: SparseChoices | None = None,
-            build_threads: int = 0) -> dict[str, dict[str, float]]:
-    """Compile the kernels of `config` and measure the dense choice (and the sparse one) for each H3 clip.
+def prepare(shapes: list[Rung], device: torch.device, dtype: torch.dtype, config: SparseConfig,
+            choices: DenseChoices, echo=print, sparse_choices: SparseChoices | None = None) -> dict[str, dict[str, float]]:
+    """Compile the kernels of `config` and measure the dense choice (and the sparse one) for each shape.
 
     Args:
-        clips: names in `CLIPS`.
+        shapes: `rungs()`.
         device: a CUDA device.
         dtype: the model's compute dtype.
         config: the sparse configuration whose kernels are compiled (the node's defaults).
         choices: where the dense choices are measured and saved.
         echo: prints one line per step.
         sparse_choices: where the sparse choice of `config` is measured and saved (None: not measured).
-        build_threads: Triton builds at once (`prepare_kernels`; 0: one after the other, at launch).
     Returns:
-        clip -> {"kernels_s", "dense_s"} (and "sparse_s" with `sparse_choices`).
+        shape name -> {"kernels_s", "dense_s"} (and "sparse_s" with `sparse_choices`).
     """
     result = {}
-    for clip in clips:
-        size = SIZES[CLIPS[clip]]
+    for rung in shapes:
+        size = rung.size
         start = time.perf_counter()
-        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim, size.heads,
-                                   build_threads=build_threads)
+        compiled = prepare_kernels(size.layout(), config, dtype, device, size.head_dim, size.heads)
         kernels_s = time.perf_counter() - start
-        echo(f"prepare {clip} ({size.total} tokens): sparse kernels "
-             + ("already prepared" if compiled is None else f"ready in {kernels_s:.1f} s"))
         start = time.perf_counter()
         q, k, v = strided_qkv(size.total, size.heads, size.head_dim, dtype, device)
-        kernel = choices.choice(q, k, v)
+        for precision in ("bf16", "8-bit"):
+            kernel = choices.choice(q, k, v, precision=precision)
         del q, k, v
         torch.cuda.synchronize(device)
         dense_s = time.perf_counter() - start
-        echo(f"prepare {clip}: dense attention runs on {choices.label(kernel)} (measured in {dense_s:.1f} s, "
-             f"saved in {choices.path}; ComfyUI's own attention, a candidate too, is measured in its first run)")
-        result[clip] = {"kernels_s": kernels_s, "dense_s": dense_s}
+        echo(f"prepare {rung.name} ({size.total:,} tokens): kernels "
+             + ("already prepared" if compiled is None else f"ready in {kernels_s:.1f} s")
+             + f"; dense attention on {choices.label(kernel)} (measured in {dense_s:.1f} s)")
+        result[rung.name] = {"kernels_s": kernels_s, "dense_s": dense_s}
         if sparse_choices is not None:
-            result[clip]["sparse_s"] = measure_sparse(size, device, dtype, config, sparse_choices, echo, clip)
+            result[rung.name]["sparse_s"] = measure_sparse(rung, device, dtype, config, sparse_choices, echo)
     return result
 
 
-def measure_sparse(size, device: torch.device, dtype: torch.dtype, config: SparseConfig, choices: SparseChoices,
-                   echo, clip: str) -> float:
-    """Measure (or check the saved) sparse-kernel choice of one sparse call of `size` under `config`, for the
+def measure_sparse(rung: Rung, device: torch.device, dtype: torch.dtype, config: SparseConfig,
+                   choices: SparseChoices, echo) -> float:
+    """Measure (or check the saved) sparse-kernel choice of one sparse call of `rung` under `config`, for the
     bf16 bound and the 8-bit one (a launch with 8-bit attention runs the latter); seconds."""
+    size = rung.size
     start = time.perf_counter()
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, size.heads, size.total, size.head_dim, generator=g, device=device, dtype=dtype)
@@ -108,42 +146,7 @@ def measure_sparse(size, device: torch.device, dtype: torch.dtype, config: Spars
     del q, k, v
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    echo(f"prepare {clip}: sparse attention runs on {', '.join(ran)} (chosen in {seconds:.1f} s, saved in "
-         f"{choices.path})")
-    return seconds
-
-
-SPEC_FIELDS = ("segments", "config", "dtype", "head_dim", "heads", "device")
-SHAPE_BUDGET_S = 600  # a --shape run still going after this exits with 1 (no parent need be there to stop it)
-STANDBY_WAIT_S = 900  # a standby child (--shape -) no shape came to after this exits (its parent starts another)
-
-
-def prepare_shape(spec: str, echo=print, build_threads: int = 0) -> float | None:
-    """Compile (or load from Triton's cache) the kernels of one run's shape (`prepare_kernels`).
-
-    Args:
-        spec: JSON with "segments" ([start, stop, kind, grid or null] rows), "config" (SparseConfig fields),
-            "dtype" (a `DTYPES` value's name), "head_dim", "heads" and "device" (written by
-            `nodes.warm_start.shape_spec`).
-        echo: prints one line.
-        build_threads: Triton builds at once (`prepare_kernels`; 0: one after the other, at launch).
-    Returns:
-        Seconds spent, or None when nothing compiles for this shape.
-    """
-    fields = json.loads(spec)
-    if not isinstance(fields, dict) or sorted(fields) != sorted(SPEC_FIELDS):
-        raise ValueError(f"prepare --shape: {spec[:200]!r} is not allowed: a JSON object with exactly the keys "
-                         f"{', '.join(SPEC_FIELDS)}")
-    dtypes = {str(d).removeprefix("torch."): d for d in DTYPES.values()}
-    if fields["dtype"] not in dtypes:
-        raise ValueError(f"prepare --shape: dtype={fields['dtype']!r} is not allowed: {', '.join(dtypes)}")
-    layout = SequenceLayout.from_segments([(a, b, kind) if grid is None else (a, b, kind, tuple(grid))
-                                           for a, b, kind, grid in fields["segments"]])
-    device = torch.device(fields["device"])
-    echo(f"{UP_LINE} for {layout.total} tokens on {device}")  # the parent's sign that the start-up is over
-    seconds = prepare_kernels(layout, SparseConfig(**fields["config"]), dtypes[fields["dtype"]], device,
-                              int(fields["head_dim"]), int(fields["heads"]), build_threads=build_threads)
-    echo("prepare --shape: " + ("nothing compiles for this shape" if seconds is None else f"ready in {seconds:.1f} s"))
+    echo(f"prepare {rung.name}: sparse attention runs on {', '.join(ran)} (chosen in {seconds:.1f} s)")
     return seconds
 
 
@@ -155,46 +158,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clips", default="5s,10s", help=f"H3 clips at 1344x768 ({', '.join(CLIPS)}; default 5s,10s)")
+    parser.add_argument("--max-seconds", type=float, default=60.0,
+                        help="the longest clip whose kernels are compiled (1344x768; default 60)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="the model's compute dtype")
     parser.add_argument("--device", default="cuda", help="the CUDA device (default cuda)")
     parser.add_argument("--user-dir", help="ComfyUI's user directory, where the node keeps its dense-kernel "
                                            "choices (default: found from the pack's folder inside ComfyUI)")
-    parser.add_argument("--shape", help="compile the kernels of this one shape (JSON written by the node's child "
-                                        "process, nodes/warm_start.py; '-': read it as one line from standard "
-                                        "input, after the imports) instead of the clips; measures nothing")
-    parser.add_argument("--build-threads", type=int, default=os.cpu_count() or 1,
-                        help="Triton kernels built at once after a dry run of the call records them (default: one per "
-                             "CPU core; 0: each builds at its first launch, one after the other)")
 
 
 def run(args: argparse.Namespace) -> int:
     """The `prepare` command."""
-    if args.build_threads < 0:
-        print(f"prepare: --build-threads {args.build_threads} is not allowed: 0 (one after the other) or more")
-        return 2
-    if args.shape:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-        spec = args.shape
-        if spec == STANDBY_SPEC:  # a standby child: imports done, it waits for its run shape (or end of input)
-            print(STANDBY_LINE, flush=True)
-            idle = threading.Timer(STANDBY_WAIT_S, os._exit, (0,))  # no shape came: the run never started
-            idle.daemon = True
-            idle.start()
-            spec = sys.stdin.readline()
-            idle.cancel()
-            if not spec.strip():
-                return 0  # its parent closed the input: no shape came
-        faulthandler.dump_traceback_later(SHAPE_BUDGET_S, exit=True)
-        try:
-            prepare_shape(spec, build_threads=args.build_threads)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        return 0
-    clips = [c for c in args.clips.split(",") if c]
-    unknown = [c for c in clips if c not in CLIPS]
-    if unknown or not clips:
-        print(f"prepare: --clips {args.clips!r}: {unknown or 'none given'} not allowed; allowed: {', '.join(CLIPS)}")
+    if not 2.0 <= args.max_seconds <= 120.0:
+        print(f"prepare: --max-seconds {args.max_seconds:g} is not allowed: 2 to 120")
         return 2
     if not torch.cuda.is_available():
         print("prepare: no CUDA GPU visible: nothing to prepare (on the CPU the torch reference kernel runs, "
@@ -204,11 +179,13 @@ def run(args: argparse.Namespace) -> int:
     pack_dir = Path(__file__).resolve().parent.parent
     user_dir = Path(args.user_dir) if args.user_dir else comfy_user_dir(pack_dir)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shapes = rungs(args.max_seconds)
     print(f"prepare: compiling the sparse-attention kernels for {torch.cuda.get_device_name(device)} and measuring "
-          f"the dense kernel for {', '.join(clips)}; this takes about a minute the first time on a machine")
+          f"the dense and sparse kernels at {len(shapes)} shapes (clips up to {args.max_seconds:g} s); about a "
+          "minute or two the first time on a machine")
     choices = DenseChoices(default_cache_path(user_dir))
-    prepare(clips, device, DTYPES[args.dtype], SparseConfig(), choices,
-            sparse_choices=SparseChoices(sparse_cache_path(user_dir)), build_threads=args.build_threads)
+    prepare(shapes, device, DTYPES[args.dtype], SparseConfig(), choices,
+            sparse_choices=SparseChoices(sparse_cache_path(user_dir)))
     from ..kernels.dense.pays_from import describe
     from .pays_from import ladder, measure
 

@@ -27,7 +27,8 @@ import torch
 from ..backend.layout import SequenceLayout
 from ..notices import logger
 from .core_sparse import refuse_core_sparse
-from .h3_model import LayoutCache, payload_layout
+from .h3_model import payload_layout
+from .model_state import model_state
 from .run_tracker import RunTracker
 
 log = logger()
@@ -124,7 +125,6 @@ class BlockHook(ABC):
         was cloned from, or the hook of an earlier node this one replaced)."""
         self.parent = parent
         self.tracker = RunTracker(self.title, parent=None if parent is None else parent.tracker)
-        self.layouts = LayoutCache()
 
     def on_model_patcher_clone(self) -> BlockHook:
         """ComfyUI's ModelPatcher.clone(): the clone runs with its own state and the same settings."""
@@ -152,11 +152,12 @@ class BlockHook(ABC):
         return ctx
 
     def layout(self, args: dict, ctx: CallContext) -> SequenceLayout | None:
-        """The call's layout: from the block args, transformer_options or the wrapper, else None."""
+        """The call's layout: from the block args, transformer_options or the wrapper, else None (one object
+        per shape of the model the call runs on: `model_state.ModelState`)."""
         to = args.get("transformer_options", {})
         for packed in (args.get("layout"), to.get("minimax_h3_layout"), ctx.packed):
             if packed is not None:
-                return self.layouts.of(packed)
+                return model_state(ctx.model).layouts.of(packed)
         return None
 
     def dense_args(self, args: dict) -> dict:

@@ -47,7 +47,8 @@ def h3_diffusion_model(model: Any, node: str) -> Any:
 
 
 class LayoutCache(BoundedCache[SequenceLayout]):
-    """ComfyUI ``PackedLayout`` -> `SequenceLayout`, cached per (signature, segments), bounded."""
+    """ComfyUI ``PackedLayout`` -> `SequenceLayout`, cached per (signature, segments), bounded. Each layout
+    keeps what was built and prepared for its shape (`backend/cache.ShapeCache`)."""
 
     def __init__(self, size: int = LAYOUT_CACHE_SIZE):
         super().__init__(size)
@@ -58,7 +59,6 @@ class LayoutCache(BoundedCache[SequenceLayout]):
         key = (getattr(packed, "signature", None), tuple(tuple(s) for s in packed.segments))
         with self.lock:
             return self.get(key, lambda: SequenceLayout.from_packed(packed))
-
 
 
 def payload_layout(model: Any, x: Any, context: torch.Tensor, payload: dict) -> Any:

@@ -47,7 +47,7 @@ with kernel_imports():
         if not CUDA:
             patch_language_once_per_launch()
             # every kernel module of the pack too: a test that resolves kernels for a stand-in CUDA device
-            # (nodes/warm_start's tests) loads them without TRITON_INTERPRET, which would decorate them compiled
+            # would load them without TRITON_INTERPRET, which would decorate them compiled
             import adaptive_sparse_attention.kernels.triton as triton_kernels
             for module in pkgutil.iter_modules(triton_kernels.__path__):
                 importlib.import_module(f"{triton_kernels.__name__}.{module.name}")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from adaptive_sparse_attention import sparse_attention
-from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook, gate_notice
+from adaptive_sparse_attention.nodes.sparse_call import gate_notice
+from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
 from adaptive_sparse_attention.backend.planner import build_plan
 from h3_block import block_args, layout_of
 from h3_harness import PACKED, TOL, config, model_of, options, reference, run_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from adaptive_sparse_attention.backend import producer
-from adaptive_sparse_attention.nodes import core_sparse, h3_model, sparse_policy
+from adaptive_sparse_attention.nodes import core_sparse, h3_model, preparation, sparse_call, sparse_policy
 from adaptive_sparse_attention.nodes.model_patches import AttentionDispatch, block_hooks
 from adaptive_sparse_attention.nodes.comfy_weights import head_groups
 from adaptive_sparse_attention.nodes.h3_model import LayoutCache, check_h3
@@ -145,13 +145,12 @@ def test_strict_errors_and_logged_fallbacks(caplog, monkeypatch):
     args["transformer_options"] = options()
     with pytest.raises(RuntimeError, match="does not match the layout"):
         run_model(model, SparseAttentionHook(config(strict=True)), args, True)
-    hook = SparseAttentionHook(config())
     layout = layout_of(PACKED)
     attn, shape = model.blocks[0].attn, (layout.total, 32)
-    assert "device meta" in hook.unsupported(attn, shape, torch.float32, torch.device("meta"), layout)
-    assert "int" in hook.unsupported(attn, shape, torch.int32, torch.device("cpu"), layout)
-    assert "layout was not found" in hook.unsupported(attn, shape, torch.float32, torch.device("cpu"), None)
-    assert "does not match" in hook.unsupported(attn, (layout.total + 1, 32), torch.float32, torch.device("cpu"), layout)
+    assert "device meta" in sparse_call.call_problem(attn, shape, torch.float32, torch.device("meta"), layout)
+    assert "int" in sparse_call.call_problem(attn, shape, torch.int32, torch.device("cpu"), layout)
+    assert "layout was not found" in sparse_call.call_problem(attn, shape, torch.float32, torch.device("cpu"), None)
+    assert "does not match" in sparse_call.call_problem(attn, (layout.total + 1, 32), torch.float32, torch.device("cpu"), layout)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: Triton cannot run, strict says so
     args["layout"] = PACKED
@@ -301,7 +300,7 @@ def test_producer_matches_the_block(dtype):
 def test_kernels_are_prepared_in_the_first_warmup_call(monkeypatch):
     """The first block call of a layout compiles the sparse kernels, before any sparse step."""
     prepared = []
-    monkeypatch.setattr(sparse_policy, "prepare_kernels", lambda *a, announce: prepared.append(a))
+    monkeypatch.setattr(preparation, "prepare", lambda *a, announce: prepared.append(a))
     model = model_of(True, seed=12)
     args = block_args(model.blocks[0], PACKED, seed=13, new=True)
     args["transformer_options"] = options(step=0)
@@ -319,7 +318,7 @@ def test_kernels_are_prepared_at_the_head_count_of_one_call_under_head_groups(mo
     """With KJNodes' head groups a sparse call holds one group's heads: the preparation runs at the largest
     group's count (its buffers grow with the heads, and head groups are there to keep memory down)."""
     prepared = []
-    monkeypatch.setattr(sparse_policy, "prepare_kernels", lambda *a, announce: prepared.append(a))
+    monkeypatch.setattr(preparation, "prepare", lambda *a, announce: prepared.append(a))
     model = model_of(True, seed=12)
     args = block_args(model.blocks[0], PACKED, seed=13, new=True)
     args["transformer_options"] = dict(options(step=0), minimax_head_chunks=2)
@@ -344,9 +343,9 @@ def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_grap
 
     monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
     seen = []
-    attention = sparse_policy.sparse_attention
-    monkeypatch.setattr(sparse_policy, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
-    monkeypatch.setattr(sparse_policy, "prepare_kernels", lambda *a, announce: seen.append(("prepare", len(depth))))
+    attention = sparse_call.sparse_attention
+    monkeypatch.setattr(sparse_call, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))
+    monkeypatch.setattr(preparation, "prepare", lambda *a, announce: seen.append(("prepare", len(depth))))
     model = model_of(True, seed=23, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=24, new=True)
     hook = SparseAttentionHook(config(warmup_mode="fidelity", warmup_ratio=0.3))

@@ -134,9 +134,9 @@ def test_head_choice_kernels_do_not_specialise_on_length(monkeypatch):
 
 def test_the_producer_epilogue_launches_one_binary(monkeypatch):
     """The QKV producer's epilogue launches one specialisation for every chunk of any clip length, any head
-    group, and for the preparation's call (`warmup.epilogue`), which must compile it for the run."""
+    group, and for the preparation's call (`prepare.epilogue`), which must compile it for the run."""
     from adaptive_sparse_attention.backend.producer import CHUNK_ROWS, produce_qkv
-    from adaptive_sparse_attention.backend.warmup import epilogue
+    from adaptive_sparse_attention.backend.prepare import epilogue
     from adaptive_sparse_attention.kernels.registry import resolve
 
     seen = record_launches(monkeypatch, execute=False)

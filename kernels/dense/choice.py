@@ -141,7 +141,8 @@ def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, 
 
 
 def device_key(device: torch.device) -> str:
-    """The part of a choice's key fixed per GPU and build: pack, GPU, torch and cuDNN versions.
+    """The part of a choice's key fixed per GPU and build: pack, GPU, CUDA driver, torch, cuDNN and Triton
+    versions. A choice saved under another build is not found, so it is measured again, not trusted.
 
     Args:
         device: a CUDA device.
@@ -149,8 +150,34 @@ def device_key(device: torch.device) -> str:
         The key prefix.
     """
     sm = "".join(map(str, torch.cuda.get_device_capability(device)))
-    return (f"pack {__version__}|{torch.cuda.get_device_name(device)}|sm{sm}|torch {torch.__version__}"
-            f"|cudnn {torch.backends.cudnn.version()}")
+    return (f"pack {__version__}|{torch.cuda.get_device_name(device)}|sm{sm}|driver {driver_version()}"
+            f"|torch {torch.__version__}|cudnn {torch.backends.cudnn.version()}|triton {triton_version()}")
+
+
+def driver_version() -> str:
+    """The CUDA driver's API version (``cuDriverGetVersion``, e.g. 13000), read in this process; "unknown"
+    where the driver library cannot be loaded."""
+    import ctypes
+    import sys
+
+    try:
+        cuda = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        value = ctypes.c_int()
+        return str(value.value) if cuda.cuDriverGetVersion(ctypes.byref(value)) == 0 else "unknown"
+    except (OSError, AttributeError):
+        return "unknown"
+
+
+def triton_version() -> str:
+    """The installed Triton's version (``triton`` or ``triton-windows``), or "none"."""
+    from importlib import metadata
+
+    for dist in ("triton", "triton-windows"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "none"
 
 
 def default_cache_path(user_dir: str | os.PathLike | None = None) -> Path:

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .build_ahead import holds_compiled
 
 ROWS = 16  # rows per program
 
@@ -81,12 +80,6 @@ def _norm_rope(C, Q, K, V, T, QScale, KScale, n, start, g, sc_n, so_h, so_s, st_
     mask = inside[:, None] & in_dim[None, :]
     vals = tl.load(C + (x_rows + 2 * g * D)[:, None] + offs_d[None, :], mask=mask, other=0.0)
     tl.store(V + y_rows[:, None] + offs_d[None, :], vals.to(V.dtype.element_ty), mask=mask)
-
-
-def in_memory(device_index: int) -> bool:
-    """Whether this process holds the compiled epilogue for CUDA device `device_index`: it ran a sparse step
-    there (the epilogue is the first kernel a sparse step launches)."""
-    return holds_compiled(_norm_rope, device_index)
 
 
 def norm_rope_triton(chunk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,

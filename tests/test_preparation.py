@@ -1,0 +1,91 @@
+"""Kernel preparation has one owner (`backend/prepare.py`): one synchronous call per layout in this process,
+counting what Triton loads and compiles; the node starts no process during a run, and the layouts (with what
+was built and prepared for them) are shared by every patch and clone of one loaded model."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import subprocess
+
+import pytest
+import torch
+
+from adaptive_sparse_attention import SparseConfig
+from adaptive_sparse_attention.backend import prepare as prep
+from adaptive_sparse_attention.nodes import preparation
+from adaptive_sparse_attention.nodes.model_state import model_state
+from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
+from h3_block import block_args, layout_of
+from h3_harness import PACKED, config, model_of, options, run_model
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (interpreter)")
+
+
+def no_process(*args, **kwargs):
+    raise AssertionError(f"a process was started during a run: {args[:1]}")
+
+
+@needs_triton
+def test_a_run_starts_no_process_and_prepares_once_per_layout(monkeypatch, interpreter, caplog):
+    """Warmup steps and sparse steps of the Triton family (the interpreter stands in for a GPU): no
+    `subprocess.Popen` anywhere in the run; the layout is prepared once, at its first block call, in this
+    process, and the console says what compiled and what loaded with its seconds."""
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    launched = []
+    launch_all = prep.launch_all
+    monkeypatch.setattr(prep, "launch_all", lambda *a, **k: launched.append(a[0].total) or launch_all(*a, **k))
+    model = model_of(True, seed=12, layers=1).to(torch.float32)
+    args = block_args(model.blocks[0], PACKED, seed=13, new=True, dtype=torch.float32)
+    hook = SparseAttentionHook(config(kernel="triton", warmup_mode="fidelity", warmup_ratio=0.3))
+    with caplog.at_level(logging.INFO, logger="adaptive_sparse_attention"):
+        for step in (0, 1, 5, 6):  # two warmup steps, then two sparse ones
+            args["transformer_options"] = options(step)
+            run_model(model, hook, args, True)
+    assert hook.tracker.stats.sparse_blocks == 2
+    assert launched == [layout_of(PACKED).total]
+    ready = [r.getMessage() for r in caplog.records if "kernels ready in" in r.getMessage()]
+    assert len(ready) == 1 and "compiled" in ready[0] and "loaded from Triton's cache" in ready[0]
+
+
+def test_builds_are_counted_through_the_compilation_listener():
+    """What Triton's listener reports while a preparation runs: disk-cache hits and compiles, the first
+    compile said once; the listener Triton had before is put back."""
+    said = []
+    triton = pytest.importorskip("triton")
+    before = triton.knobs.compilation.listener
+    with prep.counting_builds(lambda: said.append("compiling")) as builds:
+        listener = triton.knobs.compilation.listener
+        listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=False)
+        listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=False)
+    assert (builds.loaded, builds.compiled, said) == (1, 2, ["compiling"])
+    assert triton.knobs.compilation.listener is before
+
+
+def test_nothing_is_prepared_for_the_torch_reference():
+    """The torch reference compiles nothing: no preparation, no record."""
+    layout = layout_of(PACKED)
+    assert prep.prepare(layout, SparseConfig(kernel="torch"), torch.float32, torch.device("cpu"), 32, 2) is None
+    assert not layout.cache.has("prepared", prep.preparation_key(SparseConfig(kernel="torch"), torch.float32,
+                                                                 torch.device("cpu"), 32, 2))
+
+
+def test_patches_and_clones_of_one_model_share_its_layouts(monkeypatch):
+    """Two hooks (a model patched again with other widgets) and a clone run on one diffusion model: one
+    layout object per shape, so the statics and the preparation are built once; a deep copy of the model (a
+    clone on another device) starts with its own layouts and shares the measured choices."""
+    prepared = []
+    monkeypatch.setattr(preparation, "prepare", lambda layout, *a, announce: prepared.append(layout))
+    model = model_of(True, seed=12, layers=1)
+    args = block_args(model.blocks[0], PACKED, seed=13, new=True)
+    args["transformer_options"] = options(step=5)
+    first = SparseAttentionHook(config(topk_ratio=0.25))
+    again = SparseAttentionHook(config(topk_ratio=0.5))
+    for hook in (first, again, first.on_model_patcher_clone()):
+        run_model(model, hook, args, True)
+    assert len(prepared) == 3 and prepared[0] is prepared[1] is prepared[2]
+    assert len(model_state(model).layouts) == 1
+    twin = copy.deepcopy(model)
+    assert len(model_state(twin).layouts) == 0
+    assert model_state(twin).dense_choices is model_state(model).dense_choices
