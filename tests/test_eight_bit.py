@@ -128,14 +128,14 @@ def test_quantisation_error_is_half_a_step(pv):
     assert c.q_codes.shape == (B, H, J * bs, D)
 
 
-@pytest.mark.parametrize("family,gran,heads,shared,bs,dim,regions", [
+@pytest.mark.parametrize("arch,gran,heads,shared,bs,dim,regions", [
     ("sm89", "query", 2, False, 32, 32, True),    # FP8 P.V, query summaries, per-head permutations
     ("sm80", "block", 9, True, 32, 32, True),     # INT8 P.V, block summaries, two head chunks (8 + 1)
     ("sm90", "none", 1, False, 64, 64, False),    # one head, random block lengths, empty rows
     ("sm120", "query", 2, True, 64, 32, False),
     ("sm80", "none", 2, False, 32, 64, False),
 ])
-def test_kernel_matches_the_same_quantisation(family, gran, heads, shared, bs, dim, regions):
+def test_kernel_matches_the_same_quantisation(arch, gran, heads, shared, bs, dim, regions):
     """Awkward plans (several regions with edge blocks or random block lengths, query blocks with
     nothing exact, batch 2), fp32 inputs with a key offset: the kernel equals the reference of the
     same quantisation up to fp32 rounding (module docstring), and both are within REL_L2 of exact."""
@@ -144,7 +144,7 @@ def test_kernel_matches_the_same_quantisation(family, gran, heads, shared, bs, d
     S = sum(REGION_LENGTHS)
     q, k, v = (torch.randn(2, heads, S, dim, generator=g) for _ in range(3))
     k = k + 2.0
-    cfg = EIGHT_BIT_CONFIGS[(family, dim, 64)]
+    cfg = EIGHT_BIT_CONFIGS[(arch, dim, 64)]
     out, lse = block_sparse_triton(q, k, v, plan, config=cfg, precision="8-bit")
     ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan, eight_bit=cfg)
     exact, _ = block_sparse_reference(q.double(), k.double(), v.double(), plan)

@@ -1,16 +1,16 @@
-"""Every Triton kernel compiles for sm80/86/89/90/120 and fits its family's shared memory.
+"""Every Triton kernel compiles for sm80/86/89/90/120 and fits its arch's shared memory.
 
 The H200 runs only sm90 code; this compiles each kernel ahead of time for the other targets
 our users run (`tools/kernel_targets.py`, in a fresh process so Triton is not in interpreter mode),
 with the launch configs the launchers pick there, and checks the compiled shared memory
-against the per-block limit of the family: 99 KB on sm86/89/120 (the sm80 family plans for
+against the per-block limit of the arch: 99 KB on sm86/89/120 (the sm80 arch plans for
 the smallest of its members), 227 KB on sm90. The kernels that gather bf16 rows must read them
 in vectors: a two-byte global load means a row went element by element (what unspecialised
 strides without an alignment hint compile to). The attention kernel's tiled variants (Q/K/V
 packed contiguous) must read their tiles in 16-byte vectors; their two-byte loads are the int16
 pick list's. The producer's epilogue reads its q, k, v rows in 16-byte vectors (its two-byte loads are
-the rotation partners and the table, from lines just read). The 8-bit variants (INT8 Q.K^T, FP8 or INT8 P.V by family) compile for every target,
-and every family's 8-bit config also as sm90 code (the H200 runs them).
+the rotation partners and the table, from lines just read). The 8-bit variants (INT8 Q.K^T, FP8 or INT8 P.V by arch) compile for every target,
+and every arch's 8-bit config also as sm90 code (the H200 runs them).
 """
 import json
 import os
@@ -37,11 +37,11 @@ def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
     assert len(results) >= 5 * 5  # five targets, five kernels each
     problems = []
     for name, r in results.items():
-        family = "sm90" if name.startswith("sm90") else "sm80"
+        arch = "sm90" if name.startswith("sm90") else "sm80"
         if "error" in r or not r["cubin"]:
             problems.append(f"{name}: {r.get('error', 'no cubin')}")
-        elif r["shared"] > SHARED_LIMIT[family]:
-            problems.append(f"{name}: {r['shared']} bytes of shared memory > {SHARED_LIMIT[family]} ({family})")
+        elif r["shared"] > SHARED_LIMIT[arch]:
+            problems.append(f"{name}: {r['shared']} bytes of shared memory > {SHARED_LIMIT[arch]} ({arch})")
         elif name.split(" ", 1)[1] in ROW_GATHERS and r["loads"].get("2"):
             problems.append(f"{name}: {r['loads']['2']} two-byte global loads (bf16 rows read one element at a time)")
         elif name.endswith(" tiled") and not r["loads"].get("16"):

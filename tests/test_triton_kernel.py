@@ -25,7 +25,7 @@ from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
                                              block_sparse_reference)
-from adaptive_sparse_attention.kernels.triton.configs import FAMILY_ENV, KernelConfig, kernel_config
+from adaptive_sparse_attention.kernels.triton.configs import ARCH_ENV, KernelConfig, kernel_config
 from adaptive_sparse_attention.kernels.triton.op import TritonAttention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -73,8 +73,8 @@ def test_block_size_128_whole_or_split_query_blocks_and_batch_shares_plan():
     cfg = SparseConfig(tiling="cube", topk_ratio=0.25, block_size=128, tail="reweight")
     plan = build_plan(q, k, v, layout, cfg)
     assert plan.block_size == 128
-    for family in ("sm80", "sm90"):  # 64-row tiles (two programs per block) and 128-row tiles
-        check(q, k, v, plan, config=kernel_config(32, 128, q.device, family=family))
+    for arch in ("sm80", "sm90"):  # 64-row tiles (two programs per block) and 128-row tiles
+        check(q, k, v, plan, config=kernel_config(32, 128, q.device, arch=arch))
 
 
 def random_plan(seq_len, batch, heads, dim, block_size, dtype, gran, seed, shared=False, block_len=None):
@@ -221,16 +221,16 @@ def test_narrow_and_wide_row_offsets(monkeypatch, wide):
     check(q, k, v, random_plan(layout.total, 1, 2, 32, 64, torch.float32, "query", seed=4))
 
 
-def test_families_are_forced_and_validated(monkeypatch):
+def test_archs_are_forced_and_validated(monkeypatch):
     cpu = torch.device("cpu")
-    assert kernel_config(128, 64, cpu, family="sm90") != kernel_config(128, 64, cpu, family="sm80")
-    monkeypatch.setenv(FAMILY_ENV, "sm90")
-    assert kernel_config(128, 64, cpu) == kernel_config(128, 64, cpu, family="sm90")
-    monkeypatch.setenv(FAMILY_ENV, "sm70")
+    assert kernel_config(128, 64, cpu, arch="sm90") != kernel_config(128, 64, cpu, arch="sm80")
+    monkeypatch.setenv(ARCH_ENV, "sm90")
+    assert kernel_config(128, 64, cpu) == kernel_config(128, 64, cpu, arch="sm90")
+    monkeypatch.setenv(ARCH_ENV, "sm70")
     with pytest.raises(ValueError, match="sm70"):
         kernel_config(128, 64, cpu)
     with pytest.raises(ValueError, match="head_dim=96"):
-        kernel_config(96, 64, cpu, family="sm80")
+        kernel_config(96, 64, cpu, arch="sm80")
 
 
 def test_bad_inputs_raise():

@@ -19,7 +19,7 @@ import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.bench.scenes import SCENES, make_scene
-from adaptive_sparse_attention.kernels.triton.configs import FAMILY_ENV
+from adaptive_sparse_attention.kernels.triton.configs import ARCH_ENV
 
 VARIANTS = ("plain", "k channel x1000", "q channel x1000")
 
@@ -55,12 +55,12 @@ def main() -> None:
                 cfg = SparseConfig(topk_ratio=ratio, kernel="torch", min_tokens=0)
                 row = {"scene": scene_name, "inputs": vname, "ratio": ratio,
                        "bf16": rel(sparse_attention(q, k, v, scene.layout, cfg), dense)}
-                for family, pv in (("sm89", "fp8"), ("sm80", "int8")):
-                    os.environ[FAMILY_ENV] = family  # the P.V format of that family
+                for arch, pv in (("sm89", "fp8"), ("sm80", "int8")):
+                    os.environ[ARCH_ENV] = arch  # the P.V format of that arch
                     try:
                         out = sparse_attention(q, k, v, scene.layout, cfg.replace(precision="8-bit"))
                     finally:
-                        del os.environ[FAMILY_ENV]
+                        del os.environ[ARCH_ENV]
                     row[f"8-bit {pv}"] = rel(out, dense)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -1,6 +1,6 @@
 """The Triton kernel against the float64 reference at about 8k tokens (section `check`).
 
-Per dtype, head dim, tail granularity and architecture family (forced): relative L2 and max
+Per dtype, head dim, tail granularity and arch (forced): relative L2 and max
 error, the log-sum-exp error, and identical bits across repeated runs. Freed memory is filled
 with NaN first, so a row the kernel fails to write shows up as NaN instead of stale numbers.
 """
@@ -12,7 +12,7 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
-from adaptive_sparse_attention.kernels.triton.configs import FAMILIES, kernel_config
+from adaptive_sparse_attention.kernels.triton.configs import ARCHS, kernel_config
 from adaptive_sparse_attention.kernels.reference.reference import block_sparse_reference
 from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 
@@ -24,7 +24,7 @@ def poison_allocator(nbytes: int) -> None:
 
 
 def correctness(results: dict, quick: bool, block_size: int) -> None:
-    """Append one row per case and family to results["correctness"] and print it.
+    """Append one row per case and arch to results["correctness"] and print it.
 
     Args:
         results: the check's results, extended in place.
@@ -46,14 +46,14 @@ def correctness(results: dict, quick: bool, block_size: int) -> None:
         ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan)
         low, _ = block_sparse_reference(q, k, v, plan)  # fp32 math, output rounded to dtype
         low_err = float((low.double() - ref).abs().max())
-        for fam in FAMILIES:
-            conf = kernel_config(dim, plan.block_size, q.device, family=fam)
+        for arch in ARCHS:
+            conf = kernel_config(dim, plan.block_size, q.device, arch=arch)
             poison_allocator(4 * q.numel() * q.element_size())
             out, lse = block_sparse_triton(q, k, v, plan, config=conf)
             again = [block_sparse_triton(q, k, v, plan, config=conf) for _ in range(2)]
             same = all(torch.equal(o, out) and torch.equal(l, lse) for o, l in again)
             err = (out.double() - ref)
-            row = dict(dtype=str(dtype).split(".")[-1], dim=dim, gran=gran, block_size=block_size, family=fam,
+            row = dict(dtype=str(dtype).split(".")[-1], dim=dim, gran=gran, block_size=block_size, arch=arch,
                        config=conf.__dict__,
                        rel_l2=float(err.norm() / ref.norm()), max_abs=float(err.abs().max()),
                        ref_lowprec_max_abs=low_err, lse_max_abs=float((lse.double() - ref_lse).abs().max()),
@@ -61,7 +61,7 @@ def correctness(results: dict, quick: bool, block_size: int) -> None:
             row["ok"] = row["finite"] and same and row["rel_l2"] < 1e-2 and row["max_abs"] < max(4 * low_err, 2e-2) \
                 and row["lse_max_abs"] < 1e-3
             rows.append(row)
-            print(f"check bs{block_size} {row['dtype']} D{dim} {gran:5s} {fam}: rel_l2 {row['rel_l2']:.2e} "
+            print(f"check bs{block_size} {row['dtype']} D{dim} {gran:5s} {arch}: rel_l2 {row['rel_l2']:.2e} "
                   f"max {row['max_abs']:.2e} (fp32-ref rounded {low_err:.2e}) lse {row['lse_max_abs']:.1e} identical {same} ok {row['ok']}",
                   flush=True)
         if quick:

@@ -5,7 +5,7 @@ from __future__ import annotations
 def markdown(results: dict) -> str:
     """The markdown tables of `results` (what kernel_check.md holds)."""
     lines = [f"# Kernel check on {results['device']} ({results['versions']})", "",
-             "| shape | block | ratio | tail | family | kernel ms | TFLOP/s (pairs computed) | % dense rate | "
+             "| shape | block | ratio | tail | arch | kernel ms | TFLOP/s (pairs computed) | % dense rate | "
              "% dense time | whole op ms | whole op % dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in results.get("timing", {}).items():
         lines.append(f"| {name} dense cuDNN | | | | | {e['dense_cudnn_ms']:.1f} | "
@@ -13,7 +13,7 @@ def markdown(results: dict) -> str:
         for r in e["rows"]:
             whole = (f"{r['sparse_attention_ms']:.1f} | {100 * r['sparse_attention_vs_dense']:.1f}"
                      if "sparse_attention_ms" in r else " | ")
-            lines.append(f"| {name} | {r['block_size']} | {r['ratio']} | {r['gran']} | {r['family']} | "
+            lines.append(f"| {name} | {r['block_size']} | {r['ratio']} | {r['gran']} | {r['arch']} | "
                          f"{r['kernel_ms']:.2f} | {r['tflops']:.0f} | {100 * r['vs_dense_rate']:.0f} | "
                          f"{100 * r['vs_dense_time']:.1f} | {whole} |")
     cudnn = [(name, r) for name, e in results.get("timing", {}).items() for r in e.get("cudnn", [])]

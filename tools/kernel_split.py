@@ -1,5 +1,5 @@
 """Where the op's time goes at the H3 shapes on the node's defaults: planning, the exact-key loop and
-the query tail, gather against tiled mode, per-family configs and summary-tile widths (CUDA).
+the query tail, gather against tiled mode, per-arch configs and summary-tile widths (CUDA).
 
 Per shape and ratio (reblock tiling, reweight query tails, block size 64, bf16, 56 x 128):
 the whole `sparse_attention` call (Triton; `auto`) and its planning share; the kernel on the
@@ -26,7 +26,7 @@ from adaptive_sparse_attention.kernels.triton import attention as ta
 from adaptive_sparse_attention.kernels.triton.configs import KernelConfig, kernel_config
 from kernel_cases import DIM, H3_SHAPES, HEADS, computed_pairs
 
-# (family, config changes) timed in tiled mode at 10s / 0.1: the small-shared-memory family's own
+# (arch, config changes) timed in tiled mode at 10s / 0.1: the small-shared-memory arch's own
 # config (RTX 30/40/50), and summary tiles of 32 and 128 columns on sm90
 VARIANTS = (("sm80", {}), ("sm90", {"block_t": 32}), ("sm90", {"block_t": 128}))
 
@@ -87,15 +87,15 @@ def main() -> None:
             entry["rows"].append({"ratio": ratio, "mode": "auto", "op_ms": auto})
             print(f"  r{ratio} auto: op {auto:.1f} ms", flush=True)
             if name == "10s" and ratio == 0.1:
-                for fam, changes in VARIANTS:
-                    conf = dataclasses.replace(kernel_config(DIM, 64, q.device, family=fam), **changes)
+                for arch, changes in VARIANTS:
+                    conf = dataclasses.replace(kernel_config(DIM, 64, q.device, arch=arch), **changes)
                     try:
-                        row = {"ratio": ratio, "mode": "tiled", "family": fam, "config": conf.__dict__,
+                        row = {"ratio": ratio, "mode": "tiled", "arch": arch, "config": conf.__dict__,
                                **kernel_rates(q, k, v, plan, dense_tflops, True, conf)}
                     except Exception as e:  # a config that does not fit: reported, not fatal
-                        row = {"family": fam, "config": conf.__dict__, "error": repr(e)[:200]}
+                        row = {"arch": arch, "config": conf.__dict__, "error": repr(e)[:200]}
                     entry.setdefault("variants", []).append(row)
-                    print(f"  variant {fam} {conf}: " + (row.get("error") or
+                    print(f"  variant {arch} {conf}: " + (row.get("error") or
                           f"kernel {row['kernel_ms']:.1f} exact {row['exact_ms']:.1f} "
                           f"({100 * row['exact_vs_dense_rate']:.0f}% of dense) tail {row['tail_ms']:.1f} "
                           f"({row['tail_tflops']:.0f} TFLOP/s)"), flush=True)

@@ -22,8 +22,8 @@ from triton.compiler import ASTSource
 from adaptive_sparse_attention.kernels.triton import (block_mass, block_quantise, block_scores, block_select, block_stats,
                                                       norm_rope, reblock_features, reblock_split, tiled_pack)
 from adaptive_sparse_attention.kernels.triton import attention as triton_attention
-from adaptive_sparse_attention.kernels.triton.configs import (CONFIGS, EIGHT_BIT_CONFIGS, EIGHT_BIT_FAMILIES,
-                                                              FINISH_CONFIGS, PV_FORMATS, eight_bit_family, family_of)
+from adaptive_sparse_attention.kernels.triton.configs import (CONFIGS, EIGHT_BIT_ARCHS, EIGHT_BIT_CONFIGS,
+                                                              FINISH_CONFIGS, PV_FORMATS, arch_of, eight_bit_arch)
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
 UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}
@@ -62,11 +62,11 @@ def attention(capability: int, head_dim: int, query_tail: bool, finish: bool = F
               eight_bit: str | None = None) -> dict:
     """The attention kernel with the launcher's config, reading the exact keys as row gathers or
     (tiled) from packed Q/K/V, or (finish) the variant that adds the tail to a partial result, with
-    the config its launcher picks; `eight_bit`: the 8-bit variant with that family's config
+    the config its launcher picks; `eight_bit`: the 8-bit variant with that arch's config
     (`EIGHT_BIT_CONFIGS`: its P.V format and tiles)."""
-    family = family_of((capability // 10, capability % 10))
-    cfg = FINISH_CONFIGS.get((family, head_dim, 64), CONFIGS[(family, head_dim, 64)]) if finish else \
-        CONFIGS[(family, head_dim, 64)]
+    arch = arch_of((capability // 10, capability % 10))
+    cfg = FINISH_CONFIGS.get((arch, head_dim, 64), CONFIGS[(arch, head_dim, 64)]) if finish else \
+        CONFIGS[(arch, head_dim, 64)]
     if eight_bit:
         cfg = EIGHT_BIT_CONFIGS[(eight_bit, head_dim, 64)]
     fp8 = eight_bit is not None and cfg.pv == "fp8"
@@ -155,11 +155,11 @@ def jobs() -> list[tuple]:
     """Every compile as (row name, function, args, kwargs); `planner` returns several rows, named under its own."""
     out = []
     for cap in TARGETS:
-        fam8 = eight_bit_family((cap // 10, cap % 10))
+        arch8 = eight_bit_arch((cap // 10, cap % 10))
         out += [(f"sm{cap} attention D128 query", attention, (cap, 128, True), {}),
                 (f"sm{cap} attention D128 query tiled", attention, (cap, 128, True), {"tiled": True}),
-                (f"sm{cap} attention D128 query 8-bit", attention, (cap, 128, True), {"eight_bit": fam8}),
-                (f"sm{cap} quantise {PV_FORMATS[fam8]}", quantise_pass, (cap, PV_FORMATS[fam8]), {}),
+                (f"sm{cap} attention D128 query 8-bit", attention, (cap, 128, True), {"eight_bit": arch8}),
+                (f"sm{cap} quantise {PV_FORMATS[arch8]}", quantise_pass, (cap, PV_FORMATS[arch8]), {}),
                 (f"sm{cap} norm rope", norm_rope_pass, (cap,), {}),
                 (f"sm{cap}", planner, (cap,), {})]
     for tiled in (False, True):
@@ -169,8 +169,8 @@ def jobs() -> list[tuple]:
                 (f"sm86 attention D64 query{mode}", attention, (86, 64, True), {"tiled": tiled}),
                 (f"sm86 attention D32 block{mode}", attention, (86, 32, False), {"tiled": tiled})]
     out.append(("sm90 attention D128 query finish", attention, (90, 128, True), {"finish": True}))
-    for fam8 in EIGHT_BIT_FAMILIES:  # every family's 8-bit config as Hopper code: what the H200 can run
-        out.append((f"sm90 attention D128 block 8-bit {fam8} config", attention, (90, 128, False), {"eight_bit": fam8}))
+    for arch8 in EIGHT_BIT_ARCHS:  # every arch's 8-bit config as Hopper code: what the H200 can run
+        out.append((f"sm90 attention D128 block 8-bit {arch8} config", attention, (90, 128, False), {"eight_bit": arch8}))
     out.append(("sm90 pack qkv", pack_qkv, (90,), {}))
     return out
 

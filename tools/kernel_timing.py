@@ -1,7 +1,7 @@
 """Kernel-only and whole-call time at the H3 shapes against dense cuDNN SDPA (section `timing`).
 
-Per shape (56 heads, head dim 128, bf16), block size, ratio, tail granularity and architecture
-family: the kernel on the cube plan with reweight tails; for the last family also the whole
+Per shape (56 heads, head dim 128, bf16), block size, ratio, tail granularity and arch: the
+kernel on the cube plan with reweight tails; for the last arch also the whole
 `sparse_attention` call, planning included; where the cuDNN backend can run, its rows
 (`cudnn_timing.py`). At the 10s shape also the launch-config variants and the planner per step.
 """
@@ -15,7 +15,7 @@ from adaptive_sparse_attention.backend.tail import block_reduce
 from adaptive_sparse_attention.bench.planner_timing import steps
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
-from adaptive_sparse_attention.kernels.triton.configs import FAMILIES, kernel_config
+from adaptive_sparse_attention.kernels.triton.configs import ARCHS, kernel_config
 from adaptive_sparse_attention.kernels.registry import unavailable_reason
 from cudnn_timing import cudnn_row
 from kernel_cases import DIM, H3_SHAPES, HEADS, plan_for
@@ -47,22 +47,22 @@ def shape_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
                 if gran == "block" and ratio != 0.1:
                     continue
                 plan, cfg = plan_for(q, k, v, layout, ratio, gran, bs)
-                for fam in FAMILIES:
-                    conf = kernel_config(DIM, plan.block_size, q.device, family=fam)
-                    row = dict(block_size=bs, ratio=ratio, gran=gran, family=fam,
+                for arch in ARCHS:
+                    conf = kernel_config(DIM, plan.block_size, q.device, arch=arch)
+                    row = dict(block_size=bs, ratio=ratio, gran=gran, arch=arch,
                                **kernel_row(q, k, v, plan, conf, dense_ms, dense_tflops))
-                    if fam == FAMILIES[-1]:
+                    if arch == ARCHS[-1]:
                         row["sparse_attention_ms"] = bench_ms(lambda: sparse_attention(q, k, v, layout, cfg),
                                                               rep_ms=1500)
                         row["sparse_attention_vs_dense"] = row["sparse_attention_ms"] / dense_ms
                     entry["rows"].append(row)
-                    if bs == 64 and fam == FAMILIES[-1] and unavailable_reason("cudnn", q.device, q.dtype, DIM, bs) is None:
+                    if bs == 64 and arch == ARCHS[-1] and unavailable_reason("cudnn", q.device, q.dtype, DIM, bs) is None:
                         entry.setdefault("cudnn", []).append(
                             cudnn_row(q, k, v, plan, layout, ratio, gran, dense_ms, dense_tflops))
                     extra = (f" | whole op {row['sparse_attention_ms']:.1f} ms "
                              f"({100 * row['sparse_attention_vs_dense']:.1f}% of dense)"
                              ) if "sparse_attention_ms" in row else ""
-                    print(f"  bs{bs} r{ratio} {gran:5s} {fam}: kernel {row['kernel_ms']:.2f} ms "
+                    print(f"  bs{bs} r{ratio} {gran:5s} {arch}: kernel {row['kernel_ms']:.2f} ms "
                           f"{row['tflops']:.0f} TFLOP/s ({100 * row['vs_dense_rate']:.0f}% of dense rate, "
                           f"{100 * row['vs_dense_time']:.1f}% of dense time)" + extra, flush=True)
 

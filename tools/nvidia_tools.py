@@ -1,7 +1,7 @@
 """The kernels under NVIDIA's tools (sections `sanitize` and `ncu`), each on a child process.
 
 compute-sanitizer memcheck runs a small case through both tail granularities and both
-architecture families (and the cuDNN backend where it can run); Nsight Compute reads the
+archs (and the cuDNN backend where it can run); Nsight Compute reads the
 occupancy, stall reasons and memory and pipe throughput of one attention launch. The parent runs
 this file again as the child (`python nvidia_tools.py sanitize-child|profile-child`), so the
 tool sees only the launches it is meant to.
@@ -19,7 +19,7 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
-from adaptive_sparse_attention.kernels.triton.configs import FAMILIES, kernel_config
+from adaptive_sparse_attention.kernels.triton.configs import ARCHS, kernel_config
 from adaptive_sparse_attention.kernels.registry import unavailable_reason
 from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, H3_SHAPES, HEADS, plan_for
@@ -29,14 +29,14 @@ NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "M
 
 
 def sanitize_child() -> None:
-    """The small case compute-sanitizer watches: both granularities, both families, and the cuDNN
+    """The small case compute-sanitizer watches: both granularities, both archs, and the cuDNN
     backend where it can run."""
     layout = SequenceLayout.from_segments([(0, 100, "text"), (100, 100 + 3 * 10 * 12, "video", (3, 10, 12))])
     for gran in ("query", "block"):
         q, k, v = h3_qkv(layout, 2, 128, torch.bfloat16, seed=1)
         plan = build_plan(q, k, v, layout, SparseConfig(tiling="cube", topk_ratio=0.3, tail_granularity=gran))
-        for fam in FAMILIES:
-            block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, family=fam))
+        for arch in ARCHS:
+            block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, arch=arch))
         if unavailable_reason("cudnn", q.device, q.dtype, 128, 64) is None:
             from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import block_sparse_cudnn
 

@@ -1,10 +1,10 @@
-"""Launch configurations of the block-sparse Triton kernel, per GPU architecture family.
+"""Launch configurations of the block-sparse Triton kernel, per GPU architecture (arch).
 
-Families are told apart by how much shared memory one program may use:
+Archs are told apart by how much shared memory one program may use:
 - ``sm80``: sm80/86/89/120 (Ampere, Ada, consumer Blackwell), planned for about 99 KB;
 - ``sm90``: sm90/100 (Hopper, datacenter Blackwell), about 227 KB.
-A config is picked from the device capability; ``ADAPTIVE_SPARSE_KERNEL_FAMILY=sm80|sm90`` (or the
-`family` argument) forces one family, so the small-memory configs can be proven on a Hopper GPU.
+A config is picked from the device capability; ``ADAPTIVE_SPARSE_KERNEL_ARCH=sm80|sm90`` (or the
+`arch` argument) forces one arch, so the small-memory configs can be proven on a Hopper GPU.
 Configs are chosen explicitly rather than autotuned: autotuning with several configs cannot run
 under the CPU interpreter, and a fixed choice keeps runs reproducible.
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILY_ENV = "ADAPTIVE_SPARSE_KERNEL_FAMILY"
+ARCH_ENV = "ADAPTIVE_SPARSE_KERNEL_ARCH"
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what every Triton kernel takes
-FAMILIES = ("sm80", "sm90")
+ARCHS = ("sm80", "sm90")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class KernelConfig:
     num_stages: int
 
 
-# (family, head_dim, plan block size) -> config. Shared memory is about block_m * head_dim * 2
+# (arch, head_dim, plan block size) -> config. Shared memory is about block_m * head_dim * 2
 # bytes for Q plus, per stage, block_n * head_dim * 2 bytes each for K and V: two stages of 64
 # keys with 64 queries at head_dim 128 need ~82 KB, under sm80's ~99 KB. Timed on sm90: three
 # stages beat two where they fit; 8 warps on a 64-row query tile and key tiles spanning two
@@ -71,31 +71,30 @@ FINISH_CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
 }
 
 
-def family_of(capability: tuple[int, int]) -> str:
-    """Architecture family of a CUDA compute capability (major, minor)."""
+def arch_of(capability: tuple[int, int]) -> str:
+    """The arch of a CUDA compute capability (major, minor)."""
     return "sm90" if capability[0] in (9, 10) else "sm80"
 
 
-def resolve_family(device: torch.device, family: str | None = None) -> str:
-    """The family to use: the argument, else the environment override, else the device's own."""
-    family = family or os.environ.get(FAMILY_ENV) or None
-    if family is not None:
-        if family not in FAMILIES:
-            raise ValueError(f"kernel family {family!r} (argument or {FAMILY_ENV}) is not allowed: "
-                             f"expected one of {', '.join(FAMILIES)}")
-        return family
+def resolve_arch(device: torch.device, arch: str | None = None) -> str:
+    """The arch to use: the argument, else the environment override, else the device's own."""
+    arch = arch or os.environ.get(ARCH_ENV) or None
+    if arch is not None:
+        if arch not in ARCHS:
+            raise ValueError(f"kernel arch {arch!r} (argument or {ARCH_ENV}) is not allowed: "
+                             f"expected one of {', '.join(ARCHS)}")
+        return arch
     if device.type == "cuda":
-        return family_of(torch.cuda.get_device_capability(device))
+        return arch_of(torch.cuda.get_device_capability(device))
     return "sm80"  # CPU interpreter: tile sizes only matter for speed there
 
 
-def kernel_config(head_dim: int, block_size: int, device: torch.device, family: str | None = None) -> KernelConfig:
-    """Config for head_dim and plan block size on `device` (optionally forcing a family).
+def kernel_config(head_dim: int, block_size: int, device: torch.device, arch: str | None = None) -> KernelConfig:
+    """Config for head_dim and plan block size on `device` (optionally forcing an arch).
 
     Block sizes other than 64 and 128 (hand-built plans) use the 64 entry; the launcher caps
     block_m and block_n at the block size."""
-    fam = resolve_family(device, family)
-    key = (fam, head_dim, 128 if block_size >= 128 else 64)
+    key = (resolve_arch(device, arch), head_dim, 128 if block_size >= 128 else 64)
     if key not in CONFIGS:
         raise ValueError(f"block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
                          f"{sorted({d for _, d, _ in CONFIGS})}")
@@ -127,20 +126,20 @@ class EightBitConfig(KernelConfig):
     pv: str
 
 
-# The 8-bit families, by compute capability: the P.V format follows the MMA the family has (FP8 from
-# sm89 on), the tiles follow the shared memory (`CONFIGS`' families: sm89 and sm120 plan for ~99 KB
+# The 8-bit archs, by compute capability: the P.V format follows the MMA the arch has (FP8 from
+# sm89 on), the tiles follow the shared memory (`CONFIGS`' archs: sm89 and sm120 plan for ~99 KB
 # as sm80/86 do). The 8-bit loop's stages take half the bf16 loop's memory (one byte per element),
 # but the bf16 prefix and tail loops of the same launch keep theirs, so stages are the bf16 configs'.
 PV_FORMATS = {"sm80": "int8", "sm89": "fp8", "sm90": "fp8", "sm120": "fp8"}
-EIGHT_BIT_FAMILIES = tuple(PV_FORMATS)
+EIGHT_BIT_ARCHS = tuple(PV_FORMATS)
 EIGHT_BIT_CONFIGS: dict[tuple[str, int, int], EightBitConfig] = {
-    (fam, d, bs): EightBitConfig(**vars(CONFIGS[("sm90" if fam == "sm90" else "sm80", d, bs)]), pv=pv)
-    for fam, pv in PV_FORMATS.items() for d in (32, 64, 128) for bs in (64, 128)
+    (arch, d, bs): EightBitConfig(**vars(CONFIGS[("sm90" if arch == "sm90" else "sm80", d, bs)]), pv=pv)
+    for arch, pv in PV_FORMATS.items() for d in (32, 64, 128) for bs in (64, 128)
 }
 
 
-def eight_bit_family(capability: tuple[int, int]) -> str:
-    """8-bit family of a CUDA compute capability (major, minor): sm80 (sm80/86/87), sm89 (Ada),
+def eight_bit_arch(capability: tuple[int, int]) -> str:
+    """8-bit arch of a CUDA compute capability (major, minor): sm80 (sm80/86/87), sm89 (Ada),
     sm90 (Hopper, datacenter Blackwell), sm120 (consumer Blackwell)."""
     if capability[0] in (9, 10):
         return "sm90"
@@ -149,18 +148,18 @@ def eight_bit_family(capability: tuple[int, int]) -> str:
     return "sm89" if tuple(capability) >= (8, 9) else "sm80"
 
 
-def eight_bit_config(head_dim: int, block_size: int, device: torch.device, family: str | None = None
+def eight_bit_config(head_dim: int, block_size: int, device: torch.device, arch: str | None = None
                      ) -> EightBitConfig:
-    """The 8-bit launch for head_dim and plan block size on `device`: the family is the argument,
-    else ``ADAPTIVE_SPARSE_KERNEL_FAMILY`` (any of `EIGHT_BIT_FAMILIES`), else the device's own
+    """The 8-bit launch for head_dim and plan block size on `device`: the arch is the argument,
+    else ``ADAPTIVE_SPARSE_KERNEL_ARCH`` (any of `EIGHT_BIT_ARCHS`), else the device's own
     (sm89, FP8 P.V, on the CPU, where it only decides the arithmetic the interpreter reproduces)."""
-    family = family or os.environ.get(FAMILY_ENV) or None
-    if family is None:
-        family = eight_bit_family(torch.cuda.get_device_capability(device)) if device.type == "cuda" else "sm89"
-    if family not in EIGHT_BIT_FAMILIES:
-        raise ValueError(f"8-bit kernel family {family!r} (argument or {FAMILY_ENV}) is not allowed: expected one of "
-                         f"{', '.join(EIGHT_BIT_FAMILIES)}")
-    key = (family, head_dim, 128 if block_size >= 128 else 64)
+    arch = arch or os.environ.get(ARCH_ENV) or None
+    if arch is None:
+        arch = eight_bit_arch(torch.cuda.get_device_capability(device)) if device.type == "cuda" else "sm89"
+    if arch not in EIGHT_BIT_ARCHS:
+        raise ValueError(f"8-bit kernel arch {arch!r} (argument or {ARCH_ENV}) is not allowed: expected one of "
+                         f"{', '.join(EIGHT_BIT_ARCHS)}")
+    key = (arch, head_dim, 128 if block_size >= 128 else 64)
     if key not in EIGHT_BIT_CONFIGS:
         raise ValueError(f"8-bit block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
                          f"{sorted({d for _, d, _ in EIGHT_BIT_CONFIGS})}")
@@ -173,8 +172,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def finish_config(head_dim: int, block_size: int, device: torch.device, family: str | None = None) -> KernelConfig:
+def finish_config(head_dim: int, block_size: int, device: torch.device, arch: str | None = None) -> KernelConfig:
     """Config of the kernel that adds the tail to another kernel's exact-key result (FINISH_CONFIGS,
     else `kernel_config`)."""
-    key = (resolve_family(device, family), head_dim, 128 if block_size >= 128 else 64)
-    return FINISH_CONFIGS.get(key) or kernel_config(head_dim, block_size, device, family)
+    key = (resolve_arch(device, arch), head_dim, 128 if block_size >= 128 else 64)
+    return FINISH_CONFIGS.get(key) or kernel_config(head_dim, block_size, device, arch)
