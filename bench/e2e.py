@@ -224,19 +224,21 @@ def h3_specs(model: dict, blocks: int) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def tensor_seed(key: str, seed: int = 0) -> int:
-    """The generator seed of the random tensor `key`: `seed` and a CRC-32 of the name, so that a
-    tensor's values depend on neither the order of the others nor the model's depth."""
-    if not 0 <= seed < 2 ** 31:
-        raise ValueError(f"tensor_seed: seed={seed!r}: expected 0 <= seed < 2**31")
-    return (seed << 32) | zlib.crc32(key.encode())
+    """The generator seed of the random tensor `key`: a CRC-32 of `seed` and the name, so that a
+    tensor's values depend on neither the order of the others nor the model's depth (32 bits: the
+    CPU generator ignores higher ones)."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"tensor_seed: seed={seed!r}: expected a whole number >= 0")
+    return zlib.crc32(f"{seed}/{key}".encode())
 
 
 def random_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                   seed: int = 0) -> torch.Tensor:
-    """The random checkpoint's tensor `key` made on `device`: norm weights 1, other tensors of fewer
-    than two dimensions (biases) N(0, 0.02), matrices N(0, 1 / fan-in); ``rope.inv_freq`` is H3's
-    rotary table 1 / 10000^(i / n). Each tensor is drawn from its own generator on `device`
-    (`tensor_seed`): the same key, seed and device kind give the same values."""
+    """The random checkpoint's tensor `key` made on `device`: weights whose key ends in ``norm.weight``
+    1 (H3's q_norm, k_norm and final norms), other tensors of fewer than two dimensions (biases, and,
+    as before this builder, the blocks' norm1/norm2 weights) N(0, 0.02), matrices N(0, 1 / fan-in);
+    ``rope.inv_freq`` is H3's rotary table 1 / 10000^(i / n). Each tensor is drawn from its own
+    generator on `device` (`tensor_seed`): the same key, seed and device kind give the same values."""
     if key == "rope.inv_freq":
         n = shape[0]
         return (1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))).to(device=device, dtype=dtype)
