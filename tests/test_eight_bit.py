@@ -42,7 +42,7 @@ with kernel_imports():
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import block_sparse_reference
-from adaptive_sparse_attention.kernels.triton.configs import EIGHT_BIT_CONFIGS, eight_bit_config
+from adaptive_sparse_attention.kernels.arch import EIGHT_BIT_CONFIGS, eight_bit_config
 from adaptive_sparse_attention.kernels.triton.op import TritonAttention
 from adaptive_sparse_attention.kernels.eight_bit import key_mean, value_max
 from adaptive_sparse_attention.kernels.reference.quantise import hadamard_rows, quantise_blocks_torch

@@ -25,7 +25,7 @@ from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.kernels import (EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, Tiling,
                                              block_sparse_reference)
-from adaptive_sparse_attention.kernels.triton.configs import ARCH_ENV, KernelConfig, kernel_config
+from adaptive_sparse_attention.kernels.arch import ARCH_ENV, KernelConfig, kernel_config
 from adaptive_sparse_attention.kernels.triton.op import TritonAttention
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}

@@ -12,7 +12,7 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.planner import make_tiling
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
-from adaptive_sparse_attention.kernels.triton.configs import kernel_config
+from adaptive_sparse_attention.kernels.arch import kernel_config
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, Tiling
 from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, H3_SHAPES, HEADS

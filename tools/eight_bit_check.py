@@ -29,7 +29,7 @@ from adaptive_sparse_attention.bench.timing import bench_ms
 from adaptive_sparse_attention.kernels import block_sparse_reference
 from adaptive_sparse_attention.kernels.triton import attention as ta
 from adaptive_sparse_attention.kernels.triton.block_quantise import quantise_blocks_triton
-from adaptive_sparse_attention.kernels.triton.configs import EIGHT_BIT_ARCHS, EIGHT_BIT_CONFIGS, eight_bit_config
+from adaptive_sparse_attention.kernels.arch import EIGHT_BIT_ARCHS, EIGHT_BIT_CONFIGS, eight_bit_config
 from adaptive_sparse_attention.kernels.eight_bit import key_mean, value_max
 from kernel_cases import DIM, H3_SHAPES, HEADS
 

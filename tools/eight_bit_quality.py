@@ -19,7 +19,7 @@ import torch
 
 from adaptive_sparse_attention import SparseConfig, sparse_attention
 from adaptive_sparse_attention.bench.scenes import SCENES, make_scene
-from adaptive_sparse_attention.kernels.triton.configs import ARCH_ENV
+from adaptive_sparse_attention.kernels.arch import ARCH_ENV
 
 VARIANTS = ("plain", "k channel x1000", "q channel x1000")
 

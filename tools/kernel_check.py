@@ -22,7 +22,7 @@ import torch
 import triton
 
 from adaptive_sparse_attention.bench.runner import environment
-from adaptive_sparse_attention.kernels.triton.configs import CONFIGS
+from adaptive_sparse_attention.kernels.arch import CONFIGS
 from dense_probe import dense_probe
 from kernel_correctness import correctness
 from kernel_report import markdown

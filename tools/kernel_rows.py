@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from adaptive_sparse_attention.bench.timing import bench_ms
-from adaptive_sparse_attention.kernels.triton.configs import KernelConfig
+from adaptive_sparse_attention.kernels.arch import KernelConfig
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
 from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, computed_pairs

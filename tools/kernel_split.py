@@ -23,7 +23,7 @@ from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms, queued_ms
 from adaptive_sparse_attention.kernels.triton import attention as ta
-from adaptive_sparse_attention.kernels.triton.configs import KernelConfig, kernel_config
+from adaptive_sparse_attention.kernels.arch import KernelConfig, kernel_config
 from kernel_cases import DIM, H3_SHAPES, HEADS, computed_pairs
 
 # (arch, config changes) timed in tiled mode at 10s / 0.1: the small-shared-memory arch's own

@@ -22,8 +22,9 @@ from triton.compiler import ASTSource
 from adaptive_sparse_attention.kernels.triton import (block_mass, block_quantise, block_scores, block_select, block_stats,
                                                       norm_rope, reblock_features, reblock_split, tiled_pack)
 from adaptive_sparse_attention.kernels.triton import attention as triton_attention
-from adaptive_sparse_attention.kernels.triton.configs import (CONFIGS, EIGHT_BIT_ARCHS, EIGHT_BIT_CONFIGS,
-                                                              FINISH_CONFIGS, PV_FORMATS, arch_of, eight_bit_arch)
+from adaptive_sparse_attention.kernels.arch import (CONFIGS, EIGHT_BIT_ARCHS, EIGHT_BIT_CONFIGS, PV_FORMATS, arch_of,
+                                                    eight_bit_arch)
+from adaptive_sparse_attention.kernels.triton.configs import FINISH_CONFIGS
 
 TARGETS = (80, 86, 89, 90, 120)  # Ampere, Ampere consumer, Ada, Hopper, consumer Blackwell
 UNIT_STRIDES = {"sq_d", "sk_d", "sv_d", "so_d", "sl_s", "sx_d"}

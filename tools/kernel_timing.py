@@ -15,7 +15,7 @@ from adaptive_sparse_attention.backend.tail import block_reduce
 from adaptive_sparse_attention.bench.planner_timing import steps
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
-from adaptive_sparse_attention.kernels.triton.configs import ARCHS, kernel_config
+from adaptive_sparse_attention.kernels.arch import ARCHS, kernel_config
 from adaptive_sparse_attention.kernels.registry import unavailable_reason
 from cudnn_timing import cudnn_row
 from kernel_cases import DIM, H3_SHAPES, HEADS, plan_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from adaptive_sparse_attention.backend.layout import SequenceLayout
-from adaptive_sparse_attention.kernels.triton.configs import KernelConfig
+from adaptive_sparse_attention.kernels.arch import KernelConfig
 from kernel_cases import plan_for
 from kernel_rows import kernel_row
 

@@ -19,7 +19,7 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
-from adaptive_sparse_attention.kernels.triton.configs import ARCHS, kernel_config
+from adaptive_sparse_attention.kernels.arch import ARCHS, kernel_config
 from adaptive_sparse_attention.kernels.registry import unavailable_reason
 from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
 from kernel_cases import DIM, H3_SHAPES, HEADS, plan_for

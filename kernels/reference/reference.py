@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
+from ..arch import EightBitConfig, eight_bit_config
 from ..eight_bit import P_SCALE, PRECISIONS
 from ..plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, pack, unpack
-from ..triton.configs import EightBitConfig, eight_bit_config
 from .quantise import quantise_blocks_torch, quantise_p
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk
@@ -160,7 +160,7 @@ class ReferenceAttention:
     def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
                       precision: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
         """(out [B, H, S, D] in q's dtype, lse [B, H, S]) of q, k, v under `plan`; with "8-bit", the
-        arithmetic of the Triton kernel's 8-bit loop for this device (`configs.eight_bit_config`)."""
+        arithmetic of the Triton kernel's 8-bit loop for this device (`arch.eight_bit_config`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"kernel='torch': precision={precision!r} is not allowed: expected one of "
                              f"{', '.join(map(repr, PRECISIONS))}")

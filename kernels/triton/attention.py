@@ -30,12 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..arch import EightBitConfig, KernelConfig, eight_bit_config, kernel_config
 from ..eight_bit import PRECISIONS, QuantisedBlocks, key_mean, value_max
 from ..offsets import perm_strides, wide_rows
 from ..plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
 from .block_quantise import e4m3_grid, quantise_blocks_triton
 from .configs import TRITON_DTYPES as DTYPES
-from .configs import EightBitConfig, KernelConfig, dot_precision, eight_bit_config, kernel_config
+from .configs import dot_precision
 from .tiled_pack import pack_qkv
 
 HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size
@@ -376,7 +377,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         plan: the plan; every model row must appear once in q_perm (true of every tiling). Logits
             are scaled by head_dim ** -0.5.
         config: tile sizes and launch parameters instead of the per-architecture choice
-            (`configs.kernel_config`).
+            (`arch.kernel_config`).
         partial: the exact keys' attention computed by another kernel, (out [B, H, J * block_size, D]
             normalised, in tiled order; lse [B, H, J * block_size] fp32 natural log, -inf for
             nothing): the kernel then skips the exact keys, adds the tail to these rows in the same
@@ -387,7 +388,7 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         precision: "bf16" (the inputs' precision) or "8-bit": the selected key blocks in 8-bit
             arithmetic (`eight_bit`; Q/K/V quantised HEADS_PER_CALL heads at a time by
             `block_quantise`), the dense prefix and the tail in the inputs' precision (read as in gather
-            mode); `config` is then an `EightBitConfig` (default `configs.eight_bit_config`).
+            mode); `config` is then an `EightBitConfig` (default `arch.eight_bit_config`).
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log; rows with
         nothing allowed get zeros and EMPTY_ROW_LSE).

@@ -9,9 +9,10 @@ from typing import Any, Callable
 
 import torch
 
+from ..arch import CONFIGS
 from ..vocabulary import (Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, float32_inputs,
                           head_dim_in)
-from .configs import CONFIGS, TRITON_DTYPES
+from .configs import TRITON_DTYPES
 from .op import TritonAttention
 
 MIN_CAPABILITY = (8, 0)  # the kernels' 16-bit tensor-core paths and shared-memory plans start at Ampere
