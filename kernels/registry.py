@@ -10,6 +10,10 @@ and one entry in `FAMILIES` (a sparse attention and the planner's stages) or in 
 dense kernel the measured dense choice times against SDPA's and the host's); a sparse attention kernel
 the measured sparse choice times under ``auto`` (`sparse_choice/`) is one row of `SPARSE_KERNELS`.
 
+A family's kernel that runs part of its work on another family's kernels (the cuDNN attention packs
+Q/K/V and adds its tail with Triton's) reaches them by `helper` here, never by importing that package:
+a family imports only the kernels root.
+
 `FAMILIES` is the order ``auto`` prefers them in, and a named family's fallback runs the ones after
 it. `resolve` turns (requested kernel, device, dtype, head dim, block size, capability) into one
 `Kernels`: the family that runs the attention and every operation's implementation. Rules:
@@ -173,6 +177,14 @@ def resolve_family(requested: str, device: torch.device, dtype: torch.dtype, str
                    head_dim: int | None = None, block_size: int | None = None) -> str:
     """The name of the family `resolve` would run (nothing is said about a fallback)."""
     return choose_family(requested, Target.of(device, dtype, head_dim, block_size), current_host(), strict)
+
+
+def helper(family: str, name: str) -> Callable:
+    """`family`'s helper `name` (`Family.helpers`), loaded: what another family's kernel runs inside its own."""
+    found = next((h for h in FAMILIES[family].helpers if h.operation == name), None)
+    if found is None:
+        raise LookupError(f"the {family!r} family lends no helper {name!r}")
+    return found.load()
 
 
 def unavailable_reason(family: str, device: torch.device, dtype: torch.dtype | None = None,

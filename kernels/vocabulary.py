@@ -6,7 +6,7 @@
 - `Implementation`: one family's function for one operation, what it needs of the call and of its inputs.
 - `Operation`: one row of the table, with every family's implementation of it.
 - `Family`: an implementation family (a package under kernels/): its implementations, where ``auto``
-  may take it, and whether its kernels compile on first use.
+  may take it, whether its kernels compile on first use, and the helpers it lends other families.
 - `DenseKernel`: a dense attention kernel a family offers the measured dense choice (`dense/`).
 - `SparseKernel`: a block-sparse attention kernel at one arithmetic, a candidate of the measured
   sparse choice (`sparse_choice/`).
@@ -144,13 +144,16 @@ class Operation:
 class Family:
     """An implementation family: its implementations (one per operation it runs, the attention
     always), where ``auto`` (or a named family's fallback) may take it (on "cuda" only, or on "any"
-    device), and whether its kernels are compiled on first use (then worth preparing ahead of the
-    first sparse step)."""
+    device), whether its kernels are compiled on first use (then worth preparing ahead of the
+    first sparse step), and its `helpers`: kernels another family's implementation runs inside its
+    own (named by `Implementation.operation`; not rows of the table), reached through
+    `registry.helper`, never by importing this family's package."""
 
     name: str
     implementations: tuple[Implementation, ...]
     auto: str
     compiles: bool
+    helpers: tuple[Implementation, ...] = ()
 
     def of(self, operation: str) -> Implementation | None:
         """Its implementation of `operation`, or None."""

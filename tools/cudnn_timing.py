@@ -13,12 +13,11 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.timing import bench_ms, queued_ms
-from adaptive_sparse_attention.kernels.triton.configs import finish_config
 from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import (_forward, block_sparse_cudnn, cudnn_calls,
                                                                exact_attention_cudnn)
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
 from adaptive_sparse_attention.kernels.triton.tiled_pack import pack_qkv
-from adaptive_sparse_attention.kernels.triton.attention import block_sparse_triton
+from adaptive_sparse_attention.kernels.triton.attention import add_tail
 from kernel_cases import DIM, computed_pairs
 
 
@@ -35,7 +34,6 @@ def cudnn_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSpar
         return bench_ms(lambda: [_forward(qs, packed[1], packed[2], i, n, block_len) for _, qs, i, n in calls])
 
     exact, summary = computed_pairs(plan)
-    bs = plan.block_size
     anchor_ms = anchor(plan)
     ms = bench_ms(lambda: block_sparse_cudnn(q, k, v, plan))
     part = exact_attention_cudnn(q, k, v, plan)
@@ -43,7 +41,7 @@ def cudnn_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSpar
                cudnn_backend_ms=ms, cudnn_backend_tflops=4 * DIM * (exact + summary) / ms / 1e9,
                pack_ms=bench_ms(lambda: pack_qkv(q, k, v, plan.q_perm, plan.k_perm)),
                exact_ms=bench_ms(lambda: exact_attention_cudnn(q, k, v, plan)),
-               finish_ms=bench_ms(lambda: block_sparse_triton(q, q, q, plan, finish_config(DIM, bs, q.device), part)))
+               finish_ms=bench_ms(lambda: add_tail(q, plan, part)))
     part = None
     row["anchor_vs_dense_rate"] = row["anchor_tflops"] / dense_tflops
     default = build_plan(q, k, v, layout, SparseConfig(topk_ratio=ratio, tail_granularity=gran, kernel="cudnn",

@@ -1,12 +1,14 @@
 """Optional kernel family: the exact keys on NVIDIA cuDNN-frontend's block-sparse kernel (CuTe DSL).
 
 cuDNN's kernel reads K/V blocks as contiguous rows, so a call packs Q/K/V into tiled order a few
-heads at a time (bounded extra memory; one fused gather, `tiled_pack.py`) and gives it the key list of every query block: the
-dense prefix [0, dense_hi) followed by the picks. Sparse query blocks (the span of the plan's
-groups, whose prefix is the span's start) and dense ones (every key block) are two calls, so
-no J x J table is built. The tail joins afterwards: the Triton kernel starts its online softmax
-from cuDNN's normalised rows and log-sum-exp (`block_sparse_triton(partial=...)`), adds the
-summaries, normalises once and stores rows in model order. Same semantics as the reference.
+heads at a time (bounded extra memory; one fused gather, the Triton family's helper `tiled_pack`)
+and gives it the key list of every query block: the dense prefix [0, dense_hi) followed by the
+picks. Sparse query blocks (the span of the plan's groups, whose prefix is the span's start) and
+dense ones (every key block) are two calls, so no J x J table is built. The tail joins afterwards:
+the Triton kernel starts its online softmax from cuDNN's normalised rows and log-sum-exp (its
+helper `add_tail`), adds the summaries, normalises once and stores rows in model order. Same
+semantics as the reference. Both helpers come through `registry.helper`: this package imports
+only the kernels root.
 
 The package `nvidia-cudnn-frontend` (with `nvidia-cutlass-dsl`) is optional: without it, or on a
 GPU architecture it is not enabled for, it is unavailable; where it runs, `auto` takes it
@@ -102,8 +104,9 @@ def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         (out [B, H, J * 64, D] normalised over the exact keys, lse [B, H, J * 64] fp32 natural
         log, -inf where a row has no key); padding slots hold whatever cuDNN leaves there.
     """
-    from ..triton.tiled_pack import pack_qkv
+    from ..registry import helper
 
+    pack_qkv = helper("triton", "tiled_pack")
     forward = _forward if forward is None else forward
     B, H, _, D = q.shape
     L = plan.num_blocks * plan.block_size
@@ -138,8 +141,6 @@ def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
         `block_sparse_triton`.
     """
     check_call(q, plan)
-    from ..triton.configs import finish_config
-    from ..triton.attention import block_sparse_triton
+    from ..registry import helper
 
-    partial = exact_attention_cudnn(q, k, v, plan)
-    return block_sparse_triton(q, q, q, plan, finish_config(q.shape[-1], plan.block_size, q.device), partial)
+    return helper("triton", "add_tail")(q, plan, exact_attention_cudnn(q, k, v, plan))

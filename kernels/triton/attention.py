@@ -36,7 +36,7 @@ from ..offsets import perm_strides, wide_rows
 from ..plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
 from .block_quantise import e4m3_grid, quantise_blocks_triton
 from .configs import TRITON_DTYPES as DTYPES
-from .configs import dot_precision
+from .configs import dot_precision, finish_config
 from .tiled_pack import pack_qkv
 
 HEADS_PER_CALL = 8  # tiled mode: packed Q/K/V copies stay at most 8 / H of Q/K/V's size
@@ -461,6 +461,14 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
         launch(*pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(q_perm, h0, h1),
                          perm_heads(k_perm, h0, h1)), h0, h1 - h0)
     return out, lse
+
+
+def add_tail(q: torch.Tensor, plan: BlockSparsePlan, partial: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_sparse_triton(q, q, q, plan, partial=partial)` at the finishing config (`configs.finish_config`):
+    the tail added to another kernel's exact-key result, rows stored in model order (a `helper` the
+    `triton` family lends, `family.py`)."""
+    return block_sparse_triton(q, q, q, plan, finish_config(q.shape[-1], plan.block_size, q.device), partial)
 
 
 def _check_precision(precision: str, partial: object, config: KernelConfig | None, head_dim: int,

@@ -102,6 +102,16 @@ def _split() -> Any:
     return reblock_split
 
 
+def _pack() -> Any:
+    from . import tiled_pack
+    return tiled_pack
+
+
+def _attention() -> Any:
+    from . import attention
+    return attention
+
+
 def _triton(operation: str, load: Callable[[], Callable], accepts: Callable[..., str | None] | None = None,
             label: str = "") -> Implementation:
     return Implementation(operation, "triton", load, REQUIRES, accepts, label)
@@ -128,4 +138,7 @@ TRITON = Family("triton", (
             "rank a power of two >= 16"),
     _triton("partition_level", lambda: _split().partition_level_triton),
     ATTENTION,
-), auto="cuda", compiles=True)
+), auto="cuda", compiles=True, helpers=(  # what the cuDNN attention runs on Triton (`registry.helper`)
+    _triton("tiled_pack", lambda: _pack().pack_qkv),
+    _triton("add_tail", lambda: _attention().add_tail),
+))
