@@ -10,9 +10,9 @@ and one entry in `FAMILIES` (a sparse attention and the planner's stages) or in 
 dense kernel the measured dense choice times against SDPA's and the host's); a sparse attention kernel
 the measured sparse choice times under ``auto`` (`sparse_choice/`) is one row of `SPARSE_KERNELS`.
 
-A family's kernel that runs part of its work on another family's kernels (the cuDNN attention packs
-Q/K/V and adds its tail with Triton's) reaches them by `helper` here, never by importing that package:
-a family imports only the kernels root.
+A package under kernels/ that runs part of its work on a family's kernels (the cuDNN attention packs
+Q/K/V and adds its tail with Triton's; the sparse choice checks on the torch oracle) reaches them by
+`helper` here, never by importing that family's package: a family imports only the kernels root.
 
 `FAMILIES` is the order ``auto`` prefers them in, and a named family's fallback runs the ones after
 it. `resolve` turns (requested kernel, device, dtype, head dim, block size, capability) into one

@@ -4,6 +4,7 @@ install.py printing the same choices as `auto` makes.
 Availability is decided from a `Host` (which packages import, the interpreter) and a `Target`
 (device, capability, dtype, head dim, block size), so every case runs here without a GPU.
 """
+import ast
 import importlib.util
 import logging
 import subprocess
@@ -216,6 +217,33 @@ def test_a_family_declared_outside_the_registry_resolves_by_its_place_in_the_ord
     with pytest.raises(RuntimeError, match="kernel='test' cannot run: cuda is not the CPU"):
         registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), strict=True)
     assert registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), notices=Notices()) == "torch"
+
+
+def test_a_family_package_imports_only_the_kernels_root():
+    """An implementation family's package (one with a family.py) imports no other package under kernels/,
+    and no package there imports another's family: what a kernel runs on another family's kernels
+    (the cuDNN attention's pack and tail on Triton, the sparse choice's check on the torch oracle)
+    comes through `registry.helper`. (The sparse choice keeps its choices in the dense choice's store.)"""
+    root = Path(registry.__file__).parent
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    families = {p for p in packages if (root / p / "family.py").is_file()}
+    assert families == {"cudnn", "flash4", "reference", "triton"}
+    problems = []
+    for package in sorted(packages):
+        barred = (packages if package in families else families) - {package}
+        for path in sorted((root / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..X import / from .. import X
+                    named = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                elif isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+                    dotted = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                    named = [d.split(".")[2] for d in dotted if d.startswith("adaptive_sparse_attention.kernels.")]
+                else:
+                    continue
+                problems += [f"{package}/{path.name}:{node.lineno} imports {n}" for n in named if n in barred]
+    assert not problems, "\n".join(problems)
+    with pytest.raises(LookupError, match="lends no helper 'nothing'"):
+        registry.helper("triton", "nothing")
 
 
 def test_the_table_imports_no_kernel_module_until_a_call_resolves_to_it(tmp_path):

@@ -7,7 +7,7 @@ from ..vocabulary import Family, Implementation
 from . import planner_reference as ref
 from .norm_rope import norm_rope_torch
 from . import reblock_reference as tree_ref
-from .reference import ReferenceAttention
+from .reference import ReferenceAttention, block_sparse_reference
 
 
 def _torch(operation: str, function: Callable) -> Implementation:
@@ -27,4 +27,6 @@ TORCH = Family("torch", (
     _torch("metric_project", tree_ref.metric_project_torch),
     _torch("partition_level", tree_ref.partition_level_torch),
     _torch("attention", ReferenceAttention()),
-), auto="any", compiles=False)
+), auto="any", compiles=False, helpers=(
+    _torch("oracle", block_sparse_reference),  # on chosen query blocks: the sparse choice's check (`registry.helper`)
+))

@@ -3,8 +3,8 @@
 A candidate runs on the whole real plan; its output is compared on a sample: batch 0, the first and
 last head, SAMPLE_BLOCKS query blocks spread evenly over the tiled order (the first holds context
 rows with their dense prefix, the last the edge block, those between video rows with picks and
-tails). The reference is the torch oracle (`block_sparse_reference`) in float32 on the same stored
-values, computed for the sampled blocks only, so the check costs a few blocks' attention, not a call's.
+tails). The reference is the torch oracle (`block_sparse_reference`, the `torch` family's helper
+"oracle") in float32 on the same stored values, computed for the sampled blocks only, so the check costs a few blocks' attention, not a call's.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import BlockSparsePlan, pack
-from ..reference.reference import block_sparse_reference
+from ..registry import helper
 
 SAMPLE_BLOCKS = 16  # query blocks checked per head
 
@@ -71,7 +71,7 @@ class Sample:
         bs = plan.block_size
         slots = (torch.tensor(blocks, device=q.device).view(-1, 1) * bs + torch.arange(bs, device=q.device)).view(-1)
         q32, k32, v32 = (head_rows(t, heads).float() for t in (q, k, v))
-        out, _ = block_sparse_reference(q32, k32, v32, sub, query_blocks=blocks)
+        out, _ = helper("torch", "oracle")(q32, k32, v32, sub, query_blocks=blocks)
         return cls(heads, sub.q_perm, slots, pack(out, sub.q_perm)[:, :, slots])
 
     def error(self, out: torch.Tensor) -> float:
