@@ -126,14 +126,14 @@ def test_install_check_reports_and_requirements_leave_pins_alone():
     assert "nvidia-cudnn-frontend" in done.stdout
     import importlib.util
 
-    from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import FAMILIES
+    from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import ARCHS
     from adaptive_sparse_attention.kernels.registry import FAMILIES as KERNEL_FAMILIES
 
     spec = importlib.util.spec_from_file_location("_install_check", root / "install.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.kernel_table().FAMILIES is KERNEL_FAMILIES  # the report reads the package's own table
-    assert module.importlib.import_module(f"{module.PACKAGE}.kernels.cudnn.family").GPU_FAMILIES is FAMILIES
+    assert module.importlib.import_module(f"{module.PACKAGE}.kernels.cudnn.family").ARCHS is ARCHS
     lines = [ln.split("#")[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
     assert not [ln for ln in lines if ln.lower().startswith(("torch", "comfy-kitchen", "comfy_kitchen"))]
 

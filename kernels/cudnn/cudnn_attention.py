@@ -25,7 +25,7 @@ from ..plan import BlockSparsePlan, group_span, perm_heads
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)  # cuDNN also runs 96; the Triton kernel that adds the tail needs a power of two
 BLOCK_SIZE = 64
-FAMILIES = (9,)  # sm90: the family measured; sm100/sm120 have kernels in the package, not yet measured here
+ARCHS = (9,)  # sm major versions enabled: sm90, measured; sm100/sm120 have kernels in the package, not measured here
 HEADS_PER_CALL = 8  # packed Q/K/V copies stay at most 8 / H of Q/K/V's size
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..vocabulary import Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, head_dim_in
 from .cudnn_attention import BLOCK_SIZE, DTYPES, HEAD_DIMS
-from .cudnn_attention import FAMILIES as GPU_FAMILIES  # sm major versions it is enabled for
+from .cudnn_attention import ARCHS  # sm major versions it is enabled for
 from .op import CudnnAttention
 
 PACKAGE = "nvidia-cudnn-frontend"
@@ -21,14 +21,14 @@ def _device(t: Target, host: Host) -> str | None:
         return f"{PACKAGE} (with its block-sparse attention) is not installed"
     if not host.has("triton"):
         return "Triton is not installed (it adds the tail)"
-    if t.capability is not None and t.capability[0] not in GPU_FAMILIES:
+    if t.capability is not None and t.capability[0] not in ARCHS:
         return (f"sm{t.capability[0]}{t.capability[1]} is not enabled for it (enabled: "
-                + ", ".join(f"sm{f}x" for f in GPU_FAMILIES) + ")")
+                + ", ".join(f"sm{a}x" for a in ARCHS) + ")")
     return None
 
 
 REQUIRES = (
-    Requirement("CUDA " + ", ".join(f"sm{f}x" for f in GPU_FAMILIES) + f", {PACKAGE} and Triton installed", _device,
+    Requirement("CUDA " + ", ".join(f"sm{a}x" for a in ARCHS) + f", {PACKAGE} and Triton installed", _device,
                 (MODULE, "triton")),
     dtype_in(DTYPES), head_dim_in(HEAD_DIMS),
     Requirement(f"block_size {BLOCK_SIZE}", lambda t, h: None if t.block_size in (None, BLOCK_SIZE) else

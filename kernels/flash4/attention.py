@@ -11,7 +11,7 @@ import importlib.util
 import torch
 
 NAME = "FlashAttention-4"
-FAMILIES = (9, 10)  # sm90 (Hopper) and sm100 (Blackwell datacenter): the architectures FA4 compiles for
+ARCHS = (9, 10)  # sm major versions: sm90 (Hopper) and sm100 (Blackwell datacenter), the archs FA4 compiles for
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -34,7 +34,7 @@ def unavailable_reason(q: torch.Tensor) -> str | None:
     if not q.is_cuda:
         return "needs a CUDA GPU"
     major, minor = torch.cuda.get_device_capability(q.device)
-    if major not in FAMILIES:
+    if major not in ARCHS:
         return f"runs on sm90 and sm100 only, this GPU is sm{major}{minor}"
     if q.dtype not in DTYPES:
         return f"takes bfloat16 or float16, not {q.dtype}"

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from ..vocabulary import DenseKernel
-from .attention import FAMILIES, NAME, attention, installed, unavailable_reason
+from .attention import ARCHS, NAME, attention, installed, unavailable_reason
 
 FLASH4 = DenseKernel("flash4", NAME, unavailable_reason, installed, attention,
-                     needs="CUDA " + ", ".join(f"sm{f}x" for f in FAMILIES) + ", dtype in (bfloat16, float16), "
+                     needs="CUDA " + ", ".join(f"sm{a}x" for a in ARCHS) + ", dtype in (bfloat16, float16), "
                      "flash-attn-4 installed",
                      first_call="its first call in a process compiles its kernel (CuTe DSL), once")
