@@ -7,7 +7,7 @@ On a structured scene (GPU if there is one) every head's attention-mass recall a
 sampled target-video queries, ours without tail, as in the benchmark) is measured for the
 reblock tree alone, snake tubes of several (bH, bW) patches (`tiling.snake_tiles`), cube tiles of
 several (bT, bH, bW) shapes, the shipped reblock tiling (tree or tube per head,
-`backend/head_choice.py`) and, for the tree and tube family (which share one block structure),
+`backend/head_choice.py`) and, for the tree and tube tilings (which share one block structure),
 every pairing of a query tiling with a different key tiling. Then, per head, the best recall
 within growing candidate sets: an upper bound for any rule that picks one of them per head.
 Printed per head kind and as JSON; cube (4, 4, 4) is the baseline.
@@ -82,18 +82,18 @@ def per_head_recalls(sc: Scene, ratio: float = 0.1) -> dict[str, torch.Tensor]:
         return head_recall(q, k, v, layout, t, rows, ratio)
 
     tree = reblock_tiling(q, k, layout, 64, ratio=ratio, tubes=False)
-    family = {"tree": tree.k_perm}
+    pairable = {"tree": tree.k_perm}
     for patch in PATCHES:
         perm = snake_perm(layout, 64, patch)
-        family[f"tube{patch}"] = perm.to(q.device).view(1, 1, -1).expand(1, H, -1).contiguous()
+        pairable[f"tube{patch}"] = perm.to(q.device).view(1, 1, -1).expand(1, H, -1).contiguous()
 
     def paired(q_perm: torch.Tensor, k_perm: torch.Tensor) -> Tiling:
         return Tiling(64, q_perm, k_perm, tree.block_len, tree.regions, tree.region_blocks)
 
-    out = {name: recall(paired(p, p)) for name, p in family.items()}
+    out = {name: recall(paired(p, p)) for name, p in pairable.items()}
     out.update({f"cube{tile}": recall(cube_shape_tiling(layout, tile, q.device)) for tile in CUBES})
     out["reblock (shipped)"] = recall(reblock_tiling(q, k, layout, 64, ratio=ratio))
-    out.update({f"q:{a} k:{b}": recall(paired(family[a], family[b]))
+    out.update({f"q:{a} k:{b}": recall(paired(pairable[a], pairable[b]))
                 for a, b in itertools.permutations(MIXED, 2)})
     return out
 

@@ -18,7 +18,7 @@ runs the reblock kernels on the GPU (not compared there: test_reblock_features a
 test_reblock_split's comparison on the GPU is tools/reblock_device_check.py, outside the suite);
 test_eight_bit -> tools/eight_bit_check.py (outside the suite); test_head_choice's kernel cases,
 test_no_recompile (it records interpreted launches) and test_first_use -> none (test_kernel_targets
-compiles every kernel for the GPU families).
+compiles every kernel for the GPU archs).
 Tests that use the `triton_device` fixture run on both: compiled on CUDA tensors, or interpreted.
 
 Markers (pytest.ini): a test that uses the `interpreter` fixture is marked `interpreter` here (and

@@ -138,7 +138,7 @@ def load_install():
 
 @pytest.mark.parametrize("host", HOSTS, ids=lambda h: f"triton={h.has(TRITON)},cudnn={h.has(CUDNN)}")
 def test_install_prints_what_auto_chooses(host):
-    """For every GPU family, host and dtype, install.py's line names the backend `auto` takes,
+    """For every GPU arch (capability), host and dtype, install.py's line names the backend `auto` takes,
     and Hopper users without the cuDNN package are told the one pip command."""
     install = load_install()
     gpus = [(f"GPU {cap}", cap) for cap in CAPABILITIES]
