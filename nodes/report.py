@@ -1,6 +1,8 @@
 """The text of the "Sparse Attention Report" node, from `RunTracker.report()` data (no ComfyUI)."""
 from __future__ import annotations
 
+from .error_meter import SCALE
+
 
 def spans(values: list[int]) -> str:
     """Compact 0-based index list: [0, 1, 2, 5] -> '0-2, 5'."""
@@ -52,6 +54,7 @@ def format_report(report: dict | None) -> str:
         lines.append("Sparse attention ran on: " + "; ".join(
             f"{name} ({n} calls)" for name, n in sorted(report["sparse_kernels"].items())))
     lines += [f"Sparse kernel choice: {summary}" for summary in report.get("sparse_choices", [])]
+    lines += error_lines(report.get("error"))
     plans = report.get("plans") or {}
     if plans.get("reused"):
         lines.append(f"Plans reused across steps: {plans['reused']}; built {plans['built']}, of which "
@@ -65,3 +68,15 @@ def format_report(report: dict | None) -> str:
         lines.append("Why blocks ran dense:")
         lines += [f"- {reason}: {n} block calls" for reason, n in sorted(report["dense_reasons"].items())]
     return "\n".join(lines)
+
+
+def error_lines(error: dict | None) -> list[str]:
+    """The run's measured error (`ErrorMeter.summary`), or nothing where it was not measured."""
+    if error is None:
+        return []
+    block, value = error["worst_block"]
+    hb, head, worst = error["worst_head"]
+    steps = ", ".join(f"{s}: {e:.3f}" for s, e in sorted(error["steps"].items()))
+    return [f"Measured error (relative L2 of video rows against dense attention, on sampled exact rows): run mean "
+            f"{error['mean']:.3f}; worst block {block} ({value:.3f}); worst head {head} of block {hb} ({worst:.3f}); "
+            f"per step: {steps}", f"  ({SCALE})"]

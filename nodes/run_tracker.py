@@ -15,6 +15,7 @@ import torch
 
 from ..backend.plan_reuse import PlanStore
 from ..notices import Notices, logger
+from .error_meter import ErrorMeter
 from .schedule import denoising_step
 
 log = logger()
@@ -39,6 +40,7 @@ class RunStats:
     sparse_kernels: dict[str, int] = field(default_factory=dict)  # sparse attention kernel -> calls
     sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
     notes: list[str] = field(default_factory=list)  # what the run's report says besides its counters
+    errors: ErrorMeter = field(default_factory=ErrorMeter)  # the sparse calls' sampled error, on the device
 
 
 class RunTracker:
@@ -207,6 +209,10 @@ class RunTracker:
             line += "; dense attention on " + ", ".join(sorted(s.dense_kernels))
         if s.sparse_kernels:
             line += "; sparse attention on " + ", ".join(sorted(s.sparse_kernels))
+        error = s.errors.summary()
+        if error is not None:
+            block, value = error["worst_block"]
+            line += f"; measured error {error['mean']:.3f} (worst block {block}: {value:.3f})"
         plans = self.plans.summary()
         if plans["reused"]:
             past = plans.get("built: memory budget", 0)
@@ -233,7 +239,7 @@ class RunTracker:
                 "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
                 "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
                 "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices),
-                "notes": list(s.notes), "plans": self.plans.summary()}
+                "notes": list(s.notes), "plans": self.plans.summary(), "error": s.errors.summary()}
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

@@ -40,7 +40,8 @@ def call_problem(attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dty
 def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, layer: int, token: Any,
            attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict) -> torch.Tensor:
     """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in a run
-    measures the density, the second is timed against dense attention for the report.
+    measures the density, the second is timed against dense attention for the report; with ``measure_error``
+    every call adds its sampled error to the run's `ErrorMeter`, on the device.
 
     Args:
         tracker: the run's tracker (densities, timings, kept plans, counters).
@@ -58,14 +59,15 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
     density = tracker.densities.get(key)
     timed = key in tracker.timed
     group = 0  # the head group of the next `run` (its plan slot)
-    kernel = dict(choices=choices, ran=tracker.note_sparse_kernel)
+    kernel = dict(choices=choices, ran=tracker.note_sparse_kernel, error_rotation=(step or 0) + layer)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: int) -> torch.Tensor:
         nonlocal density, group
         slot = None if config.plan_reuse != "on" else tracker.plans.slot((branch, layer, layout.signature(), group))
         if slot is not None:
             slot.at(*sigmas)
         group += 1
+        kernel["error_sink"] = tracker.stats.errors.sink(step, layer, h0, attn.heads)
         if density is None:  # measured once per shape, density and run: it needs a host sync
             o, info = sparse_attention(q, k, v, layout, config, return_info=True, coarse_gate=g, plan_slot=slot,
                                        **kernel)
@@ -84,11 +86,11 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
 
 
 def output(attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,
-           run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+           run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor],
            layout: SequenceLayout, config: SparseConfig, setting: SparseConfig) -> torch.Tensor:
     """The attention output [S, hidden] of block input x (or KJNodes' one-item list, freed early): Q/K/V per
-    head group (``minimax_head_chunks``, the epilogue the layout's kernels give), `run(q, k, v, gate)` ->
-    [1, h, S, D] on each, then out_proj."""
+    head group (``minimax_head_chunks``, the epilogue the layout's kernels give), `run(q, k, v, gate, first head)`
+    -> [1, h, S, D] on each, then out_proj."""
     x = unwrap_input(x)
     heads, dim = attn.heads, attn.head_dim
     norm_rope = layout_kernels(layout, config, x.device, x.dtype, dim).norm_rope
@@ -101,7 +103,7 @@ def output(attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: 
                 q, k, v = produce_qkv(x, projection, None, heads, dim, qw, kw, attn.q_norm.eps, rope_freqs,
                                       (h0, h1), norm_rope=norm_rope)
                 g = None if gate is None else gate[:, h0:h1]
-                o = run(q, k, v, g)
+                o = run(q, k, v, g, h0)
                 out[:, h0:h1] = o[0].transpose(0, 1)
                 del q, k, v, o, g
         del x, gate

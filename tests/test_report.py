@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
+from adaptive_sparse_attention.nodes.error_meter import SCALE
 from adaptive_sparse_attention.nodes.run_tracker import RunTracker
 from adaptive_sparse_attention.nodes.report import format_report, spans
 
@@ -32,6 +35,11 @@ def test_report_of_a_run_and_its_text():
     for _ in range(2):
         tracker.note_sparse_kernel("cuDNN-frontend", measured)
     tracker.note_sparse_kernel("Triton bf16", "")  # after cuDNN-frontend raised, say
+    for step in (1, 2, 3):  # sampled error sums of blocks 0 and 1, two heads in groups of one
+        for layer in (0, 1):
+            for h0 in (0, 1):
+                diff = torch.tensor([(1.0 + layer) * (1.0 + 3 * h0) * step])
+                tracker.stats.errors.sink(step, layer, h0, 2)(diff, torch.tensor([100.0 * step]))
     assert tracker.last_report is None
     tracker.finish()
     report = tracker.last_report
@@ -41,7 +49,12 @@ def test_report_of_a_run_and_its_text():
                                                                            "layer 2 is in dense_layers": 3},
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
                       "dense_kernels": {"SDPA cuDNN": 3}, "sparse_kernels": {"cuDNN-frontend": 2, "Triton bf16": 1},
-                      "sparse_choices": [measured], "notes": [], "plans": {"reused": 0, "built": 0, "rebuilds": 0}}
+                      "sparse_choices": [measured], "notes": [], "plans": {"reused": 0, "built": 0, "rebuilds": 0},
+                      # per step: 15 s / 400 s over both blocks and heads; block 1: 10 s / 200 s; its head 1: 8 s / 100 s
+                      "error": {"mean": pytest.approx(0.0375 ** 0.5), "steps": {s: pytest.approx(0.0375 ** 0.5)
+                                                                                for s in (1, 2, 3)},
+                                "worst_block": (1, pytest.approx(0.05 ** 0.5)),
+                                "worst_head": (1, 1, pytest.approx(0.08 ** 0.5))}}
     assert "Plans reused" not in format_report(report)  # plan_reuse off: no line
     reused = dict(report, plans={"reused": 40, "built": 10, "rebuilds": 6, "built: first": 4,
                                  "built: statistics moved": 6})
@@ -62,6 +75,9 @@ def test_report_of_a_run_and_its_text():
         "Dense attention (our override) ran on: SDPA cuDNN (3 calls)",
         "Sparse attention ran on: Triton bf16 (1 calls); cuDNN-frontend (2 calls)",
         f"Sparse kernel choice: {measured}",
+        "Measured error (relative L2 of video rows against dense attention, on sampled exact rows): run mean 0.194; "
+        "worst block 1 (0.224); worst head 1 of block 1 (0.283); per step: 1: 0.194, 2: 0.194, 3: 0.194",
+        f"  ({SCALE})",
         "Why blocks ran dense:",
         "- layer 2 is in dense_layers: 3 block calls",
         "- warmup (step 1 of 4): 3 block calls"]
