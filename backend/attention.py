@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.plan import BlockSparsePlan
 from ..kernels.registry import Kernels
 from .config import SparseConfig
@@ -65,20 +66,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequ
                         f"dict), got {type(config).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"sparse_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
+            raise SparseAttentionError(f"sparse_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
-            raise ValueError(f"sparse_attention: {name}.dtype={t.dtype} is not supported: expected one of "
+            raise SparseAttentionError(f"sparse_attention: {name}.dtype={t.dtype} is not supported: expected one of "
                              f"{', '.join(str(d) for d in DTYPES)}")
     if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"sparse_attention: q, k, v must have the same shape, got {tuple(q.shape)}, "
+        raise SparseAttentionError(f"sparse_attention: q, k, v must have the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(f"sparse_attention: q, k, v must share one dtype and one device, got q {_describe(q)}, "
+        raise SparseAttentionError(f"sparse_attention: q, k, v must share one dtype and one device, got q {_describe(q)}, "
                          f"k {_describe(k)}, v {_describe(v)}")
     if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"sparse_attention: head_dim={q.shape[-1]} is not supported: expected one of {HEAD_DIMS}")
+        raise SparseAttentionError(f"sparse_attention: head_dim={q.shape[-1]} is not supported: expected one of {HEAD_DIMS}")
     if q.shape[2] != layout.total:
-        raise ValueError(f"sparse_attention: sequence length {q.shape[2]} does not match the layout's "
+        raise SparseAttentionError(f"sparse_attention: sequence length {q.shape[2]} does not match the layout's "
                          f"{layout.total} rows ({layout!r})")
     if coarse_gate is not None:
         check_gate(coarse_gate, q)
@@ -92,7 +93,7 @@ def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
                         f"got {type(gate).__name__}")
     fits = gate.dim() <= q.dim() and all(g in (1, n) for g, n in zip(reversed(gate.shape), reversed(q.shape)))
     if not fits or not gate.is_floating_point() or gate.device != q.device:
-        raise ValueError(f"sparse_attention: coarse_gate {_describe(gate)} is not allowed: expected a floating tensor on "
+        raise SparseAttentionError(f"sparse_attention: coarse_gate {_describe(gate)} is not allowed: expected a floating tensor on "
                          f"{q.device} broadcastable to the output {tuple(q.shape)} (e.g. [H, 1, 1])")
 
 

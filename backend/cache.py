@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Generic, Hashable, TypeVar
 
+from ..errors import SparseAttentionError
 from ..notices import Notices
 
 T = TypeVar("T")
@@ -58,7 +59,7 @@ class ShapeCache:
     def get(self, job: str, key: Hashable, build: Callable[[], T]) -> T:
         """The entry of `job` for `key` (what it depends on: device, dtype, block size, ...), built on a miss."""
         if job not in JOB_BOUNDS:
-            raise ValueError(f"ShapeCache: job={job!r} is not allowed: expected one of {', '.join(JOB_BOUNDS)}")
+            raise SparseAttentionError(f"ShapeCache: job={job!r} is not allowed: expected one of {', '.join(JOB_BOUNDS)}")
         with self.lock:
             cache = self.jobs.get(job)
             if cache is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from ..errors import SparseAttentionError
 from .value_checks import kind_of, show
 
 MAX_LAYERS = 1024  # layer indices are below this when the model is unknown (MiniMax-H3 has 50 blocks)
@@ -41,7 +42,7 @@ def check_indices(indices: tuple[int, ...], field: str, limit: int, what: str) -
     """
     bad = [i for i in indices if i >= limit]
     if bad:
-        raise ValueError(f"{field}: {'index' if len(bad) == 1 else 'indices'} {spans(runs_of(bad))} out of range: "
+        raise SparseAttentionError(f"{field}: {'index' if len(bad) == 1 else 'indices'} {spans(runs_of(bad))} out of range: "
                          f"expected 0-{limit - 1} ({what})")
 
 
@@ -61,23 +62,23 @@ def parse_layer_list(text: str, field: str, limit: int = MAX_LAYERS,
         raise TypeError(f"{field}={show(text)} is not allowed: expected a string such as '0,1,48-49', "
                         f"got {kind_of(text)}")
     if len(text) > MAX_LIST_CHARS:
-        raise ValueError(f"{field}={show(text)} is not allowed: expected at most {MAX_LIST_CHARS} characters")
+        raise SparseAttentionError(f"{field}={show(text)} is not allowed: expected at most {MAX_LIST_CHARS} characters")
     ranges = []
     for part in text.split(","):
         if not part.strip():
             continue
         match = _INDEX_PART.fullmatch(part)
         if match is None:
-            raise ValueError(f"{field}={show(text)} is not allowed: {show(part.strip())} is not an index or a range: "
+            raise SparseAttentionError(f"{field}={show(text)} is not allowed: {show(part.strip())} is not an index or a range: "
                              "expected comma-separated indices or ranges lo-hi like '0,1,48-49'")
         lo = int(match.group(1))  # at most MAX_LIST_CHARS digits
         hi = lo if match.group(2) is None else int(match.group(2))
         if hi < lo:
-            raise ValueError(f"{field}={show(text)} is not allowed: range {lo}-{hi} has lo > hi: expected ranges "
+            raise SparseAttentionError(f"{field}={show(text)} is not allowed: range {lo}-{hi} has lo > hi: expected ranges "
                              "lo-hi with lo <= hi")
         ranges.append((lo, hi))
     bad = sorted((max(lo, limit), hi) for lo, hi in ranges if hi >= limit)
     if bad:
-        raise ValueError(f"{field}={show(text)} is not allowed: {spans(bad)} out of range: expected indices "
+        raise SparseAttentionError(f"{field}={show(text)} is not allowed: {spans(bad)} out of range: expected indices "
                          f"0-{limit - 1} ({what})")
     return tuple(sorted({i for lo, hi in ranges for i in range(lo, hi + 1)}))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import SparseAttentionError
+
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
@@ -38,7 +40,7 @@ def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     Built on `device` by log2(dim) doublings in float64 (no copy from the host, which on the GPU
     would wait for it to drain)."""
     if dim < 1 or dim & (dim - 1):
-        raise ValueError(f"hadamard: dim={dim} is not allowed: expected a power of two")
+        raise SparseAttentionError(f"hadamard: dim={dim} is not allowed: expected a power of two")
     h = torch.ones(1, 1, dtype=torch.float64, device=device)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -49,7 +51,7 @@ def quantise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of fp32 x [..., D] rotated by `hadamard` and quantised with one scale per row:
     (codes [..., D] in the format's dtype, fp32 scale [...]); code * scale ~ rotated x."""
     if fmt not in FORMATS:
-        raise ValueError(f"quantise: fmt={fmt!r} is not allowed: expected one of {', '.join(FORMATS)}")
+        raise SparseAttentionError(f"quantise: fmt={fmt!r} is not allowed: expected one of {', '.join(FORMATS)}")
     dtype, top = FORMATS[fmt]
     rotated = x.float() @ hadamard(x.shape[-1], x.device)
     amax = rotated.abs().amax(-1)

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.segments import CONTEXT, KINDS, REFERENCE_VIDEO, TARGET_VIDEO, VIDEO_KINDS, Segment
 from .cache import ShapeCache
 
@@ -22,24 +23,24 @@ from .cache import ShapeCache
 def _segment(index: int, raw: Any) -> Segment:
     where = f"SequenceLayout segment {index} ({raw!r})"
     if not isinstance(raw, (tuple, list)) or len(raw) not in (3, 4):
-        raise ValueError(f"{where}: expected (start, stop, kind) or (start, stop, kind, (T, H, W))")
+        raise SparseAttentionError(f"{where}: expected (start, stop, kind) or (start, stop, kind, (T, H, W))")
     start, stop, kind = raw[0], raw[1], raw[2]
     grid = raw[3] if len(raw) == 4 else None
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop)) or not 0 <= start < stop:
-        raise ValueError(f"{where}: start and stop must be integers with 0 <= start < stop")
+        raise SparseAttentionError(f"{where}: start and stop must be integers with 0 <= start < stop")
     if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
+        raise SparseAttentionError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
     if grid is not None:
         grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
         if len(grid) != 3 or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid):
-            raise ValueError(f"{where}: grid must be three positive integers (T, H, W), got {grid!r}")
+            raise SparseAttentionError(f"{where}: grid must be three positive integers (T, H, W), got {grid!r}")
         if grid[0] * grid[1] * grid[2] != stop - start:
-            raise ValueError(
+            raise SparseAttentionError(
                 f"{where}: grid {grid} has {grid[0] * grid[1] * grid[2]} cells but the segment has "
                 f"{stop - start} rows"
             )
     elif kind in VIDEO_KINDS:
-        raise ValueError(f"{where}: a {kind!r} segment needs its (T, H, W) grid")
+        raise SparseAttentionError(f"{where}: a {kind!r} segment needs its (T, H, W) grid")
     return Segment(start, stop, kind, grid)
 
 
@@ -52,19 +53,19 @@ class SequenceLayout:
                             f"SequenceLayout.from_segments, got {type(segments).__name__}")
         self.segments: tuple[Segment, ...] = tuple(segments)
         if not self.segments:
-            raise ValueError("SequenceLayout needs at least one segment")
+            raise SparseAttentionError("SequenceLayout needs at least one segment")
         expected = 0
         for i, seg in enumerate(self.segments):
             if seg.start != expected:
                 what = "overlaps the previous one" if seg.start < expected else "leaves a gap after the previous one"
-                raise ValueError(
+                raise SparseAttentionError(
                     f"SequenceLayout segment {i} starts at {seg.start} and {what} (expected start {expected}); "
                     "segments must be sorted, contiguous and non-overlapping from row 0"
                 )
             expected = seg.stop
         targets = [s for s in self.segments if s.region == TARGET_VIDEO]
         if len(targets) != 1:
-            raise ValueError(
+            raise SparseAttentionError(
                 f"SequenceLayout needs exactly one target 'video' segment, found {len(targets)}"
             )
         self.total: int = expected
@@ -87,7 +88,7 @@ class SequenceLayout:
         """
         pos = getattr(packed, "position_ids", None)
         if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 3:
-            raise ValueError("SequenceLayout.from_packed: position_ids must be a [S, 3] tensor of (t, h, w)")
+            raise SparseAttentionError("SequenceLayout.from_packed: position_ids must be a [S, 3] tensor of (t, h, w)")
         raw = []
         for start, stop, kind in packed.segments:
             grid = None

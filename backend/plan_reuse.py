@@ -48,6 +48,7 @@ from typing import Hashable
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.plan import Tiling
 from ..notices import Notices
 from .config import SparseConfig
@@ -213,9 +214,9 @@ class PlanStore:
 
     def __init__(self, bound: int = MAX_SLOTS, drift_limit: float = DRIFT_LIMIT, budget_bytes: int | None = None):
         if not drift_limit > 0:
-            raise ValueError(f"PlanStore: drift_limit={drift_limit!r} must be > 0")
+            raise SparseAttentionError(f"PlanStore: drift_limit={drift_limit!r} must be > 0")
         if budget_bytes is not None and budget_bytes < 0:
-            raise ValueError(f"PlanStore: budget_bytes={budget_bytes!r} must be >= 0 or None")
+            raise SparseAttentionError(f"PlanStore: budget_bytes={budget_bytes!r} must be >= 0 or None")
         self.bound = bound
         self.drift_limit = drift_limit
         self.budget_bytes = budget_bytes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, Tail, Tiling, group_span
 from ..kernels.registry import Kernels, resolve
 from ..notices import Notices
@@ -71,7 +72,7 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequen
         (`tail.coarse_branch`).
     """
     if slot is not None and tiling is not None:
-        raise ValueError("build_plan: give a tiling or a plan slot to reuse, not both")
+        raise SparseAttentionError("build_plan: give a tiling or a plan slot to reuse, not both")
     kernels = call_kernels(q, layout, config) if kernels is None else kernels
     facts = None if slot is None else plan_facts(q, config, (layout.signature(), kernels.family))
     kept = None if slot is None else slot.reusable(facts)

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..errors import SparseAttentionError
 from ..kernels.reference.norm_rope import norm_rope_torch
 
 CHUNK_ROWS = 4096  # rows per projection chunk: 4096 x 3 x 7168 bf16 = 176 MB at H3's width
@@ -85,17 +86,17 @@ def produce_qkv(x: torch.Tensor, weight: torch.Tensor | Projection, bias: torch.
         q, k, v [1, h1 - h0, S, D] in x's dtype, model order.
     """
     if x.dim() != 2:
-        raise ValueError(f"produce_qkv: x must be [S, hidden], got shape {tuple(x.shape)}")
+        raise SparseAttentionError(f"produce_qkv: x must be [S, hidden], got shape {tuple(x.shape)}")
     if not isinstance(weight, torch.Tensor):
         if bias is not None:
-            raise ValueError("produce_qkv: bias must be None when weight is a Projection (it owns its bias)")
+            raise SparseAttentionError("produce_qkv: bias must be None when weight is a Projection (it owns its bias)")
     elif weight.shape[0] != 3 * num_heads * head_dim:
-        raise ValueError(f"produce_qkv: weight has {weight.shape[0]} rows, expected 3*{num_heads}*{head_dim}")
+        raise SparseAttentionError(f"produce_qkv: weight has {weight.shape[0]} rows, expected 3*{num_heads}*{head_dim}")
     h0, h1 = (0, num_heads) if heads is None else heads
     if not 0 <= h0 < h1 <= num_heads:
-        raise ValueError(f"produce_qkv: heads={heads} must satisfy 0 <= h0 < h1 <= {num_heads}")
+        raise SparseAttentionError(f"produce_qkv: heads={heads} must satisfy 0 <= h0 < h1 <= {num_heads}")
     if chunk_rows < 1:
-        raise ValueError(f"produce_qkv: chunk_rows={chunk_rows} must be >= 1")
+        raise SparseAttentionError(f"produce_qkv: chunk_rows={chunk_rows} must be >= 1")
     g, S = h1 - h0, x.shape[0]
     plain = isinstance(weight, torch.Tensor)
     project = (WeightProjection(weight, bias, num_heads, head_dim) if plain else weight).for_heads((h0, h1))

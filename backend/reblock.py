@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.registry import Kernels
 from .config import REBLOCK_LAYOUTS
 from .head_choice import choose_tubes
@@ -30,23 +31,23 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, block
     """Raise ValueError naming the argument and its value when `reblock_tiling` cannot run on these
     inputs (decided from metadata only)."""
     if layout_mode not in REBLOCK_LAYOUTS:
-        raise ValueError(f"reblock_tiling: layout_mode={layout_mode!r} is not allowed: expected one of "
+        raise SparseAttentionError(f"reblock_tiling: layout_mode={layout_mode!r} is not allowed: expected one of "
                          + ", ".join(repr(m) for m in REBLOCK_LAYOUTS))
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"reblock_tiling: block_size={block_size!r} is not allowed: expected a positive integer")
+        raise SparseAttentionError(f"reblock_tiling: block_size={block_size!r} is not allowed: expected a positive integer")
     if not isinstance(layout, SequenceLayout):
-        raise ValueError(f"reblock_tiling: layout must be a SequenceLayout, got {type(layout).__name__}")
+        raise SparseAttentionError(f"reblock_tiling: layout must be a SequenceLayout, got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"reblock_tiling: {name} must be a [B, H, S, D] tensor, got "
+            raise SparseAttentionError(f"reblock_tiling: {name} must be a [B, H, S, D] tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if not t.is_floating_point():
-            raise ValueError(f"reblock_tiling: {name}.dtype={t.dtype} is not allowed: expected a floating dtype")
+            raise SparseAttentionError(f"reblock_tiling: {name}.dtype={t.dtype} is not allowed: expected a floating dtype")
     if q.shape != k.shape or q.dtype != k.dtype or q.device != k.device:
-        raise ValueError(f"reblock_tiling: q and k must share shape, dtype and device, got {tuple(q.shape)} "
+        raise SparseAttentionError(f"reblock_tiling: q and k must share shape, dtype and device, got {tuple(q.shape)} "
                          f"{q.dtype} {q.device} and {tuple(k.shape)} {k.dtype} {k.device}")
     if q.shape[2] != layout.total:
-        raise ValueError(f"reblock_tiling: sequence length {q.shape[2]} does not match the layout's "
+        raise SparseAttentionError(f"reblock_tiling: sequence length {q.shape[2]} does not match the layout's "
                          f"{layout.total} rows ({layout!r})")
 
 

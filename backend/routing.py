@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.plan import RoutingGroup
 from ..kernels.registry import Kernels, or_reference
 from .cache import ShapeCache
@@ -123,7 +124,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
         int32), R = sum of the budgets.
     """
     if scores not in ROUTING_SCORES:
-        raise ValueError(f"route_blocks: scores={scores!r} is not allowed: expected one of "
+        raise SparseAttentionError(f"route_blocks: scores={scores!r} is not allowed: expected one of "
                          + ", ".join(repr(s) for s in ROUTING_SCORES))
     B, H, J, _ = q_mean.shape
     R = sum(budget for _, _, budget in groups)
@@ -133,7 +134,7 @@ def route_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor, dense_hi: torch.Ten
     means = q_mean if scores == "fp32" else quantise_means(q_mean, k_mean, scores)
     lo, hi = (0, J) if sparse_rows is None else sparse_rows
     if not (0 <= lo <= hi <= J):
-        raise ValueError(f"route_blocks: sparse_rows={sparse_rows!r} is not allowed: expected 0 <= lo <= hi <= {J}")
+        raise SparseAttentionError(f"route_blocks: sparse_rows={sparse_rows!r} is not allowed: expected 0 <= lo <= hi <= {J}")
     lo = lo // TILE * TILE  # windows start on a score tile, as in the full matrix (bit-identical scores)
     idx = torch.empty(B, H, J, R, dtype=torch.int16 if J < 2 ** 15 else torch.int32, device=q_mean.device)
     if (lo, hi) != (0, J):

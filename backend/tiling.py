@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..kernels.plan import Tiling
 from .layout import REFERENCE_VIDEO, TARGET_VIDEO, SequenceLayout
 
@@ -114,7 +115,7 @@ def cube_tiling(layout: SequenceLayout, block_size: int = 64, device: torch.devi
     """Seed-000 tiling: 3D cubes (`CUBE_TILES` of the block size) for video regions, 1D chunks for
     context; shared by all heads. It depends on the shape only, so the planner caches it."""
     if block_size not in CUBE_TILES:
-        raise ValueError(f"cube tiling: block_size={block_size} is not allowed: expected one of {sorted(CUBE_TILES)}")
+        raise SparseAttentionError(f"cube tiling: block_size={block_size} is not allowed: expected one of {sorted(CUBE_TILES)}")
     tile = CUBE_TILES[block_size]
     perm, block_len, spans = assemble(layout, block_size, lambda grid: cube_tiles(grid, tile))
     perm = perm.view(1, 1, -1).to(device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SparseAttentionError
 from .attention import sparse_attention
 from .config import SparseConfig
 from .layout import SequenceLayout
@@ -33,13 +34,13 @@ def check_sequence_parallel(heads: int, ulysses_degree: int, ring_degree: int = 
         ring_degree: ranks that keep the sequence sharded through attention (ring attention).
     """
     if not isinstance(ring_degree, int) or ring_degree != 1:
-        raise ValueError(
+        raise SparseAttentionError(
             f"ring_degree={ring_degree!r} is not supported by adaptive sparse attention: ring attention keeps the "
             "sequence sharded through attention, so block selection would need pooled keys from every rank and "
             "a log-sum-exp merge of partial outputs, which this engine does not do. Use ring_degree=1 and put "
             "the GPUs into ulysses_degree.")
     if not isinstance(ulysses_degree, int) or ulysses_degree < 1 or heads % ulysses_degree:
-        raise ValueError(
+        raise SparseAttentionError(
             f"ulysses_degree={ulysses_degree!r} is not supported: it must divide the model's {heads} attention "
             f"heads, one of {', '.join(map(str, degrees_dividing(heads)))}")
 
@@ -66,7 +67,7 @@ def local_heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     """
     rows = layout.total
     if q.dim() != 4 or q.shape[1] < rows:
-        raise ValueError(f"local_heads_attention: q must be [B, S, h, D] with S >= the layout's {rows} rows, "
+        raise SparseAttentionError(f"local_heads_attention: q must be [B, S, h, D] with S >= the layout's {rows} rows, "
                          f"got shape {tuple(q.shape)}")
     q_, k_, v_ = (t[:, :rows].transpose(1, 2) for t in (q, k, v))
     result = sparse_attention(q_, k_, v_, layout, config, return_info=return_info)
@@ -122,7 +123,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     world = dist.get_world_size(group)
     check_sequence_parallel(q.shape[2], world)
     if q.shape[1] * world != padded_rows(layout.total, world):
-        raise ValueError(f"sequence_parallel_attention: {q.shape[1]} rows per rank x {world} ranks do not hold the "
+        raise SparseAttentionError(f"sequence_parallel_attention: {q.shape[1]} rows per rank x {world} ranks do not hold the "
                          f"layout's {layout.total} rows padded to {padded_rows(layout.total, world)}")
     q_, k_, v_ = (seq_to_heads(t, group) for t in (q, k, v))
     result = local_heads_attention(q_, k_, v_, layout, config, return_info=return_info)

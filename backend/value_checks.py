@@ -9,6 +9,8 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from ..errors import SparseAttentionError
+
 SHOWN_CHARS = 60  # characters of a bad value quoted in an error message
 
 
@@ -25,7 +27,7 @@ def show(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({type(value).__name__})"
 
 
-def refusal(name: str, value: Any, allowed: str) -> ValueError:
+def refusal(name: str, value: Any, allowed: str) -> SparseAttentionError:
     """The error for a value `name` does not accept: it names the setting, the value and what is allowed.
 
     Args:
@@ -33,9 +35,9 @@ def refusal(name: str, value: Any, allowed: str) -> ValueError:
         value: the refused value (shown bounded).
         allowed: what the setting accepts, e.g. "a number in [0.01, 1.0]".
     Returns:
-        The ValueError to raise.
+        The error to raise (a ValueError).
     """
-    return ValueError(f"{name}={show(value)} is not allowed: expected {allowed}")
+    return SparseAttentionError(f"{name}={show(value)} is not allowed: expected {allowed}")
 
 
 def is_bool(value: Any) -> bool:

@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from ..errors import SparseAttentionError
+
 # format name -> (ComfyUI layout, its quantise arguments, the layer's comfy_quant entry); the group
 # size of convrot is filled in per checkpoint (256 in published checkpoints)
 FORMATS = {
@@ -57,7 +59,7 @@ def quantise_tensor(key: str, t: torch.Tensor, fmt: str, convrot_groupsize: int 
 def _format(fmt: str, convrot_groupsize: int, caller: str) -> tuple[str, dict, dict]:
     """(ComfyUI layout, quantise arguments, comfy_quant entry) of `fmt`, or ValueError naming the formats."""
     if fmt not in FORMATS:
-        raise ValueError(f"{caller}: fmt={fmt!r} is not a format; allowed: {', '.join(FORMATS)}")
+        raise SparseAttentionError(f"{caller}: fmt={fmt!r} is not a format; allowed: {', '.join(FORMATS)}")
     layout, kwargs, conf = FORMATS[fmt]
     if kwargs.get("convrot"):
         kwargs, conf = dict(kwargs, convrot_groupsize=convrot_groupsize), dict(conf, convrot_groupsize=convrot_groupsize)
@@ -82,7 +84,7 @@ def quantise_state_dict(sd: dict[str, torch.Tensor], fmt: str, convrot_groupsize
     for key, t in sd.items():
         out.update(quantise_tensor(key, t, fmt, convrot_groupsize, dtype))
     if len(out) == len(sd):
-        raise ValueError("quantise_state_dict: the state dict has no DiT block Linear weights (blocks.N.attn/mlp)")
+        raise SparseAttentionError("quantise_state_dict: the state dict has no DiT block Linear weights (blocks.N.attn/mlp)")
     return out
 
 
@@ -139,11 +141,11 @@ class SafetensorsWriter:
     def add(self, name: str, t: torch.Tensor) -> None:
         """Store `t` (a CPU tensor) as `name`; it may be freed once this returns (unless held back)."""
         if name in self.entries or any(name == held for held, _ in self.held):
-            raise ValueError(f"SafetensorsWriter: {name!r} was added already")
+            raise SparseAttentionError(f"SafetensorsWriter: {name!r} was added already")
         if t.device.type != "cpu":
-            raise ValueError(f"SafetensorsWriter: {name!r} is on {t.device}; move it to the CPU first")
+            raise SparseAttentionError(f"SafetensorsWriter: {name!r} is on {t.device}; move it to the CPU first")
         if t.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"SafetensorsWriter: {name!r} has dtype {t.dtype}; allowed: "
+            raise SparseAttentionError(f"SafetensorsWriter: {name!r} has dtype {t.dtype}; allowed: "
                              f"{', '.join(str(d) for d in SAFETENSORS_DTYPES)}")
         t = t.detach().contiguous()
         if t.numel() * t.element_size() % 8:
@@ -166,7 +168,7 @@ class SafetensorsWriter:
         self.held.clear()
         header = json.dumps(self.entries, separators=(",", ":")).encode()
         if len(header) > self.reserved:
-            raise ValueError(f"SafetensorsWriter: the header needs {len(header)} bytes, {self.reserved} were "
+            raise SparseAttentionError(f"SafetensorsWriter: the header needs {len(header)} bytes, {self.reserved} were "
                              "reserved (header_bytes)")
         self.file.seek(0)
         self.file.write(self.reserved.to_bytes(8, "little"))

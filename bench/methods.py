@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.attention import sparse_attention
 from ..backend.config import BLOCK_SIZES, TAIL_GRANULARITIES, TAILS, TILINGS, SparseConfig
 from ..backend.layout import SequenceLayout
@@ -95,9 +96,9 @@ def split_spec(spec: str) -> tuple[str, list[float] | None]:
     try:
         ratios = [float(x) for x in tail.split("/")]
     except ValueError:
-        raise ValueError(f"method {spec!r}: ratios after '@' must be numbers separated by '/', e.g. @0.1/0.2") from None
+        raise SparseAttentionError(f"method {spec!r}: ratios after '@' must be numbers separated by '/', e.g. @0.1/0.2") from None
     if not all(0.01 <= r <= 1.0 for r in ratios):
-        raise ValueError(f"method {spec!r}: ratios must be in [0.01, 1]")
+        raise SparseAttentionError(f"method {spec!r}: ratios must be in [0.01, 1]")
     return base, ratios
 
 
@@ -112,12 +113,12 @@ def expand_methods(specs: list[str]) -> list[str]:
         if head == "ours":
             fields = rest.split(":")
             if len(fields) not in (3, 4):
-                raise ValueError(f"method {spec!r}: expected ours:<tiling>:<tail>:<granularity>[:b<block>]")
+                raise SparseAttentionError(f"method {spec!r}: expected ours:<tiling>:<tail>:<granularity>[:b<block>]")
             blocks = tuple(f"b{b}" for b in BLOCK_SIZES)
             choices = []
             for value, allowed in zip(fields, (TILINGS, TAILS, TAIL_GRANULARITIES, blocks)):
                 if value != "*" and value not in allowed:
-                    raise ValueError(f"method {spec!r}: {value!r} is not one of {', '.join(allowed)}")
+                    raise SparseAttentionError(f"method {spec!r}: {value!r} is not one of {', '.join(allowed)}")
                 choices.append(allowed if value == "*" else (value,))
             sizes = [""] if len(fields) == 3 else [f":{b}" for b in choices[3]]
             out += [f"ours:{t}:{a}:{g}{b}{suffix}" for t in choices[0] for a in choices[1] for g in choices[2]
@@ -129,10 +130,10 @@ def expand_methods(specs: list[str]) -> list[str]:
             try:
                 float(base[len("sol:tau="):])
             except ValueError:
-                raise ValueError(f"method {spec!r}: tau must be a number, e.g. sol:tau=1.0") from None
+                raise SparseAttentionError(f"method {spec!r}: tau must be a number, e.g. sol:tau=1.0") from None
             out.append(spec)
         else:
-            raise ValueError(f"method {spec!r} is not known: expected dense, dense:<{'|'.join(DENSE_KERNELS)}>, "
+            raise SparseAttentionError(f"method {spec!r} is not known: expected dense, dense:<{'|'.join(DENSE_KERNELS)}>, "
                              "ours:<tiling>:<tail>:<granularity>[:b<block>], sol:topk, sol:tau=<x> or "
                              "flex:<cube|reblock>, "
                              "optionally with @ratio/ratio")

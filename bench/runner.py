@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.layout import SequenceLayout
 from ..kernels import registry
 from .methods import expand_methods, prepare, split_spec, unavailable_reason
@@ -191,11 +192,11 @@ def run_preset(name: str, methods: list[str], ratios: list[float], device: torch
     kinds, so 4 has one of each): an H3-size preset then also runs on the CPU, its errors per head as at
     56 heads, each method timed once there (no speed claim)."""
     if name not in PRESETS:
-        raise ValueError(f"preset {name!r} is not known: expected one of {', '.join(PRESETS)}")
+        raise SparseAttentionError(f"preset {name!r} is not known: expected one of {', '.join(PRESETS)}")
     preset = PRESETS[name]
     size = with_heads(preset.size, heads, "bench")
     if preset.needs_cuda and device.type != "cuda" and heads is None:
-        raise ValueError(f"preset {name!r} needs a CUDA GPU (its scenes are full H3 size; --heads 4 runs its "
+        raise SparseAttentionError(f"preset {name!r} needs a CUDA GPU (its scenes are full H3 size; --heads 4 runs its "
                          "geometry with one head of each kind on the CPU)")
     scenes = list(scenes or preset.scenes)
     backend = resolve_kernel(backend, device)

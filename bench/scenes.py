@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.layout import SequenceLayout
 
 HEAD_KINDS = ("local", "temporal", "semantic", "context")
@@ -105,7 +106,7 @@ def with_heads(size: str, heads: int | None, command: str) -> SceneSize:
     if heads is None:
         return SIZES[size]
     if not 1 <= heads <= MAX_FEW_HEADS:
-        raise ValueError(f"{command}: --heads {heads} is not allowed: expected 1 to {MAX_FEW_HEADS}")
+        raise SparseAttentionError(f"{command}: --heads {heads} is not allowed: expected 1 to {MAX_FEW_HEADS}")
     return replace(SIZES[size], heads=heads)
 
 
@@ -320,7 +321,7 @@ def _head(tok: _Tokens, kind: HeadKind, D: int, factors: tuple[float, float], ge
 def noised(tok: _Tokens, noise: float, seed: int) -> _Tokens:
     """The tokens at flow sigma `noise`: generated rows' content (1 - s) x_0 + s e (see the module)."""
     if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"make_scene: noise={noise!r} is not allowed: expected a flow sigma in [0, 1]")
+        raise SparseAttentionError(f"make_scene: noise={noise!r} is not allowed: expected a flow sigma in [0, 1]")
     if noise == 0.0:
         return tok
     e = torch.randn(tok.content.shape, generator=torch.Generator().manual_seed(seed)) / math.sqrt(CONTENT_DIM)
@@ -336,12 +337,12 @@ def make_scene(name: str, size: SceneSize | str, seed: int = 0, device: torch.de
     `noise`: the flow sigma of a denoising step (0: the clean scene; see the module docstring)."""
     if isinstance(size, str):
         if size not in SIZES:
-            raise ValueError(f"make_scene: size={size!r} is not allowed: expected one of {', '.join(SIZES)}")
+            raise SparseAttentionError(f"make_scene: size={size!r} is not allowed: expected one of {', '.join(SIZES)}")
         size = SIZES[size]
     if name not in SCENES:
-        raise ValueError(f"make_scene: name={name!r} is not allowed: expected one of {', '.join(SCENES)}")
+        raise SparseAttentionError(f"make_scene: name={name!r} is not allowed: expected one of {', '.join(SCENES)}")
     if noise != 0.0 and name == "gaussian":
-        raise ValueError(f"make_scene: noise={noise!r} is not allowed for the gaussian control: expected 0")
+        raise SparseAttentionError(f"make_scene: noise={noise!r} is not allowed for the gaussian control: expected 0")
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed * 1000 + SCENES.index(name))
     H, S, D = size.heads, size.total, size.head_dim

@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.config import SparseConfig
 from ..backend.layout import TARGET_VIDEO, SequenceLayout
 from .metrics import block_of_rows, plan_mass_metrics, sample_rows
@@ -50,7 +51,7 @@ def cube_shape_tiling(layout: SequenceLayout, tile: tuple[int, int, int], device
                       ) -> Tiling:
     """`cube_tiling` of 64-row blocks with (bT, bH, bW) tiles `tile` instead of the shipped (4, 4, 4)."""
     if len(tile) != 3 or min(tile) < 1 or math.prod(tile) != 64:
-        raise ValueError(f"cube_shape_tiling: tile={tile} is not allowed: expected three positive sizes whose "
+        raise SparseAttentionError(f"cube_shape_tiling: tile={tile} is not allowed: expected three positive sizes whose "
                          "product is the block size, 64")
     perm, block_len, spans = assemble(layout, 64, lambda grid: cube_tiles(grid, tuple(tile)))
     perm = perm.view(1, 1, -1).to(device)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import SparseAttentionError
+
 ARCH_ENV = "ADAPTIVE_SPARSE_KERNEL_ARCH"
 ARCHS = ("sm80", "sm90")
 
@@ -68,7 +70,7 @@ def resolve_arch(device: torch.device, arch: str | None = None) -> str:
     arch = arch or os.environ.get(ARCH_ENV) or None
     if arch is not None:
         if arch not in ARCHS:
-            raise ValueError(f"kernel arch {arch!r} (argument or {ARCH_ENV}) is not allowed: "
+            raise SparseAttentionError(f"kernel arch {arch!r} (argument or {ARCH_ENV}) is not allowed: "
                              f"expected one of {', '.join(ARCHS)}")
         return arch
     if device.type == "cuda":
@@ -83,7 +85,7 @@ def kernel_config(head_dim: int, block_size: int, device: torch.device, arch: st
     block_m and block_n at the block size."""
     key = (resolve_arch(device, arch), head_dim, 128 if block_size >= 128 else 64)
     if key not in CONFIGS:
-        raise ValueError(f"block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
+        raise SparseAttentionError(f"block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
                          f"{sorted({d for _, d, _ in CONFIGS})}")
     return CONFIGS[key]
 
@@ -128,10 +130,10 @@ def eight_bit_config(head_dim: int, block_size: int, device: torch.device, arch:
     if arch is None:
         arch = eight_bit_arch(torch.cuda.get_device_capability(device)) if device.type == "cuda" else "sm89"
     if arch not in EIGHT_BIT_ARCHS:
-        raise ValueError(f"8-bit kernel arch {arch!r} (argument or {ARCH_ENV}) is not allowed: expected one of "
+        raise SparseAttentionError(f"8-bit kernel arch {arch!r} (argument or {ARCH_ENV}) is not allowed: expected one of "
                          f"{', '.join(EIGHT_BIT_ARCHS)}")
     key = (arch, head_dim, 128 if block_size >= 128 else 64)
     if key not in EIGHT_BIT_CONFIGS:
-        raise ValueError(f"8-bit block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
+        raise SparseAttentionError(f"8-bit block-sparse kernel: head_dim={head_dim} is not supported: expected one of "
                          f"{sorted({d for _, d, _ in EIGHT_BIT_CONFIGS})}")
     return EIGHT_BIT_CONFIGS[key]

@@ -15,6 +15,8 @@ import hashlib
 
 import torch
 
+from ..errors import SparseAttentionError
+
 PACKAGE = __name__.rsplit(".kernels.", 1)[0]  # the name this copy was imported under
 NAMESPACE = "adaptive_sparse_attention"
 
@@ -39,7 +41,7 @@ def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: str) -
     fails before anything runs instead of returning outputs whose backward fails later."""
     needs_grad = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
     if needs_grad and torch.is_grad_enabled():
-        raise ValueError(f"kernel={family!r}: {', '.join(needs_grad)} require grad, but the fused kernels have no "
+        raise SparseAttentionError(f"kernel={family!r}: {', '.join(needs_grad)} require grad, but the fused kernels have no "
                          "backward: call it under torch.no_grad() or torch.inference_mode(), detach the inputs, or use "
                          "kernel='torch' (the differentiable reference)")
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
+from ..errors import SparseAttentionError
 from .segments import Segment
 
 EMPTY_ROW_LSE = -1.0e30  # log-sum-exp reported for a row that may attend to nothing (finite)
@@ -38,7 +39,7 @@ def _describe(t: Any) -> str:
 
 def _require(ok: bool, owner: str, name: str, value: Any, expected: str) -> None:
     if not ok:
-        raise ValueError(f"{owner}: {name} {_describe(value)} is not allowed: expected {expected}")
+        raise SparseAttentionError(f"{owner}: {name} {_describe(value)} is not allowed: expected {expected}")
 
 
 def _is(t: Any, dtypes: tuple[torch.dtype, ...], dim: int) -> bool:

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..notices import Notices
 from .cudnn.family import CUDNN, CUDNN_BF16
 from .flash4.family import FLASH4
@@ -82,7 +83,7 @@ def choose_family(requested: str, target: Target, host: Host, strict: bool = Fal
     if requested == "auto":
         return next(f.name for f in FAMILIES.values() if f.may_auto(target) and f.unavailable(target, host) is None)
     if requested not in FAMILIES:
-        raise ValueError(f"kernel={requested!r} is not allowed: expected 'auto' or one of "
+        raise SparseAttentionError(f"kernel={requested!r} is not allowed: expected 'auto' or one of "
                          + ", ".join(repr(n) for n in FAMILIES))
     reason = FAMILIES[requested].unavailable(target, host)
     if reason is None:

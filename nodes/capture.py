@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.layout import SequenceLayout
 
 FORMAT = "adaptive-sparse-attention/capture"
@@ -39,12 +40,12 @@ def save_capture(path: str, entries: list[dict[str, Any]], layout: SequenceLayou
     for i, entry in enumerate(entries):
         missing = {"layer", "step", "q", "k", "v"} - set(entry)
         if missing:
-            raise ValueError(f"save_capture: entry {i} lacks {sorted(missing)}; expected layer, step, q, k, v")
+            raise SparseAttentionError(f"save_capture: entry {i} lacks {sorted(missing)}; expected layer, step, q, k, v")
         for name in ("q", "k", "v"):
             t = entry[name]
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[2] != layout.total:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"save_capture: entry {i} {name} must be [B, H, {layout.total}, D] for the layout, got {shape}")
+                raise SparseAttentionError(f"save_capture: entry {i} {name} must be [B, H, {layout.total}, D] for the layout, got {shape}")
             tensors[f"{i}.{name}"] = t.detach().to("cpu").contiguous()
         index.append({"layer": int(entry["layer"]), "step": int(entry["step"])})
     header = {"format": FORMAT, "version": str(VERSION), "entries": json.dumps(index),
@@ -68,21 +69,21 @@ def capture_header(path: str) -> tuple[list[dict[str, Any]], SequenceLayout, dic
     except OSError:
         raise
     except Exception as err:  # safetensors raises its own error type for a file that is not one
-        raise ValueError(f"{path} is not a safetensors file ({' '.join(str(err).split())})") from None
+        raise SparseAttentionError(f"{path} is not a safetensors file ({' '.join(str(err).split())})") from None
     if header.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a capture file (format {header.get('format')!r}, expected {FORMAT!r})")
+        raise SparseAttentionError(f"{path} is not a capture file (format {header.get('format')!r}, expected {FORMAT!r})")
     if int(header.get("version", 0)) > VERSION:
-        raise ValueError(f"{path} has capture version {header['version']}; this pack reads up to {VERSION} "
+        raise SparseAttentionError(f"{path} has capture version {header['version']}; this pack reads up to {VERSION} "
                          "(update the pack)")
     try:
         index = json.loads(header["entries"])
         layout = layout_from_json(json.loads(header["layout"]))
         meta = json.loads(header.get("meta", "{}"))
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{path} has an incomplete capture header ({type(err).__name__}: {err})") from None
+        raise SparseAttentionError(f"{path} has an incomplete capture header ({type(err).__name__}: {err})") from None
     missing = [f"{i}.{n}" for i in range(len(index)) for n in ("q", "k", "v") if f"{i}.{n}" not in names]
     if missing:
-        raise ValueError(f"{path} lacks the tensors {', '.join(missing[:6])}: the file is incomplete")
+        raise SparseAttentionError(f"{path} lacks the tensors {', '.join(missing[:6])}: the file is incomplete")
     return index, layout, meta
 
 

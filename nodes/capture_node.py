@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from comfy_api.latest import io
 
+from ..errors import SparseAttentionError
 from ..backend.layout import SequenceLayout
 from ..backend.producer import produce_qkv
 from ..notices import logger
@@ -40,7 +41,7 @@ class CaptureHook(BlockHook):
         self.folder = os.path.abspath(os.path.join(output_dir, os.path.dirname(os.path.normpath(filename_prefix))))
         self.base = os.path.basename(os.path.normpath(filename_prefix))
         if os.path.commonpath([self.folder, os.path.abspath(output_dir)]) != os.path.abspath(output_dir) or not self.base:
-            raise ValueError(f"{CAPTURE_NODE_NAME}.filename_prefix={filename_prefix!r} must name a file inside the "
+            raise SparseAttentionError(f"{CAPTURE_NODE_NAME}.filename_prefix={filename_prefix!r} must name a file inside the "
                              "output folder, e.g. 'h3_attention/capture'")
         super().__init__()
 

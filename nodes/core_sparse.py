@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..errors import SparseAttentionError
+
 # ComfyUI's own "Model Sparse Attention" node (BlockSparseAttention) registers its block patches
 # from this module with set_model_patch_replace. Older versions replace whatever was there and
 # never call it; newer ones chain it and mark their patches with a `_block_sparse_attention_patch`
@@ -89,7 +91,7 @@ def refuse_core_sparse(model_options: dict, title: str, order: str) -> None:
     """
     blocks = core_sparse_blocks(model_options)
     if blocks:
-        raise ValueError(
+        raise SparseAttentionError(
             f"{title}: {CORE_SPARSE_NODE} is applied {order} this node on the same model ({len(blocks)} H3 blocks). "
             "Both replace the attention of the same blocks, so one of them would not run as set. "
             "Keep one of the two nodes (remove or bypass the other).")

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.cache import BoundedCache
 from ..backend.layout import SequenceLayout
 
@@ -21,7 +22,7 @@ def check_h3(diffusion_model: Any) -> None:
         all(hasattr(getattr(b, "attn", None), a) for a in ("qkv_proj", "q_norm", "k_norm", "out_proj", "heads", "head_dim"))
         for b in blocks)
     if cls.__name__ != "MiniMaxH3Model" or not shaped:
-        raise ValueError(
+        raise SparseAttentionError(
             f"Adaptive Sparse Attention (MiniMax-H3) only patches ComfyUI's MiniMax-H3 model "
             f"(comfy.ldm.minimax.model.MiniMaxH3Model), but this MODEL's diffusion model is "
             f"{cls.__module__}.{cls.__name__}. Load a MiniMax-H3 checkpoint (UNETLoader) and connect it here.")

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import SparseAttentionError
 from ..backend.config import SparseConfig
 
 SIGMA_RTOL = 1e-4  # a sigma this close to the warmup sigma is not above it (float32 schedules)
@@ -36,7 +37,7 @@ def denoising_step(sigma: torch.Tensor, schedule: torch.Tensor) -> tuple[int, in
     """(step, total steps) of a call at `sigma` in `schedule` (steps + 1 sigmas, the last one 0)."""
     sched = schedule.detach().flatten().to("cpu", torch.float64)
     if sched.numel() < 2:
-        raise ValueError(f"sample_sigmas must hold at least 2 values (steps + 1), got {sched.numel()}")
+        raise SparseAttentionError(f"sample_sigmas must hold at least 2 values (steps + 1), got {sched.numel()}")
     total = sched.numel() - 1
     s = float(sigma.detach().flatten()[0])
     return min(int((sched - s).abs().argmin()), total - 1), total

@@ -111,3 +111,15 @@ def test_after_the_fixed_set_no_clip_length_compiles(tmp_path, monkeypatch):
             assert prep.prepare(size.layout(), config, dtype, device, size.head_dim, size.heads) is not None
         assert builds.compiled == 0, (canvas, seconds, builds)
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) == files
+
+
+def test_the_packs_errors_share_one_type():
+    """Bad input raises `SparseAttentionError`, a ValueError a caller can catch as the pack's own."""
+    from adaptive_sparse_attention import SparseAttentionError, SequenceLayout, sparse_attention
+
+    assert issubclass(SparseAttentionError, ValueError)
+    with pytest.raises(SparseAttentionError, match="topk_ratio"):
+        SparseConfig(topk_ratio=5.0)
+    with pytest.raises(SparseAttentionError, match="does not match the layout"):
+        q = torch.zeros(1, 1, 10, 32)
+        sparse_attention(q, q, q, SequenceLayout.from_segments([(0, 12, "video", (1, 3, 4))]))

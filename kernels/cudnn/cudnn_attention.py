@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ...errors import SparseAttentionError
 from ..plan import BlockSparsePlan, group_span, perm_heads
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -33,14 +34,14 @@ def check_call(q: torch.Tensor, plan: BlockSparsePlan) -> None:
     """Raise ValueError unless q's device, dtype and head dim and the plan's block size are ones
     this kernel takes (the table, `family.REQUIRES`, declares the same facts for `auto`)."""
     if q.device.type != "cuda" or q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or plan.block_size != BLOCK_SIZE:
-        raise ValueError(f"block_sparse_cudnn cannot run: q {q.dtype} head_dim {q.shape[-1]} on {q.device}, block_size "
+        raise SparseAttentionError(f"block_sparse_cudnn cannot run: q {q.dtype} head_dim {q.shape[-1]} on {q.device}, block_size "
                          f"{plan.block_size}: expected CUDA, dtype in {DTYPES}, head_dim in {HEAD_DIMS}, block_size {BLOCK_SIZE}")
 
 
 def sparse_span(plan: BlockSparsePlan) -> tuple[int, int]:
     """[lo, hi) sparse query blocks: the span of the plan's groups (`plan.group_span`)."""
     if not plan.groups:
-        raise ValueError("block_sparse_cudnn: plan.groups is empty: the cuDNN backend needs the routing groups "
+        raise SparseAttentionError("block_sparse_cudnn: plan.groups is empty: the cuDNN backend needs the routing groups "
                          "(route_plan's rule: query blocks in their span are sparse with the span's start as "
                          "dense prefix, the others dense)")
     return group_span(plan.groups)

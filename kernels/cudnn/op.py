@@ -1,6 +1,7 @@
 """The cuDNN attention as a `torch.library` custom op, and the `cudnn` row of the attention."""
 import torch
 
+from ...errors import SparseAttentionError
 from ..custom_op import check_grad, fake_attention, op_name
 from ..plan import BlockSparsePlan
 
@@ -25,6 +26,6 @@ class CudnnAttention:
         """(out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32) of q, k, v under `plan`
         (bf16 only: the registry resolves 8-bit calls elsewhere)."""
         if precision != "bf16":
-            raise ValueError(f"kernel='cudnn': precision={precision!r} is not supported: expected 'bf16'")
+            raise SparseAttentionError(f"kernel='cudnn': precision={precision!r} is not supported: expected 'bf16'")
         check_grad(q, k, v, "cudnn")
         return cudnn_block_sparse(q, k, v, *plan.flatten())

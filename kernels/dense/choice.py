@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ...errors import SparseAttentionError
 from ...notices import Notices, logger
 from ...timer import median_ms
 from ...version import __version__
@@ -111,7 +112,7 @@ def tolerance(dtype: torch.dtype, precision: str = "bf16", sdpa_error: float | N
         The largest relative L2 error accepted.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not allowed: expected one of {', '.join(PRECISIONS)}")
+        raise SparseAttentionError(f"precision={precision!r} is not allowed: expected one of {', '.join(PRECISIONS)}")
     unit = rounding_error(dtype)
     if sdpa_error is not None:
         unit = min(max(sdpa_error, unit), 2 * unit)

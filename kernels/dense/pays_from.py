@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...errors import SparseAttentionError
 from .choice import DenseChoices
 
 PREFIX = "sparse pays from"
@@ -41,7 +42,7 @@ def crossover(timings: list[tuple[int, float, float]]) -> str:
         ValueError: an empty ladder.
     """
     if not timings:
-        raise ValueError("crossover: no timings")
+        raise SparseAttentionError("crossover: no timings")
     rungs = sorted(timings)
     pays = None
     for tokens, sparse_ms, dense_ms in reversed(rungs):

@@ -30,6 +30,7 @@ try:
 except ImportError:  # POSIX
     msvcrt = None
 
+from ...errors import SparseAttentionError
 from ...notices import logger
 
 log = logger()
@@ -64,16 +65,16 @@ def flat_strings(text: str) -> dict[str, str]:
     """
     skeleton = JSON_STRING.sub('""', text)
     if skeleton.count("{") != 1 or "[" in skeleton:
-        raise ValueError("not one flat JSON object (nested, or no object)")
+        raise SparseAttentionError("not one flat JSON object (nested, or no object)")
     try:
         data = json.loads(text)
     except RecursionError as err:
-        raise ValueError("nested too deeply") from err
+        raise SparseAttentionError("nested too deeply") from err
     if not isinstance(data, dict):
-        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        raise SparseAttentionError(f"a JSON {type(data).__name__}, not an object")
     bad = next((k for k, v in data.items() if not isinstance(v, str)), None)
     if bad is not None:
-        raise ValueError(f"the entry {bad[:80]!r} is {json.dumps(data[bad])[:20]}, not a string")
+        raise SparseAttentionError(f"the entry {bad[:80]!r} is {json.dumps(data[bad])[:20]}, not a string")
     return data
 
 
@@ -154,14 +155,14 @@ class ChoiceFile:
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):  # replaced by something else since `unusable` looked
-                raise ValueError("not a regular file")
+                raise SparseAttentionError("not a regular file")
             if info.st_size > MAX_BYTES:
-                raise ValueError(f"{info.st_size} bytes, more than the {MAX_BYTES} allowed")
+                raise SparseAttentionError(f"{info.st_size} bytes, more than the {MAX_BYTES} allowed")
             data = os.read(fd, MAX_BYTES + 1)
         finally:
             os.close(fd)
         if len(data) > MAX_BYTES:
-            raise ValueError(f"more than the {MAX_BYTES} bytes allowed")
+            raise SparseAttentionError(f"more than the {MAX_BYTES} bytes allowed")
         return data.decode("utf-8")
 
     def save(self, key: str, value: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import SparseAttentionError
 from ..eight_bit import CODE_TOP, FP8_TOP, P_SCALE, PV_FORMATS, V_TOP, QuantisedBlocks, key_mean, value_max
 from ..plan import BlockSparsePlan, pack
 
@@ -60,7 +61,7 @@ def quantise_blocks_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         The `QuantisedBlocks` of all H heads.
     """
     if pv not in PV_FORMATS:
-        raise ValueError(f"quantise_blocks: pv={pv!r} is not allowed: expected one of {', '.join(PV_FORMATS)}")
+        raise SparseAttentionError(f"quantise_blocks: pv={pv!r} is not allowed: expected one of {', '.join(PV_FORMATS)}")
     B, H, S, D = q.shape
     J, bs = plan.num_blocks, plan.block_size
     mean = key_mean(k) if mean is None else mean

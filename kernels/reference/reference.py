@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ...errors import SparseAttentionError
 from ..arch import EightBitConfig, eight_bit_config
 from ..eight_bit import P_SCALE, PRECISIONS
 from ..plan import EMPTY_ROW_LSE, BlockSparsePlan, BlockSummaries, QuerySummaries, pack, unpack
@@ -162,7 +163,7 @@ class ReferenceAttention:
         """(out [B, H, S, D] in q's dtype, lse [B, H, S]) of q, k, v under `plan`; with "8-bit", the
         arithmetic of the Triton kernel's 8-bit loop for this device (`arch.eight_bit_config`)."""
         if precision not in PRECISIONS:
-            raise ValueError(f"kernel='torch': precision={precision!r} is not allowed: expected one of "
+            raise SparseAttentionError(f"kernel='torch': precision={precision!r} is not allowed: expected one of "
                              f"{', '.join(map(repr, PRECISIONS))}")
         eight_bit = eight_bit_config(q.shape[-1], plan.block_size, q.device) if precision == "8-bit" else None
         return block_sparse_reference(q, k, v, plan, eight_bit=eight_bit)

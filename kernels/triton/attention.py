@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from ..arch import EightBitConfig, KernelConfig, eight_bit_config, kernel_config
 from ..eight_bit import PRECISIONS, QuantisedBlocks, key_mean, value_max
 from ..offsets import perm_strides, wide_rows
@@ -333,24 +334,24 @@ def _block_sparse_fwd(
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4 or t.shape != q.shape:
-            raise ValueError(f"block_sparse_triton: {name} must be [B, H, S, D] like q, got {tuple(t.shape)}")
+            raise SparseAttentionError(f"block_sparse_triton: {name} must be [B, H, S, D] like q, got {tuple(t.shape)}")
         if t.dtype not in DTYPES or t.dtype != q.dtype:
-            raise ValueError(f"block_sparse_triton: {name}.dtype={t.dtype} is not supported: expected q's dtype, "
+            raise SparseAttentionError(f"block_sparse_triton: {name}.dtype={t.dtype} is not supported: expected q's dtype, "
                              f"one of {', '.join(str(d) for d in DTYPES)}")
     D = q.shape[-1]
     if D < 16 or D & (D - 1):
-        raise ValueError(f"block_sparse_triton: head_dim={D} is not supported: expected a power of two >= 16")
+        raise SparseAttentionError(f"block_sparse_triton: head_dim={D} is not supported: expected a power of two >= 16")
     bs = plan.block_size
     if bs < 16 or bs & (bs - 1):
-        raise ValueError(f"block_sparse_triton: plan.block_size={bs} is not supported: expected a power of two >= 16")
+        raise SparseAttentionError(f"block_sparse_triton: plan.block_size={bs} is not supported: expected a power of two >= 16")
     tail = plan.tail
     tail_dim = tail.key.shape[-1] if isinstance(tail, QuerySummaries) else (
         tail.value.shape[-1] if isinstance(tail, BlockSummaries) else D)
     if tail_dim != D or plan.q_perm.device != q.device:
-        raise ValueError(f"block_sparse_triton: the plan ({plan.q_perm.device}, summaries of size {tail_dim}) does not "
+        raise SparseAttentionError(f"block_sparse_triton: the plan ({plan.q_perm.device}, summaries of size {tail_dim}) does not "
                          f"fit q {tuple(q.shape)} on {q.device}")
     if plan.q2k_idx.shape[:2] != q.shape[:2]:
-        raise ValueError(f"block_sparse_triton: plan.q2k_idx {tuple(plan.q2k_idx.shape)} does not fit q's batch and "
+        raise SparseAttentionError(f"block_sparse_triton: plan.q2k_idx {tuple(plan.q2k_idx.shape)} does not fit q's batch and "
                          f"heads {tuple(q.shape[:2])}")
 
 
@@ -361,7 +362,7 @@ def _checked_partial(partial: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
     L = plan.num_blocks * plan.block_size
     if (out.shape != (B, H, L, D) or lse.shape != (B, H, L) or lse.dtype != torch.float32
             or out.device != q.device or lse.device != q.device):
-        raise ValueError(f"block_sparse_triton: partial must be (out [{B}, {H}, {L}, {D}], lse fp32 [{B}, {H}, {L}]) "
+        raise SparseAttentionError(f"block_sparse_triton: partial must be (out [{B}, {H}, {L}, {D}], lse fp32 [{B}, {H}, {L}]) "
                          f"on {q.device}, got {tuple(out.shape)} {out.dtype}, {tuple(lse.shape)} {lse.dtype}")
     return out.contiguous(), lse.contiguous()
 
@@ -475,17 +476,17 @@ def _check_precision(precision: str, partial: object, config: KernelConfig | Non
                      block_size: int) -> bool:
     """Whether the call runs in 8 bits; raises on a precision, config or shape the 8-bit loop cannot take."""
     if precision not in PRECISIONS:
-        raise ValueError(f"block_sparse_triton: precision={precision!r} is not allowed: expected one of "
+        raise SparseAttentionError(f"block_sparse_triton: precision={precision!r} is not allowed: expected one of "
                          f"{', '.join(map(repr, PRECISIONS))}")
     if precision != "8-bit":
         if isinstance(config, EightBitConfig):
-            raise ValueError("block_sparse_triton: an EightBitConfig needs precision='8-bit'")
+            raise SparseAttentionError("block_sparse_triton: an EightBitConfig needs precision='8-bit'")
         return False
     if partial is not None:
-        raise ValueError("block_sparse_triton: precision='8-bit' computes the exact keys itself: it takes no partial")
+        raise SparseAttentionError("block_sparse_triton: precision='8-bit' computes the exact keys itself: it takes no partial")
     if config is not None and not isinstance(config, EightBitConfig):
-        raise ValueError(f"block_sparse_triton: precision='8-bit' needs an EightBitConfig, got {config!r}")
+        raise SparseAttentionError(f"block_sparse_triton: precision='8-bit' needs an EightBitConfig, got {config!r}")
     if min(head_dim, block_size) < 32:
-        raise ValueError(f"block_sparse_triton: precision='8-bit' needs head_dim and block_size >= 32 (8-bit MMA "
+        raise SparseAttentionError(f"block_sparse_triton: precision='8-bit' needs head_dim and block_size >= 32 (8-bit MMA "
                          f"reduces 32 at a time), got head_dim={head_dim}, block_size={block_size}")
     return True

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from .configs import dot_precision, row_align
 from .radix_select import row_split, top_k_mask_pair
 
@@ -79,13 +80,13 @@ def block_log_mass_triton(probes: torch.Tensor, k: torch.Tensor, perm: torch.Ten
     G, P, D = probes.shape
     n = perm.shape[-1] // block_size
     if k.dtype != probes.dtype or k.shape[0] != G or k.shape[-1] != D:
-        raise ValueError(f"block_log_mass_triton: k must be [G={G}, S, D={D}] in {probes.dtype}, got "
+        raise SparseAttentionError(f"block_log_mass_triton: k must be [G={G}, S, D={D}] in {probes.dtype}, got "
                          f"{tuple(k.shape)} {k.dtype}")
     for name, size in (("probes", P), ("block_size", block_size)):
         if size < 16 or size & (size - 1):
-            raise ValueError(f"block_log_mass_triton: {name}={size} is not allowed: expected a power of two >= 16")
+            raise SparseAttentionError(f"block_log_mass_triton: {name}={size} is not allowed: expected a power of two >= 16")
     if perm.dtype != torch.int32 or perm.shape[0] not in (1, G) or perm.stride(-1) != 1:
-        raise ValueError(f"block_log_mass_triton: perm must be int32 [1 or {G}, n * block_size] with unit last "
+        raise SparseAttentionError(f"block_log_mass_triton: perm must be int32 [1 or {G}, n * block_size] with unit last "
                          f"stride, got {perm.dtype} {tuple(perm.shape)}")
     if probes.stride(-1) != 1:
         probes = probes.contiguous()
@@ -105,9 +106,9 @@ def top_share_triton(log_mass: torch.Tensor, budget: int) -> torch.Tensor:
     [...] (sum of exp over the top `budget` / sum of exp over the row)."""
     n = log_mass.shape[-1]
     if log_mass.dtype != torch.float32:
-        raise ValueError(f"top_share_triton: log_mass.dtype={log_mass.dtype} is not allowed: expected float32")
+        raise SparseAttentionError(f"top_share_triton: log_mass.dtype={log_mass.dtype} is not allowed: expected float32")
     if not 1 <= budget <= n:
-        raise ValueError(f"top_share_triton: budget={budget} is not allowed: expected 1 <= budget <= {n} (the row length)")
+        raise SparseAttentionError(f"top_share_triton: budget={budget} is not allowed: expected 1 <= budget <= {n} (the row length)")
     rows = log_mass.contiguous().view(-1, n)
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=log_mass.device)
     head, tail = row_split(n)

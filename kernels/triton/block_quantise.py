@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from ..eight_bit import PV_FORMATS, QuantisedBlocks
 from ..offsets import perm_strides
 from .configs import row_align
@@ -129,7 +130,7 @@ def quantise_blocks_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         The `QuantisedBlocks` of heads h0:h1 ([B, h1 - h0, ...]).
     """
     if pv not in PV_FORMATS:
-        raise ValueError(f"quantise_blocks_triton: pv={pv!r} is not allowed: expected one of {', '.join(PV_FORMATS)}")
+        raise SparseAttentionError(f"quantise_blocks_triton: pv={pv!r} is not allowed: expected one of {', '.join(PV_FORMATS)}")
     B, H, _, D = q.shape
     L, hc = q_perm.shape[-1], h1 - h0
     J = L // block_size

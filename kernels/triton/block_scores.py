@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
+
 TILE = 64  # query and key blocks per program; windows start at multiples of it
 
 _WINDOW = ['J', 'i0', 'c0', 'n_rows', 'n_cols']  # lengths and offsets: no recompilation per clip
@@ -63,7 +65,7 @@ def _quantised_scores(Q, QScale, K, KScale, Out, J, i0, c0, n_rows, n_cols, DP: 
 def _window(J: int, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> tuple[int, int, int, int]:
     (i0, i1), (c0, c1) = rows or (0, J), cols or (0, J)
     if not (0 <= i0 < i1 <= J and 0 <= c0 < c1 <= J and i0 % TILE == 0 and c0 % TILE == 0):
-        raise ValueError(f"block scores: window rows={rows}, cols={cols} is not allowed: expected ranges inside "
+        raise SparseAttentionError(f"block scores: window rows={rows}, cols={cols} is not allowed: expected ranges inside "
                          f"[0, {J}) starting at multiples of {TILE}")
     return i0, i1, c0, c1
 
@@ -73,7 +75,7 @@ def pooled_scores_triton(q_mean: torch.Tensor, k_mean: torch.Tensor, rows: tuple
     """q_mean k_mean^T / sqrt(D) of fp32 [B, H, J, D] block means: fp32 [B, H, i1 - i0, c1 - c0],
     the window rows = (i0, i1), cols = (c0, c1) of the [B, H, J, J] matrix (default: all of it)."""
     if q_mean.shape != k_mean.shape or q_mean.dim() != 4 or {q_mean.dtype, k_mean.dtype} != {torch.float32}:
-        raise ValueError(f"pooled_scores_triton: q_mean and k_mean must be fp32 [B, H, J, D] of one shape, got "
+        raise SparseAttentionError(f"pooled_scores_triton: q_mean and k_mean must be fp32 [B, H, J, D] of one shape, got "
                          f"{q_mean.dtype} {tuple(q_mean.shape)} and {k_mean.dtype} {tuple(k_mean.shape)}")
     B, H, J, D = q_mean.shape
     i0, i1, c0, c1 = _window(J, rows, cols)
@@ -92,15 +94,15 @@ def quantised_scores_triton(q_codes: torch.Tensor, q_scale: torch.Tensor, k_code
     `pooled_scores_triton`)."""
     fmt = {q_codes.dtype, k_codes.dtype}
     if q_codes.shape != k_codes.shape or q_codes.dim() != 4 or fmt not in ({torch.int8}, {torch.float8_e4m3fn}):
-        raise ValueError(f"quantised_scores_triton: codes must be int8 or float8_e4m3fn [B, H, J, D] of one shape "
+        raise SparseAttentionError(f"quantised_scores_triton: codes must be int8 or float8_e4m3fn [B, H, J, D] of one shape "
                          f"and dtype, got {q_codes.dtype} {tuple(q_codes.shape)} and {k_codes.dtype} "
                          f"{tuple(k_codes.shape)}")
     B, H, J, D = q_codes.shape
     if D < 32 or D & (D - 1):
-        raise ValueError(f"quantised_scores_triton: head_dim={D} is not allowed: expected a power of two >= 32")
+        raise SparseAttentionError(f"quantised_scores_triton: head_dim={D} is not allowed: expected a power of two >= 32")
     for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
         if s.shape != (B, H, J) or s.dtype != torch.float32:
-            raise ValueError(f"quantised_scores_triton: {name} must be fp32 [{B}, {H}, {J}], got {s.dtype} "
+            raise SparseAttentionError(f"quantised_scores_triton: {name} must be fp32 [{B}, {H}, {J}], got {s.dtype} "
                              f"{tuple(s.shape)}")
     i0, i1, c0, c1 = _window(J, rows, cols)
     out = torch.empty(B, H, i1 - i0, c1 - c0, dtype=torch.float32, device=q_codes.device)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from .radix_select import row_split, top_k_mask_pair
 
 
@@ -56,15 +57,15 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
     `out` may be int16 (J < 2**15) or int32."""
     J = dense_hi.shape[0] if dense_hi.dim() == 1 else -1
     if scores.dim() != 4 or scores.dtype != torch.float32:
-        raise ValueError(f"select_blocks_triton: scores must be fp32 [B, H, rows, columns], got {scores.dtype} "
+        raise SparseAttentionError(f"select_blocks_triton: scores must be fp32 [B, H, rows, columns], got {scores.dtype} "
                          f"{tuple(scores.shape)}")
     B, H, n_rows, n_cols = scores.shape
     if J < 0 or not (0 <= i0 and i0 + n_rows <= J and 0 <= c0 and c0 + n_cols <= J):
-        raise ValueError(f"select_blocks_triton: dense_hi must be [J] with the score window (rows {i0}+{n_rows}, "
+        raise SparseAttentionError(f"select_blocks_triton: dense_hi must be [J] with the score window (rows {i0}+{n_rows}, "
                          f"columns {c0}+{n_cols}) inside [0, J), got dense_hi {tuple(dense_hi.shape)}")
     for lo, hi, budget in groups:
         if not (c0 <= lo < hi <= c0 + n_cols and 1 <= budget <= hi - lo):
-            raise ValueError(f"select_blocks_triton: group (lo={lo}, hi={hi}, budget={budget}) is not allowed: "
+            raise SparseAttentionError(f"select_blocks_triton: group (lo={lo}, hi={hi}, budget={budget}) is not allowed: "
                              f"expected {c0} <= lo < hi <= {c0 + n_cols} and 1 <= budget <= hi - lo")
     R = sum(budget for _, _, budget in groups)
     scores, dense_hi = scores.contiguous(), dense_hi.to(torch.int32).contiguous()
@@ -72,7 +73,7 @@ def select_blocks_triton(scores: torch.Tensor, dense_hi: torch.Tensor, groups: l
         out = torch.empty(B, H, J, R, dtype=torch.int32, device=scores.device)
     elif (out.shape != (B, H, J, R) or out.dtype not in (torch.int16, torch.int32) or not out.is_contiguous()
             or (out.dtype == torch.int16 and J >= 2 ** 15)):
-        raise ValueError(f"select_blocks_triton: out must be contiguous int16 (J < 2**15) or int32 "
+        raise SparseAttentionError(f"select_blocks_triton: out must be contiguous int16 (J < 2**15) or int32 "
                          f"[{B}, {H}, {J}, {R}], got {out.dtype} {tuple(out.shape)}")
     col0 = 0
     for lo, hi, budget in groups:  # about 32 scores per thread: more warps were no faster on rows of

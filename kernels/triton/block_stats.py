@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from ..offsets import perm_strides
 from .configs import TRITON_DTYPES as DTYPES
 from .configs import row_align
@@ -112,15 +113,15 @@ def _block_summaries(K, V, Perm, BlockLen, Anchor, Key, Value, Bias,
 
 def _check(name: str, x: torch.Tensor, perm: torch.Tensor, block_len: torch.Tensor, block_size: int) -> None:
     if x.dim() != 4:
-        raise ValueError(f"{name}: x must be [B, H, S, D], got shape {tuple(x.shape)}")
+        raise SparseAttentionError(f"{name}: x must be [B, H, S, D], got shape {tuple(x.shape)}")
     if x.dtype not in DTYPES:
-        raise ValueError(f"{name}: dtype={x.dtype} is not supported: expected one of "
+        raise SparseAttentionError(f"{name}: dtype={x.dtype} is not supported: expected one of "
                          f"{', '.join(str(d) for d in DTYPES)}")
     B, H = x.shape[:2]
     J = block_len.numel()
     if (perm.dim() != 3 or perm.shape[0] not in (1, B) or perm.shape[1] not in (1, H)
             or perm.shape[2] != J * block_size or perm.dtype != torch.int32):
-        raise ValueError(f"{name}: perm must be int32 [1 or {B}, 1 or {H}, {J * block_size}] "
+        raise SparseAttentionError(f"{name}: perm must be int32 [1 or {B}, 1 or {H}, {J * block_size}] "
                          f"(block_len has {J} blocks of {block_size}), got {perm.dtype} {tuple(perm.shape)}")
 
 
@@ -155,11 +156,11 @@ def block_summaries_triton(k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor,
     _check("block_summaries_triton", k, perm, block_len, block_size)
     _check("block_summaries_triton", v, perm, block_len, block_size)
     if v.shape != k.shape:
-        raise ValueError(f"block_summaries_triton: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        raise SparseAttentionError(f"block_summaries_triton: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     B, H, _, D = k.shape
     J = block_len.numel()
     if anchor is not None and anchor.shape != (B, H, D):
-        raise ValueError(f"block_summaries_triton: anchor must be [B, H, D] = {(B, H, D)}, got {tuple(anchor.shape)}")
+        raise SparseAttentionError(f"block_summaries_triton: anchor must be [B, H, D] = {(B, H, D)}, got {tuple(anchor.shape)}")
     perm = perm.contiguous()
     key = k.new_empty(B, H, J, D)
     value = v.new_empty(B, H, J, D)

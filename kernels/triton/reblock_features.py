@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from .configs import dot_precision, row_align
 
 BLOCK_M = 64  # rows per tile
@@ -83,7 +84,7 @@ def gram_triton(a: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Te
     rounded to a's dtype."""
     G, n, D = a.shape
     if factor is not None and (factor.shape != (G, D, D) or not factor.is_floating_point()):
-        raise ValueError(f"gram_triton: factor must be a floating [G, D, D], got {factor.dtype} {tuple(factor.shape)}")
+        raise SparseAttentionError(f"gram_triton: factor must be a floating [G, D, D], got {factor.dtype} {tuple(factor.shape)}")
     factor = None if factor is None else factor.to(a.dtype)
     if a.stride(-1) != 1:
         a = a.contiguous()
@@ -106,11 +107,11 @@ def metric_project_triton(x: torch.Tensor, factor: torch.Tensor, proj: torch.Ten
     G, N, D = x.shape
     r = proj.shape[-1]
     if factor.shape != (G, D, D) or proj.shape != (G, D, r) or not (factor.is_floating_point() and proj.is_floating_point()):
-        raise ValueError(f"metric_project_triton: factor must be a floating [G, D, D] and proj [G, D, r], "
+        raise SparseAttentionError(f"metric_project_triton: factor must be a floating [G, D, D] and proj [G, D, r], "
                          f"got {factor.dtype} {tuple(factor.shape)} and {proj.dtype} {tuple(proj.shape)}")
     factor, proj = factor.to(x.dtype), proj.to(x.dtype)
     if r < 16 or r & (r - 1):
-        raise ValueError(f"metric_project_triton: r={r} is not allowed: expected a power of two >= 16")
+        raise SparseAttentionError(f"metric_project_triton: r={r} is not allowed: expected a power of two >= 16")
     if x.stride(-1) != 1:
         x = x.contiguous()  # rows may be strided (a head's slice of Q/K is), their elements not
     out = torch.empty(G, N, r, dtype=torch.float16, device=x.device)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from ..reblock_rule import REFINE_STEPS, SQUARINGS
 from .radix_select import float_key, kth_largest_key, kth_largest_key_in_memory, top_k_mask
 
@@ -210,10 +211,10 @@ def split_directions_triton(z: torch.Tensor, rows: torch.Tensor, landmarks: torc
     G, nodes, _ = rows.shape
     m, r = landmarks.shape[-1], z.shape[-1]
     if z.dim() != 3 or z.shape[0] != G or z.dtype not in FEATURE_DTYPES:
-        raise ValueError(f"split_directions_triton: z must be fp16 or fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
+        raise SparseAttentionError(f"split_directions_triton: z must be fp16 or fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
     if (rows.dtype != torch.int32 or rows.stride(-1) != 1 or landmarks.shape != (nodes, m)
             or landmarks.dtype != torch.int64):
-        raise ValueError(f"split_directions_triton: rows must be int32 [G, nodes, width] with unit last stride and "
+        raise SparseAttentionError(f"split_directions_triton: rows must be int32 [G, nodes, width] with unit last stride and "
                          f"landmarks int64 [nodes={nodes}, m], got {rows.dtype} {tuple(rows.shape)} and "
                          f"{landmarks.dtype} {tuple(landmarks.shape)}")
     out = torch.empty(G, nodes, r, dtype=torch.float32, device=z.device)
@@ -237,9 +238,9 @@ def split_level_triton(z: torch.Tensor, rows: torch.Tensor, direction: torch.Ten
     G, nodes, width = rows.shape
     r = z.shape[-1]
     if z.dim() != 3 or z.shape[0] != G or z.dtype not in FEATURE_DTYPES:
-        raise ValueError(f"split_level_triton: z must be fp16 or fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
+        raise SparseAttentionError(f"split_level_triton: z must be fp16 or fp32 [G={G}, N, r], got {z.dtype} {tuple(z.shape)}")
     if rows.dtype != torch.int32 or direction.shape != (G, nodes, r) or direction.dtype != torch.float32:
-        raise ValueError(f"split_level_triton: rows must be int32 [G, nodes, width] and direction fp32 [G, nodes, r={r}], "
+        raise SparseAttentionError(f"split_level_triton: rows must be int32 [G, nodes, width] and direction fp32 [G, nodes, r={r}], "
                          f"got {rows.dtype} {tuple(rows.shape)} and {direction.dtype} {tuple(direction.shape)}")
     out = rows.new_zeros(G, 2 * nodes, out_width)
     block = min(triton.next_power_of_2(width), CHUNK)

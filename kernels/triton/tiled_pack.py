@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import SparseAttentionError
 from ..offsets import perm_strides
 from .configs import row_align
 
@@ -57,7 +58,7 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_perm: torch.Te
     B, H, _, D = q.shape
     L = q_perm.shape[-1]
     if k_perm.shape[-1] != L or D & (D - 1):
-        raise ValueError(f"pack_qkv: expected permutations of one length ({L} slots) and a power-of-two head_dim, "
+        raise SparseAttentionError(f"pack_qkv: expected permutations of one length ({L} slots) and a power-of-two head_dim, "
                          f"got k_perm {tuple(k_perm.shape)}, D={D}")
     qt, kt, vt = (torch.empty(B, H, L, D, dtype=q.dtype, device=q.device) for _ in range(3))
     q_perm, k_perm = q_perm.contiguous(), k_perm.contiguous()
