@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
+from ..errors import SparseAttentionError
 from ..kernels.registry import FAMILIES
 from .rules import Choice, Flag, Integer, LayerIndices, Number, Rule
 
@@ -131,14 +132,23 @@ class SparseConfig:
         "On: every sparse call also runs a few sampled query blocks per head exactly against all keys (about 1% "
         "of the call at 10 s) and measures its own error on them, the relative L2 of the video rows against dense "
         "attention, shown in the run's report. Off: nothing is measured.")
+    error_target: float = setting(0.0, Number(0.0, 1.0),
+        "0: off, topk_ratio decides. Above 0: the error the run should hold (relative L2 of the video rows against "
+        "dense attention, as measure_error reports it; about 0.05-0.1 is what topk_ratio 0.2 gives on test scenes): "
+        "each block starts at topk_ratio, then its ratio moves between 0.05 and 0.5 from the error measured at the "
+        "step before. Needs measure_error on.")
     backend: InitVar[str | None] = None  # the old name of `kernel`: refused with a message that says so
 
     def __post_init__(self, backend: str | None) -> None:
         if backend is not None:
-            raise ValueError(f"SparseConfig.backend={backend!r}: the field is now called kernel "
-                             f"(SparseConfig(kernel={backend!r})); allowed: {', '.join(map(repr, KERNELS))}")
+            raise SparseAttentionError(f"SparseConfig.backend={backend!r}: the field is now called kernel "
+                                       f"(SparseConfig(kernel={backend!r})); allowed: {', '.join(map(repr, KERNELS))}")
         for name, declared in settings().items():
             object.__setattr__(self, name, declared.rule.check(f"SparseConfig.{name}", getattr(self, name)))
+        if self.error_target > 0 and not self.measure_error:
+            raise SparseAttentionError(f"SparseConfig.error_target={self.error_target} is not allowed with "
+                                       "measure_error=False: the target is held from the measured error; allowed: "
+                                       "measure_error=True, or error_target=0")
 
     @property
     def exact_precision(self) -> str:
@@ -151,7 +161,7 @@ class SparseConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         unknown = set(changes) - set(values) - {"backend"}  # the old name: the constructor says what it became
         if unknown:
-            raise ValueError(f"SparseConfig has no field(s) {sorted(unknown)}; fields are {sorted(values)}")
+            raise SparseAttentionError(f"SparseConfig has no field(s) {sorted(unknown)}; fields are {sorted(values)}")
         values.update(changes)
         return SparseConfig(**values)
 

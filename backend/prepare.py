@@ -26,7 +26,7 @@ from .planner import layout_kernels
 
 log = logger()
 SCHEDULE_FIELDS = ("warmup_mode", "warmup_ratio", "dense_layers", "min_tokens", "strict", "dense_attention", "plan_reuse",
-                   "measure_error")
+                   "measure_error", "error_target")
 
 
 def kernel_fields(config: SparseConfig) -> tuple:

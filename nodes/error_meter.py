@@ -65,3 +65,15 @@ class ErrorMeter:
         return {"mean": float(relative(sums.sum((0, 2))[..., None])[0]), "steps": per_step,
                 "worst_block": (layers[b], float(blocks[b])),
                 "worst_head": (layers[worst // heads.shape[1]], worst % heads.shape[1], float(heads.flatten()[worst]))}
+
+    def last_step(self, before: int, after: int) -> tuple[int, dict[int, float]] | None:
+        """(step, {block: error}) of the latest step measured in (after, before), read from the device once;
+        None when no step in that range ran sparse blocks (a dense or skipped step)."""
+        steps = [s for s, _ in self.sums if after < s < before]
+        if not steps:
+            return None
+        step = max(steps)
+        layers = sorted(b for s, b in self.sums if s == step)
+        sums = torch.stack([self.sums[(step, b)] for b in layers]).sum(-1, keepdim=True).cpu()  # [L, 2, 1]
+        return step, dict(zip(layers, relative(sums)[:, 0].tolist()))
+

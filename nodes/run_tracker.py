@@ -16,6 +16,7 @@ import torch
 from ..backend.plan_reuse import PlanStore
 from ..notices import Notices, logger
 from .error_meter import ErrorMeter
+from .error_target import ErrorTarget
 from .schedule import denoising_step
 
 log = logger()
@@ -41,6 +42,7 @@ class RunStats:
     sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
     notes: list[str] = field(default_factory=list)  # what the run's report says besides its counters
     errors: ErrorMeter = field(default_factory=ErrorMeter)  # the sparse calls' sampled error, on the device
+    target: ErrorTarget = field(default_factory=ErrorTarget)  # the blocks' ratios under error_target
 
 
 class RunTracker:

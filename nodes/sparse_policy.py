@@ -147,6 +147,9 @@ class SparseAttentionHook(BlockHook):
             if reason is None:
                 interop.note_other_override(to, self.tracker)
                 ratio = ramp_ratio(self.config, ctx.sigma, self.warmup_sigma, self.start_sigma, ctx.segment)
+                if self.config.error_target > 0 and ratio == self.config.topk_ratio:  # not on a ramped step
+                    stats = self.tracker.stats
+                    ratio = stats.target.ratio(stats.errors, layer, ctx.step, self.config.error_target, ratio)
                 config = self.engine_config if ratio == self.engine_config.topk_ratio else \
                     self.engine_config.replace(topk_ratio=ratio)
                 return (ctx.step, layout, config, tuple(to.get("cond_or_uncond") or ()), (ctx.sigma, ctx.next_sigma))

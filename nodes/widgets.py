@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import SparseAttentionError
 from ..backend.config import SparseConfig, settings
 from ..backend.index_lists import MAX_LAYERS, MAX_STEPS, parse_layer_list
 from ..backend.rules import Choice, Flag, Integer, LayerIndices, Number
@@ -113,6 +114,7 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("precision", optional=True),
     config_widget("plan_reuse", advanced=True, optional=True),
     config_widget("measure_error", advanced=True, optional=True),
+    config_widget("error_target", advanced=True, optional=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (
@@ -130,7 +132,7 @@ def config_from_widgets(values: dict[str, Any]) -> SparseConfig:
     widget left out (a prompt saved before it existed; None where ComfyUI passes that) takes its default."""
     missing = [w.name for w in SPARSE_WIDGETS if w.name not in values and not w.optional]
     if missing:
-        raise ValueError(f"{SPARSE_NODE_NAME}: missing widget values {missing}")
+        raise SparseAttentionError(f"{SPARSE_NODE_NAME}: missing widget values {missing}")
     return SparseConfig(**{w.name: values[w.name] for w in SPARSE_WIDGETS
                            if w.name in values and not (w.optional and values[w.name] is None)})
 
@@ -184,7 +186,7 @@ def capture_selection(layers: str, steps: str, num_layers: int | None = None
               parse_layer_list(steps, f"{CAPTURE_NODE_NAME}.steps", MAX_STEPS, f"at most {MAX_STEPS} steps"))
     for name, text, picked in zip(("layers", "steps"), (layers, steps), chosen):
         if not picked:
-            raise ValueError(f"{CAPTURE_NODE_NAME}.{name}={show(text)} is empty: expected indices such as '0,24,49'")
+            raise SparseAttentionError(f"{CAPTURE_NODE_NAME}.{name}={show(text)} is empty: expected indices such as '0,24,49'")
     return chosen
 
 
@@ -195,7 +197,7 @@ def check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str):
         raise TypeError(f"{field}={show(prefix)} is not allowed: expected a string, got {type(prefix).__name__}")
     if not prefix.strip() or len(prefix) > MAX_PREFIX_CHARS or not prefix.isprintable():
-        raise ValueError(f"{field}={show(prefix)} is not allowed: expected 1-{MAX_PREFIX_CHARS} printable characters "
+        raise SparseAttentionError(f"{field}={show(prefix)} is not allowed: expected 1-{MAX_PREFIX_CHARS} printable characters "
                          "such as 'h3_attention/capture'")
     return prefix
 

@@ -45,3 +45,59 @@ def test_measure_error_off_measures_nothing():
     report, summary = run(0.25, measure=False)
     assert report["error"] is None and "measured error" not in summary
     assert "Measured error" not in format_report(report)
+
+
+# --- the error target (`nodes/error_target.py`) ----------------------------------------------------------------
+
+def test_the_target_moves_a_ratio_only_outside_its_band_between_floor_and_cap():
+    from adaptive_sparse_attention.nodes.error_target import CAP, FLOOR, moved
+
+    assert moved(0.2, 0.105, 0.1) == 0.2  # within 15%: stays
+    assert moved(0.2, 0.15, 0.1) == pytest.approx(0.3)  # 1.5x the target: 1.5x the ratio
+    assert moved(0.2, 0.06, 0.1) == pytest.approx(0.1)  # on the 0.05 grid
+    assert moved(0.2, 1.0, 0.1) == pytest.approx(0.4)  # at most 2x a step
+    assert moved(0.45, 1.0, 0.1) == CAP and moved(0.05, 0.0, 0.1) == FLOOR
+    assert moved(0.2, float("nan"), 0.1) == 0.2
+
+
+def ratios_of_a_run(monkeypatch, steps, **kw):
+    """The topk_ratio of every sparse call of a run over `steps` (each step's calls of blocks 0 and 1)."""
+    from adaptive_sparse_attention.nodes import sparse_call
+
+    seen = []
+    attention = sparse_call.sparse_attention
+    monkeypatch.setattr(sparse_call, "sparse_attention",
+                        lambda q, k, v, layout, config, **a: seen.append(config.topk_ratio) or attention(q, k, v, layout,
+                                                                                                        config, **a))
+    model = model_of(True, seed=12, layers=2)
+    args = block_args(model.blocks[0], PACKED, seed=13, new=True)
+    hook = SparseAttentionHook(config(**kw))
+    for step in steps:
+        args["transformer_options"] = options(step)
+        run_model(model, hook, args, True)
+    return seen, hook
+
+
+def test_an_error_target_moves_each_blocks_ratio_from_the_step_before(monkeypatch):
+    """The first sparse step runs at topk_ratio; a target far below the measured error raises the ratios, one far
+    above lowers them to the floor; a skipped step (EasyCache) learns from the latest measured one."""
+    low, _ = ratios_of_a_run(monkeypatch, (5, 6, 7), topk_ratio=0.2, error_target=0.001)
+    assert low[:2] == [0.2, 0.2] and low[2:4] == [pytest.approx(0.4)] * 2 and low[4:] == [pytest.approx(0.5)] * 2
+    high, _ = ratios_of_a_run(monkeypatch, (5, 8), topk_ratio=0.2, error_target=0.9)
+    assert high == [0.2, 0.2, pytest.approx(0.1), pytest.approx(0.1)]
+    fixed, _ = ratios_of_a_run(monkeypatch, (5, 6, 7), topk_ratio=0.2)
+    assert fixed == [0.2] * 6  # off: topk_ratio decides
+
+
+def test_an_error_target_with_plan_reuse_rebuilds_plans_whose_ratio_moved(monkeypatch):
+    seen, hook = ratios_of_a_run(monkeypatch, (5, 6, 7), topk_ratio=0.2, error_target=0.001, plan_reuse="on")
+    assert seen[2:4] == [pytest.approx(0.4)] * 2
+    plans = hook.tracker.plans.summary()
+    assert plans["reused"] == 0 and plans["built"] == 6  # each step's new ratio plans afresh
+
+
+def test_an_error_target_needs_the_measurement():
+    from adaptive_sparse_attention import SparseAttentionError, SparseConfig
+
+    with pytest.raises(SparseAttentionError, match="error_target=0.1 is not allowed with measure_error=False"):
+        SparseConfig(error_target=0.1, measure_error=False)

@@ -240,7 +240,7 @@ def test_output_names_are_comfyuis():
 # breaks saved workflows; one added later must be optional, so saved API prompts keep running.
 FIRST_RELEASE = ("topk_ratio", "warmup_mode", "sparse_scope", "tail_granularity", "warmup_ratio", "tiling",
                  "reblock_layout", "tail", "dense_layers", "min_tokens", "block_size", "strict")
-ADDED_LATER = ("dense_attention", "routing_scores", "precision", "plan_reuse", "measure_error")
+ADDED_LATER = ("dense_attention", "routing_scores", "precision", "plan_reuse", "measure_error", "error_target")
 
 
 def test_widget_order_is_kept_and_widgets_added_later_are_optional():
