@@ -95,8 +95,8 @@ def test_patches_and_clones_of_one_model_share_its_layouts(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
 def test_after_the_fixed_set_no_clip_length_compiles(tmp_path, monkeypatch):
     """`install.py prepare`'s fixed set (`bench.prepare.rungs`, here up to 12 s) covers every clip length and
-    canvas within it: preparing other lengths at the default settings and H3's 56 heads compiles nothing,
-    and the Triton cache's file count does not change."""
+    canvas within it: preparing other lengths at the default settings, at H3's 56 heads and at fewer (a head
+    group's), compiles nothing, and the Triton cache's file count does not change."""
     triton = pytest.importorskip("triton")
     from adaptive_sparse_attention.bench.prepare import CANVASES, clip_size, latent_frames, rungs
 
@@ -105,11 +105,12 @@ def test_after_the_fixed_set_no_clip_length_compiles(tmp_path, monkeypatch):
     for rung in rungs(12.0):
         prep.prepare(rung.size.layout(), config, dtype, device, rung.size.head_dim, rung.size.heads)
     files = sum(1 for p in tmp_path.rglob("*") if p.is_file())
-    for canvas, seconds in (("0.4mp", 3.0), ("0.9mp", 7.0), ("1344x768", 4.0), ("1344x768", 11.0)):
-        size = clip_size(*CANVASES[canvas], latent_frames(seconds))
+    for canvas, seconds, heads in (("0.4mp", 3.0, 56), ("0.9mp", 7.0, 56), ("1344x768", 4.0, 56),
+                                   ("1344x768", 11.0, 56), ("1344x768", 7.0, 28), ("0.9mp", 4.0, 1)):
+        size = clip_size(*CANVASES[canvas], latent_frames(seconds))  # fewer heads: KJNodes' head groups, Ulysses
         with prep.counting_builds() as builds:
-            assert prep.prepare(size.layout(), config, dtype, device, size.head_dim, size.heads) is not None
-        assert builds.compiled == 0, (canvas, seconds, builds)
+            assert prep.prepare(size.layout(), config, dtype, device, size.head_dim, heads) is not None
+        assert builds.compiled == 0, (canvas, seconds, heads, builds)
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) == files
 
 
