@@ -22,7 +22,8 @@ from ..notices import logger
 from .comfy_weights import on_device, qkv_projection, unwrap_input
 from .model_patches import install
 from .h3_model import h3_diffusion_model
-from .block_hook import BlockHook, CallContext
+from .block_hook import STATE_ATTR, BlockHook, CallContext
+from .error_meter import relative
 from .schema import io_input
 from .widgets import (CAPTURE_NODE_ID, CAPTURE_NODE_NAME, CAPTURE_SEARCH_ALIASES, CAPTURE_WIDGETS, CATEGORY,
                       capture_selection, check_prefix, model_layer_count, validation_answer)
@@ -50,6 +51,7 @@ class CaptureHook(BlockHook):
         super().start_state(parent)
         self.pending: list[dict[str, Any]] = []
         self.pending_layout: SequenceLayout | None = None
+        self.pending_model: Any = None  # the diffusion model the pending entries ran on
         self.meta: dict[str, Any] = {}
 
     @property
@@ -69,13 +71,13 @@ class CaptureHook(BlockHook):
         if layout is None or layout.total != args["img"].shape[0]:
             self.tracker.log_once(f"layer {layer} step {ctx.step}: no matching sequence layout, not captured")
             return None
-        return ctx.step, len(self.tracker.run_sigmas) - 1, layout, ctx.sigma
+        return ctx.step, len(self.tracker.run_sigmas) - 1, layout, ctx.sigma, ctx.model
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:
         """Keep CPU copies of the call's q, k, v (written when its step ends), then run the block's own
         attention unchanged."""
-        step, total, layout, sigma = token
+        step, total, layout, sigma, model = token
         x = unwrap_input(x)
         if self.pending and (self.pending[0]["step"] != step or self.pending_layout != layout):
             self.flush()
@@ -84,7 +86,7 @@ class CaptureHook(BlockHook):
                                   on_device(attn.q_norm.weight, x.device), on_device(attn.k_norm.weight, x.device),
                                   attn.q_norm.eps, rope_freqs)
         self.pending.append({"layer": layer, "step": step, "q": q.cpu(), "k": k.cpu(), "v": v.cpu()})
-        self.pending_layout = layout
+        self.pending_layout, self.pending_model = layout, model
         self.meta = {"model": "MiniMax-H3", "total_steps": total, "call": "cond", "heads": attn.heads,
                      "head_dim": attn.head_dim, "dtype": str(x.dtype),
                      "sigmas": {**self.meta.get("sigmas", {}), str(step): sigma}}
@@ -100,9 +102,23 @@ class CaptureHook(BlockHook):
         step, counter = self.pending[0]["step"], 1
         while os.path.exists(path := os.path.join(self.folder, f"{self.base}_{counter:05d}_step{step:03d}.safetensors")):
             counter += 1
-        save_capture(path, self.pending, self.pending_layout, self.meta)
+        errors = self.measured_errors()
+        save_capture(path, self.pending, self.pending_layout, dict(self.meta, **({"measured_error": errors} if errors else {})))
         log.info("%s: wrote %d entries to %s", self.title, len(self.pending), path)
-        self.pending, self.pending_layout, self.meta = [], None, {}
+        self.pending, self.pending_layout, self.pending_model, self.meta = [], None, None, {}
+
+    def measured_errors(self) -> dict[str, list[float]]:
+        """The sparse node's sampled error of each pending (layer, step), per head (relative L2 of the video rows,
+        both branches), keyed "layer/step", where a hook on the same model measured one (read from the device once
+        a file)."""
+        found = {}
+        hooks = getattr(self.pending_model, "__dict__", {}).get(STATE_ATTR, {}).values()
+        for hook in hooks:
+            sums = hook.tracker.stats.errors.sums
+            for e in self.pending:
+                if (e["step"], e["layer"]) in sums:
+                    found[f"{e['layer']}/{e['step']}"] = relative(sums[(e["step"], e["layer"])].cpu()).tolist()
+        return found
 
     def on_cleanup(self, patcher: Any) -> None:
         """End of sampling: write what is pending, then end the run."""

@@ -140,6 +140,27 @@ def test_capture_node_writes_a_loadable_file(comfy):
     assert meta["total_steps"] == 4
     assert meta["heads"] == 2
     assert torch.isfinite(entries[1]["v"]).all()
+    assert "measured_error" not in meta  # no sparse node measured anything
+
+
+def test_capture_after_the_sparse_node_saves_its_measured_error(comfy):
+    """With the sparse node on the model, each captured (layer, step) carries the error that node measured there,
+    per head, in the file's meta (what a user sends with the attention inputs)."""
+    base, nodes = comfy
+    from adaptive_sparse_attention import SparseConfig
+    from adaptive_sparse_attention.nodes.capture import load_capture
+    from adaptive_sparse_attention.nodes.capture_node import CaptureH3Attention
+    from adaptive_sparse_attention.nodes.sparse_policy import apply_sparse_attention
+
+    model = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    config = SparseConfig(kernel="torch", tiling="cube", topk_ratio=0.25, warmup_ratio=0.3, min_tokens=0)
+    captured = CaptureH3Attention.execute(apply_sparse_attention(model, config), layers="0,1", steps="2",
+                                          filename_prefix="caps/measured").result[0]
+    sample(nodes, captured)
+    (path,) = sorted((base / "output" / "caps").glob("measured_*.safetensors"))
+    _, _, meta = load_capture(str(path))
+    assert set(meta["measured_error"]) == {"0/2", "1/2"}
+    assert all(len(e) == 2 and all(0 < x < 1 for x in e) for e in meta["measured_error"].values())
 
 
 # --- the headless server ----------------------------------------------------------------------
