@@ -326,6 +326,10 @@ def test_server_prompt_runs_the_sparse_path(server):
     # on the CPU the sparse blocks run the torch reference kernel: the report says so
     assert "\nNote: sparse blocks run the pure-torch reference kernel, which is correct but slower than dense " \
            "attention: the model runs on the CPU; " in report, report
+    # the error every sparse step measured on its sampled exact rows, with what it means
+    assert re.search(r"\nMeasured error \(relative L2 of video rows against dense attention, on sampled exact rows\): "
+                     r"run mean 0\.\d{3}; worst block [01] \(0\.\d{3}\); worst head [01] of block [01] "
+                     r"\(0\.\d{3}\); per step: 1: 0\.\d{3}, 2: 0\.\d{3}, 3: 0\.\d{3}\n  \(for scale: ", report), report
     assert re.search(r"Why blocks ran dense:\n- warmup \(sigma above [0-9.]+, the sigma at warmup_ratio=0.25\): "
                      r"4 block calls$", report), report
     assert progress_text == {"8": report}  # the text the frontend draws on the node
