@@ -275,15 +275,18 @@ def write_random_checkpoint(path: Path, specs: dict[str, tuple[tuple[int, ...], 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
+
+    def store(key: str, t: torch.Tensor) -> int:
+        """Quantise and append `t`; returns its bytes. Its locals go on return: the next tensor is made after."""
+        parts = {key: t} if weights == "bf16" else quantise_tensor(key, t, weights, convrot_groupsize)
+        for name, part in parts.items():
+            out.add(name, part.cpu())
+        return t.numel() * t.element_size()
+
     largest = 0
     with SafetensorsWriter(path, header_bound(specs, 1 if weights == "bf16" else 4)) as out:
         for key, (shape, dtype) in specs.items():
-            t = random_tensor(key, shape, dtype, device, seed)
-            largest = max(largest, t.numel() * t.element_size())
-            parts = {key: t} if weights == "bf16" else quantise_tensor(key, t, weights, convrot_groupsize)
-            for name, part in parts.items():
-                out.add(name, part.cpu())
-            del t, parts
+            largest = max(largest, store(key, random_tensor(key, shape, dtype, device, seed)))
     stats = {"largest_tensor_gib": largest / 2 ** 30}
     if cuda:
         stats["device_peak_gib"] = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 30
