@@ -7,6 +7,7 @@ override to an independent float64 softmax attention.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 
@@ -163,8 +164,11 @@ def test_the_key_names_the_pack_version_gpu_and_libraries(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(dense, "driver_version", lambda: "13000")
     key = dense.device_key(torch.device("cuda", 0))
-    assert key.startswith(f"pack {__version__}|Some GPU|sm90|torch {torch.__version__}|cudnn ")
+    assert key.startswith(f"pack {__version__}|Some GPU|sm90|driver 13000|torch {torch.__version__}|cudnn ")
+    assert key.endswith(f"|triton {dense.triton_version()}")  # a choice measured with another build is not found
+    assert dense.triton_version() != "none" or importlib.util.find_spec("triton") is None
     choices = dense.DenseChoices()
     q = torch.empty(1, 4, 300, 64, dtype=torch.bfloat16, device="meta")
     choices.devices[q.device.index] = key  # as `describe_device` leaves it for a GPU
