@@ -376,17 +376,20 @@ def clip_layout(scale: Scale, clip: str) -> Any:
     return SequenceLayout.from_packed(PackedLayout(scale.text_tokens, *video.shape[2:], audio.shape[-1]))
 
 
-def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.device, reps: int = 5,
+def qkv_timing(patcher: Any, scale: Scale, clip: str, device: torch.device, reps: int = 5,
                lora: bool = False, rounds: int = 3) -> dict:
     """Milliseconds of the first block's QKV production on a clip's rows (random input in the model's
     dtype, a rotation table of H3's layout): ComfyUI's own `attn.qkv_proj(x)`, ours (`qkv_projection` in
     the producer's chunks of rows, all heads); ComfyUI's whole production (what H3's `Attention.forward`
     does before its attention: the projection, comfy-kitchen's norm + RoPE in place, v's copy) and our
-    whole producer (projection, norm, RoPE, head-major layout, the epilogue ``auto`` resolves to). With
-    `lora` the benchmark's Turbo LoRA is patched on first (LoraLoaderModelOnly), so both time the patched
-    layer. ComfyUI's and ours alternate for `rounds` rounds of `reps` calls (the GPU's clock drifts between
-    back-to-back measurements by more than the 5% being judged); each time is the median over rounds
-    and the ratio the median of the rounds' ratios."""
+    whole producer (projection, norm, RoPE, head-major layout, the epilogue ``auto`` resolves to).
+
+    `patcher` is the MODEL of the benchmark's graph without our node (the loader's, with the preset's
+    LoRA and nodes): ComfyUI loads it onto the device as it loads the graphs' model, so the timing holds
+    no second copy of the model there. `lora` says the preset's Turbo LoRA is among its patches (the
+    table's label): both then time the patched layer. ComfyUI's and ours alternate for `rounds` rounds
+    of `reps` calls (the GPU's clock drifts between back-to-back measurements by more than the 5% being
+    judged); each time is the median over rounds and the ratio the median of the rounds' ratios."""
     import comfy.model_management
     import comfy.quant_ops
 
@@ -395,9 +398,6 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.dev
     from ..nodes.comfy_weights import on_device, qkv_projection
     from .timing import time_call
 
-    patcher = nodes.UNETLoader().load_unet(ckpt, "default")[0]
-    if lora:
-        patcher = nodes.LoraLoaderModelOnly().load_lora_model_only(patcher, LORA_NAME, 1.0)[0]
     comfy.model_management.load_models_gpu([patcher])
     attn = patcher.model.diffusion_model.blocks[0].attn
     rows = clip_layout(scale, clip).total
@@ -442,7 +442,7 @@ def qkv_timing(nodes: Any, ckpt: str, scale: Scale, clip: str, device: torch.dev
                "comfyui_production_ms": statistics.median(whole), "ours_producer_ms": statistics.median(ours_whole),
                "producer_vs_comfyui": statistics.median(b / a for a, b in zip(whole, ours_whole)),
                "epilogue": norm_rope.family}
-    del patcher, attn, x
+    del attn, x
     return out
 
 
@@ -612,6 +612,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     from ..nodes.widgets import config_from_widgets
 
     references: dict[str, torch.Tensor] = {}
+    plain: list[Any] = []  # the MODEL of the last graph without our node: the loader's model, on the device
     counter = itertools.count()
 
     def run(name: str, clip: str, widgets: dict | None, n_steps: int = steps, backend: str | None = None) -> dict:
@@ -646,6 +647,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         row["model"], row["schedule"] = dict(e2e_nodes.STATE["model"]), e2e_nodes.STATE["schedule"]
         if widgets is None and n_steps == steps and backend is None:
             references[clip] = latent
+        if widgets is None and backend is None:
+            plain[:] = [e2e_nodes.STATE["patcher"]]
         echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
              "".join(f", {k} {row[k]:.4g}" for k in ("dense_call_ms", "first_sparse_ms", "steady_sparse_ms",
                                                       "peak_gib", "rel_l2", "prepare_s") if k in row))
@@ -676,9 +679,12 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                 run(name, main, widgets)
         for name, widgets in (("comfyui-two-threads", None),
                               ("ours-two-threads", node_widgets(scale, warmup_mode="speed"))):
-            if name in runs:
-                result[name] = two_threads(nodes, ckpt, scale, main, min(steps, 6), cfg, widgets)
-                echo(f"e2e {name} [{main}]: {result[name]}")
+            if name not in runs:
+                continue
+            unfit = two_copies_unfit(plain[0], device)
+            result[name] = ({"left_out": unfit} if unfit else
+                            two_threads(nodes, plain[0], scale, main, min(steps, 6), cfg, widgets))
+            echo(f"e2e {name} [{main}]: {result[name]}")
         for clip in ("new-length", "new-length-2"):
             if clip in scale.frames and "ours-new-length" in runs:
                 run("ours-new-length", clip, node_widgets(scale))
@@ -688,11 +694,12 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             run(name, main, widgets, backend=compile_backend)
             run(f"{name}-warm", main, widgets, backend=compile_backend)
     for clip in clips:
-        result["qkv"][clip] = qkv_timing(nodes, ckpt, scale, clip, device, lora=setup.lora)
+        result["qkv"][clip] = qkv_timing(plain[0], scale, clip, device, lora=setup.lora)
         echo(f"e2e qkv [{clip}]: {result['qkv'][clip]}")
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
     if compile_only:
+        e2e_nodes.STATE["patcher"] = None  # the model goes when ComfyUI lets it go
         logger().removeHandler(lines)
         return result
     for clip in clips[1:] if "other-clips" in runs else ():
@@ -706,25 +713,38 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             echo(f"e2e op [{clip}]: {result['op'][clip]}")
         if out is not None:
             out.write_text(json.dumps(result, indent=1))
+    e2e_nodes.STATE["patcher"] = None
     logger().removeHandler(lines)
     return result
 
 
-def two_threads(nodes: Any, ckpt: str, scale: Scale, clip: str, steps: int, cfg: float,
+def two_copies_unfit(model: Any, device: torch.device, share: float = 0.9) -> str | None:
+    """Why two copies of `model` (a ModelPatcher) would not fit `device` (more than `share` of its
+    memory), or None; the CPU always fits."""
+    if device.type != "cuda":
+        return None
+    size, total = model.model_size(), torch.cuda.get_device_properties(device).total_memory
+    if 2 * size <= share * total:
+        return None
+    return (f"its deep clone is a second copy of the {size / 2 ** 30:.1f} GiB model; two do not fit the device's "
+            f"{total / 2 ** 30:.0f} GiB")
+
+
+def two_threads(nodes: Any, model: Any, scale: Scale, clip: str, steps: int, cfg: float,
                 widgets: dict | None) -> dict:
-    """Our node's model (`widgets`; None: the model without it) and its multi-GPU deep clone on the
-    same device, sampled alone and then at once in two threads (as MultiGPU CFG Split runs its
-    device copies): the largest difference of each concurrent latent from its lone run (0.0: the
-    same bits)."""
+    """Our node's model (`model`, the MODEL of the graph without our node, patched with `widgets`; None:
+    as it is) and its multi-GPU deep clone on the same device, sampled alone and then at once in two
+    threads (as MultiGPU CFG Split runs its device copies): the largest difference of each concurrent
+    latent from its lone run (0.0: the same bits). The deep clone is the only second copy on the device.
+    Our node is the class ComfyUI loaded (`nodes`), as in the graphs: the node keeps its layouts on the
+    diffusion model, which `model` shares with the graphs, so they must come from the same module."""
     import threading
 
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-    from ..nodes.sparse_node import AdaptiveSparseAttentionH3
-
-    patched = nodes.UNETLoader().load_unet(ckpt, "default")[0]
+    patched = model
     if widgets is not None:
-        patched = AdaptiveSparseAttentionH3.execute(model=patched, **widgets).result[0]
+        patched = nodes.NODE_CLASS_MAPPINGS["AdaptiveSparseAttentionH3"].execute(model=patched, **widgets).result[0]
     models = {"original": patched, "deepclone": patched.deepclone_multigpu(new_load_device=patched.load_device)}
     width, height = scale.size(clip)
     latent = EmptyMiniMaxH3LatentAV.execute(width=width, height=height, length=scale.frames[clip]).result[0]

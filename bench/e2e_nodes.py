@@ -3,8 +3,10 @@
 Conditioning of random text states, a MODEL pass-through that times every diffusion-model call
 with CUDA events, and an output node that keeps the sampler's latent. Results go into `STATE`,
 which the benchmark reads after each run: the calls, the latent, what the sampled MODEL carries
-(``STATE["model"]``: weight patches such as a LoRA's, its flow shift, an attention override) and
-the sigma schedule the sampler passed to the first call (``STATE["schedule"]``). With ``STATE["profile_call"]`` set to n, the n-th call of
+(``STATE["model"]``: weight patches such as a LoRA's, its flow shift, an attention override), the
+MODEL the timer was given (``STATE["patcher"]``: the benchmark's other measurements use the model
+its graphs loaded, never a second copy on the device) and the sigma schedule the sampler passed to
+the first call (``STATE["schedule"]``). With ``STATE["profile_call"]`` set to n, the n-th call of
 every run (0-based) also runs under torch.profiler and its kernel table is written to
 ``STATE["profile_dir"]/<run>.txt`` (the profiler's own overhead is in that call's time).
 """
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 STATE: dict[str, Any] = {"calls": [], "latent": None, "run": "", "profile_call": None, "profile_dir": None,
-                         "model": {}, "schedule": None}
+                         "model": {}, "schedule": None, "patcher": None}
 
 
 class ASABenchConditioning:
@@ -125,7 +127,7 @@ class ASABenchTimer:
         if around not in kinds:
             raise ValueError(f"ASABenchTimer.around={around!r}: expected one of {sorted(kinds)}")
         m = model.clone()
-        STATE["model"] = model_info(m)
+        STATE["model"], STATE["patcher"] = model_info(m), model
         m.add_wrapper_with_key(kinds[around], "asa_bench_timer", CallTimer())
         return (m,)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import comfyui_stubs
-from comfyui_harness import COMFYUI, needs_comfyui
+from comfyui_harness import CKPT, COMFYUI, comfy, needs_comfyui  # noqa: F401 (comfy is a fixture)
 
 from adaptive_sparse_attention.bench import e2e
 from adaptive_sparse_attention.nodes.widgets import SPARSE_WIDGETS, config_from_widgets
@@ -248,3 +248,38 @@ def test_tiny_int8_convrot_run_in_real_comfyui(tmp_path: Path):
     assert qkv["epilogue"] == "torch"  # a CPU run: the torch reference
     assert "| 10s |" in proc.stdout
     assert "int8_tensorwise" in proc.stdout
+
+
+def test_two_copies_of_a_model_larger_than_half_the_gpu_are_left_out(monkeypatch):
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(model_size=lambda: 47 * 2 ** 30)  # H3's 50 blocks, int8_convrot
+    assert e2e.two_copies_unfit(model, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
+    assert e2e.two_copies_unfit(model, torch.device("cuda")) == (
+        "its deep clone is a second copy of the 47.0 GiB model; two do not fit the device's 80 GiB")
+    assert e2e.two_copies_unfit(SimpleNamespace(model_size=lambda: 20 * 2 ** 30), torch.device("cuda")) is None
+
+
+@needs_comfyui
+def test_qkv_timing_uses_the_loaded_model_and_loads_no_second_copy(comfy):
+    """The QKV table times the model the graphs loaded (the timer's input MODEL), not a second loader's copy."""
+    import comfy.model_management as mm
+
+    from adaptive_sparse_attention.bench import e2e_nodes
+
+    _, nodes = comfy
+    patcher = nodes.UNETLoader().load_unet(CKPT, "default")[0]
+    timed = e2e_nodes.ASABenchTimer().wrap(patcher, "a")[0]
+    assert e2e_nodes.STATE["patcher"] is patcher and timed is not patcher
+    mm.load_models_gpu([patcher])
+
+    def loaded() -> set[int]:
+        return {id(m.model.model) for m in mm.current_loaded_models if m.model is not None}
+
+    before = loaded()
+    assert id(patcher.model) in before
+    t = e2e.qkv_timing(e2e_nodes.STATE["patcher"], e2e.SCALES["tiny"], "10s", torch.device("cpu"), reps=1, rounds=1)
+    assert t["rows"] > 0 and t["comfyui_qkv_proj_ms"] > 0
+    assert loaded() == before  # no model loaded beside it
+    e2e_nodes.STATE["patcher"] = None
