@@ -180,3 +180,16 @@ def test_the_estimate_traces_under_torch_compile_without_recompiling_per_rotatio
         torch.testing.assert_close(compiled(rotation), sampled_error(q, k, v, out, ODD, rotation).sq_diff)
     assert len(frames) <= 2, f"{len(frames)} graphs for 4 rotations"  # the first value, then one dynamic int
     torch._dynamo.reset()
+
+
+def test_the_error_estimate_command_reports_ratio_and_rank(capsys):
+    """`error-estimate` at a small size: the table names the sampled rows and has a row per scene and ratio."""
+    from adaptive_sparse_attention.bench.cli import main
+
+    code = main(["error-estimate", "--size", "demo", "--heads", "2", "--scenes", "pan", "--ratios", "0.2",
+                 "--rotations", "1,3", "--kernel", "torch", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert out.startswith("demo with 2 heads, tiling reblock: 128 sampled rows per head and call"), out
+    assert "| scene | ratio | true err | est (1) | est/true (1) | rank (1) | est (3) |" in out, out
+    assert "| pan | 0.2 |" in out and ("PASS" in out or "FAIL" in out), out
