@@ -354,8 +354,11 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
         if m := SUMMARY.search(line):
             row.update(dense_blocks=int(m[1]), sparse_blocks=int(m[2]),
                        density=float(m[3]), attention_s=float(m[4]))
-        if m := re.search(r"kernels ready in ([\d.]+) s", line):
-            row["prepare_s"] = float(m[1])
+        if m := re.search(r"kernels ready in ([\d.]+) s(?: \((\d+) compiled)?", line):
+            row["prepare_s"] = row.get("prepare_s", 0.0) + float(m[1])
+            row["compiled"] = row.get("compiled", 0) + int(m[2] or 0)
+        if m := re.search(r"measured error ([\d.]+) \(worst block \d+: ([\d.]+)\)", line):
+            row.update(measured_error=float(m[1]), worst_block_error=float(m[2]))
         if m := re.search(r"plans reused (\d+), built (\d+) \((\d+) rebuilds(?:, (\d+) past the plans' memory budget)?\)",
                           line):
             row.update(plans_reused=int(m[1]), plans_built=int(m[2]), plan_rebuilds=int(m[3]),
@@ -586,6 +589,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         raise ValueError(f"e2e: {refused}")
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton_cache"))  # empty: the first sparse use is cold
     os.environ.setdefault("ADAPTIVE_SPARSE_DENSE_CACHE", str(work / "dense_kernels.json"))
+    os.environ.setdefault("ADAPTIVE_SPARSE_SPARSE_CACHE", str(work / "sparse_kernels.json"))  # prepare's too
     lines = LogLines()
     logger().addHandler(lines)
     logger().setLevel(logging.INFO)
@@ -660,7 +664,9 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     main = clips[0]
     if prepared:
         result["prepare_ahead_s"] = prepare_ahead(work)
-        echo(f"e2e prepare (child process): {result['prepare_ahead_s']:.1f} s")
+        result["triton_files_after_prepare"] = files_in(os.environ["TRITON_CACHE_DIR"])
+        echo(f"e2e prepare (child process): {result['prepare_ahead_s']:.1f} s, "
+             f"{result['triton_files_after_prepare']} files in Triton's cache")
     run("load", main, None, n_steps=1)  # loads the model onto the device; not reported
     result["runs"].clear()
     run("comfyui", main, None)
@@ -713,9 +719,16 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
             echo(f"e2e op [{clip}]: {result['op'][clip]}")
         if out is not None:
             out.write_text(json.dumps(result, indent=1))
+    result["triton_files_end"] = files_in(os.environ["TRITON_CACHE_DIR"])
+    echo(f"e2e: {result['triton_files_end']} files in Triton's cache at the end")
     e2e_nodes.STATE["patcher"] = None
     logger().removeHandler(lines)
     return result
+
+
+def files_in(folder: str) -> int:
+    """Files under `folder` (Triton's cache: a compile adds some, a load none)."""
+    return sum(len(files) for _, _, files in os.walk(folder))
 
 
 def two_copies_unfit(model: Any, device: torch.device, share: float = 0.9) -> str | None:
@@ -801,7 +814,8 @@ def markdown(result: dict) -> str:
         return "-" if x is None else f"{x:,.{digits}f}"
 
     head = ("| run | clip | run s | vs ComfyUI | dense call ms | first call ms | first sparse ms | steady sparse ms "
-            "| median call ms | peak GiB | density | latent rel L2 |\n|" + "---|" * 12)
+            "| median call ms | peak GiB | density | measured error | latent rel L2 | preparing s (compiled) |\n|"
+            + "---|" * 14)
     rows = [head]
     for r in result["runs"]:
         ref = base.get(r["clip"])
@@ -809,7 +823,8 @@ def markdown(result: dict) -> str:
         rows.append(f"| {r['run']} | {r['clip']} ({r['frames']} frames) | {f(r['run_s'], 1)} | "
                     f"{f(speed, 2) + 'x' if speed else '-'} | {f(r.get('dense_call_ms'))} | {f(r.get('first_call_ms'))} | "
                     f"{f(r.get('first_sparse_ms'))} | {f(r.get('steady_sparse_ms'))} | {f(r.get('median_call_ms'))} | "
-                    f"{f(r.get('peak_gib'), 2)} | {f(r.get('density'), 3)} | {f(r.get('rel_l2'), 4)} |")
+                    f"{f(r.get('peak_gib'), 2)} | {f(r.get('density'), 3)} | {f(r.get('measured_error'), 3)} | "
+                    f"{f(r.get('rel_l2'), 4)} | {f(r.get('prepare_s'), 2)} ({f(r.get('compiled'))}) |")
     return "\n".join(rows)
 
 

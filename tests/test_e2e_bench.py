@@ -52,10 +52,13 @@ def test_summary_splits_dense_first_and_steady_calls():
             "in sparse blocks (0.4 over all blocks); sparse attention time 1.50 s; precision bf16; plans reused 7, "
             "built 5 (1 rebuilds)")
     row = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference * 1.01, reference,
-                        [line, "adaptive sparse attention: kernels ready in 3.2 s"])
+                        [line + "; measured error 0.071 (worst block 3: 0.134)",
+                         "adaptive sparse attention: kernels ready in 3.20 s (2 compiled, 24 loaded from Triton's cache)",
+                         "adaptive sparse attention: kernels ready in 0.10 s (0 compiled, 26 loaded from Triton's cache)"])
     assert (row["dense_call_ms"], row["first_sparse_ms"], row["steady_sparse_ms"]) == (900.0, 300.0, 105.0)
     assert row["rel_l2"] == pytest.approx(0.01)
-    assert row["prepare_s"] == 3.2
+    assert row["prepare_s"] == pytest.approx(3.3) and row["compiled"] == 2  # two layouts prepared
+    assert (row["measured_error"], row["worst_block_error"]) == (0.071, 0.134)
     assert (row["dense_blocks"], row["sparse_blocks"], row["density"], row["attention_s"]) == (4, 12, 0.25, 1.5)
     assert (row["plans_reused"], row["plans_built"], row["plan_rebuilds"], row["plans_past_budget"]) == (7, 5, 1, 0)
     past = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference, reference,
@@ -66,6 +69,7 @@ def test_summary_splits_dense_first_and_steady_calls():
     assert plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
     table = e2e.markdown({"blocks": 1, "runs": [dict(plain, clip="10s", frames=39), dict(row, clip="10s", frames=39)]})
     assert "| ours | 10s (39 frames) | 4.0 | 1.25x |" in table
+    assert "| 0.250 | 0.071 | 0.0100 | 3.30 (2) |" in table
 
 
 def test_compile_only_needs_a_compile_backend(tmp_path: Path):
