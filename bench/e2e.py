@@ -496,8 +496,8 @@ def isolated_op(scale: Scale, clip: str, config: Any, device: torch.device, reps
     return out
 
 
-RUNS = ("comfyui", "ours-cold", "ours", "ours-speed", "ours-ratio-0.1", "ours-all-dense", "ours-reuse", "ours-ramp",
-        "ours-ramp-reuse", "ours-new-length", "comfyui-two-threads", "ours-two-threads", "other-clips")
+RUNS = ("comfyui", "ours-cold", "ours", "ours-unmeasured", "ours-speed", "ours-ratio-0.1", "ours-all-dense",
+        "ours-reuse", "ours-ramp", "ours-ramp-reuse", "ours-new-length", "comfyui-two-threads", "ours-two-threads", "other-clips")
 
 
 def prepare_ahead(work: Path) -> float:
@@ -675,7 +675,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     if "ours" in runs:
         run("ours", main, node_widgets(scale))
     if not compile_only:
-        for name, widgets in (("ours-speed", node_widgets(scale, warmup_mode="speed")),
+        for name, widgets in (("ours-unmeasured", node_widgets(scale, measure_error=False)),  # the error's cost
+                              ("ours-speed", node_widgets(scale, warmup_mode="speed")),
                               ("ours-ratio-0.1", node_widgets(scale, topk_ratio=0.1)),
                               ("ours-all-dense", node_widgets(scale, warmup_mode="dense")),  # the rounding floor
                               ("ours-reuse", node_widgets(scale, plan_reuse="on")),
