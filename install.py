@@ -111,7 +111,7 @@ def gpu_lines(table, gpus: list[tuple[str, tuple[int, int]]], host) -> list[str]
         auto = table.auto_choices(table.Target("cuda", cap), host)
         lines.append(f"  cuda:{i} {name} (sm{cap[0]}{cap[1]}): auto runs "
                      + ", ".join(f"{str(d).removeprefix('torch.')} -> {b}" for d, b in auto.items()))
-        if cap[0] in cudnn.GPU_FAMILIES and not host.has(cudnn.MODULE):
+        if cap[0] in cudnn.ARCHS and not host.has(cudnn.MODULE):
             lines.append(f"    this GPU can run cuDNN-frontend's block-sparse kernel for the exact keys, faster than "
                          f"the Triton kernel: {cudnn.INSTALL}")
     return lines

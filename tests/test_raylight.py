@@ -56,8 +56,10 @@ def marked(processor, layer: int = 0) -> dict:
 
 
 def decide(processor, attn, args: dict, layer: int = 0):
-    """`decide` with the call context the DIFFUSION_MODEL wrapper would give this call."""
-    return processor.decide(layer, attn, args, CallContext(processor, None,
+    """`decide` with the call context the DIFFUSION_MODEL wrapper would give this call (on a stand-in for the
+    diffusion model, which holds the layouts of its calls)."""
+    model = types.SimpleNamespace()
+    return processor.decide(layer, attn, args, CallContext(processor, model,
                                                            *processor.tracker.step_of(args["transformer_options"])))
 
 
