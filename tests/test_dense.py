@@ -492,8 +492,9 @@ def test_a_host_attention_that_reenters_the_override_is_refused_not_deadlocked(c
 @pytest.mark.parametrize("measured_ahead", [True, False])
 def test_a_choice_measured_ahead_leaves_only_the_host_function_to_time(measured_ahead, tmp_path, monkeypatch):
     """`prepare` measures the kernels without a host function; a run's first dense call (ComfyUI's
-    function among the candidates) then times only that choice and the host's, so a kernel that lost
-    ahead (here a stand-in for FlashAttention-4, whose first call compiles) is never called."""
+    function among the candidates, here one that is not SDPA: attention_flash) then times only that choice and
+    the host's, so a kernel that lost ahead (here a stand-in for FlashAttention-4, whose first call compiles)
+    is never called."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
     called = []
@@ -507,7 +508,7 @@ def test_a_choice_measured_ahead_leaves_only_the_host_function_to_time(measured_
     timer = StubTimer(1.0, 2.0)
     path = tmp_path / "choices.json"
     choices = dense.DenseChoices(path, timer=timer)
-    host = host_of(perturbed_host(timer, 1.0))
+    host = host_of(perturbed_host(timer, 1.0), identity="comfy.ldm.modules.attention.attention_flash")
     if measured_ahead:
         dense.ChoiceFile(path).save(choices.key(q, k, v, None, "bf16"), dense.DEFAULT)
     seen, choices.note = notes()
@@ -519,3 +520,22 @@ def test_a_choice_measured_ahead_leaves_only_the_host_function_to_time(measured_
     if measured_ahead:
         assert "SDPA's own choice was measured fastest ahead" in narrowed[0]
         assert "dense kernels measured" in seen[-1] and "FlashAttention-4" not in seen[-1]
+
+
+def test_comfyuis_sdpa_attention_takes_the_choice_measured_ahead_untimed(tmp_path, monkeypatch):
+    """ComfyUI's default attention (attention_pytorch) is SDPA itself, whose every backend `prepare` measured:
+    its run takes the saved choice with nothing checked or timed; without a saved choice it is measured."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    timer = StubTimer(1.0, 2.0)
+    path = tmp_path / "choices.json"
+    host = host_of(perturbed_host(timer, 1.0))  # attention_pytorch
+    choices = dense.DenseChoices(path, timer=lambda fn: pytest.fail("nothing is timed"))
+    dense.ChoiceFile(path).save(choices.key(q, k, v, None, "bf16"), dense.DEFAULT)
+    seen, choices.note = notes()
+    out, kernel = choices.attention(q, k, v, host)
+    assert kernel == dense.DEFAULT and timer.host_calls == 0
+    assert any("measured ahead by `prepare` among SDPA's kernels" in m for m in seen)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    fresh = dense.DenseChoices(tmp_path / "none.json", timer=timer)
+    assert fresh.attention(q, k, v, host)[1] == "host" and timer.host_calls > 0  # nothing saved: measured

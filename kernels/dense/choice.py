@@ -47,6 +47,9 @@ CACHE_ENV = "ADAPTIVE_SPARSE_DENSE_CACHE"
 CANDIDATES = ("cudnn", "flash", "efficient")  # SDPA's backends on CUDA
 DEFAULT = "sdpa"  # SDPA's own choice: the CPU's candidate
 HOST = "host"  # the host application's own attention function (`HostAttention`)
+# host functions that are SDPA itself (ComfyUI's default attention: SDPA with FlashAttention first): `prepare`
+# measured every SDPA backend for the bucket, so the choice it saved is at least as fast, and is taken untimed
+SDPA_HOSTS = ("comfy.ldm.modules.attention.attention_pytorch",)
 PRECISIONS = ("bf16", "8-bit")
 BF16_MULTIPLE = 3  # bound of a bf16 run, in units of an exact kernel's rounding error (`tolerance`)
 EIGHT_BIT_MULTIPLE = 10  # bound of an 8-bit run, likewise
@@ -444,17 +447,21 @@ class DenseChoices(Remembered):
                 names += (HOST,)
         return names
 
+    def ahead(self, key: str, allowed: tuple[str, ...]) -> str | None:
+        """The choice `prepare` saved for `key`'s bucket without a host function, where it is among `allowed`."""
+        if "|host " not in key:
+            return None
+        saved = self.file.read().get(key.rsplit("|host ", 1)[0] + "|host none")
+        return saved if saved is not None and saved != HOST and saved in allowed else None
+
     def narrowed(self, key: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
         """The candidates timed for `key`, a bucket with the host's function among `allowed`: where the
-        file holds the choice of the same bucket without a host function (measured ahead by `prepare`,
+        file holds the choice of the same bucket without a host function (`ahead`: measured by `prepare`,
         which has none), only that kernel and the host's function are timed, since the fastest of all is
         the faster of those two; the first dense call then neither compiles nor times the kernels that
         lost there (FlashAttention-4's first call compiles). Else all of `allowed`."""
-        if HOST not in allowed or "|host " not in key:
-            return allowed
-        without_host = key.rsplit("|host ", 1)[0] + "|host none"
-        saved = self.file.read().get(without_host)
-        if saved is None or saved == HOST or saved not in allowed:
+        saved = self.ahead(key, allowed) if HOST in allowed else None
+        if saved is None:
             return allowed
         self.note(f"dense kernels for {key}: {self.label(saved)} was measured fastest ahead for the same shape "
                   "without a host function; only it and the host's function are timed")
@@ -484,6 +491,12 @@ class DenseChoices(Remembered):
         against a float32 reference, within `tolerance` of the precision (its unit: SDPA's own error
         on the same rows)."""
         allowed = self.candidates(q, k, v, host, precision)
+        saved = self.ahead(key, allowed) if host is not None and host.identity in SDPA_HOSTS else None
+        if saved is not None:  # ComfyUI's own attention is SDPA: nothing to measure at run time
+            self.note(f"dense attention for {key} runs on {self.label(saved)}, measured ahead by `prepare` among "
+                      "SDPA's kernels, which ComfyUI's own attention runs (not timed again)")
+            with self.lock:
+                return self.remember(key, saved)
         sample = q[:, :, :SAMPLE_ROWS]
         timer = self.timer or (lambda fn: median_ms(fn, q.device, reps=REPS))
 
