@@ -246,8 +246,9 @@ def test_tiny_h3_loads_through_unetloader_and_samples(comfy, tmp_path: Path):
 
 @needs_comfyui
 def test_full_depth_h3_is_listed_without_memory_and_built_a_tensor_at_a_time(comfy):
-    """H3's 50 full-width blocks: ~50 GB of int8 and bf16 weights, the largest tensor ~0.5 GB (the blocks'
-    adaLN projection), so the builder's device peak is a tensor's, not the model's."""
+    """H3's 50 full-width blocks in int8_convrot: 43.8 GiB (18 GiB of int8 block Linears, 25.8 GiB of bf16 and
+    fp32, most of it the blocks' adaLN projections), the largest tensor 496 MiB (an adaLN projection), so the
+    builder's device peak is a tensor's, not the model's."""
     specs = e2e.h3_specs(e2e.SCALES["h3"].model, 50)
     assert sum(key.endswith("attn.qkv_proj.weight") and key.startswith("blocks.") for key in specs) == 50
     sizes = {key: torch.Size(shape).numel() * (1 if checkpoints.QUANTISED.match(key) else dtype.itemsize)
