@@ -16,7 +16,9 @@ from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from .h3_model import LayoutCache
 
-STATE_ATTR = "adaptive_sparse_attention_state"  # on a diffusion model: its `ModelState`
+# on a diffusion model: its `ModelState`, one per copy of this package in the process (a benchmark imports the
+# pack under its own name beside ComfyUI's import of the custom node: each copy keeps its own classes' objects)
+STATE_ATTR = f"adaptive_sparse_attention_state:{__name__}"
 
 
 @dataclass
