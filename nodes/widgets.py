@@ -114,7 +114,7 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("precision", optional=True),
     config_widget("plan_reuse", advanced=True, optional=True),
     config_widget("measure_error", advanced=True, optional=True),
-    config_widget("error_target", advanced=True, optional=True),
+    config_widget("error_target", step=0.005, advanced=True, optional=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (
