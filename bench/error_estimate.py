@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratios", default="0.1,0.2")
     parser.add_argument("--rotations", default="1,6,16",
                         help="rotations the estimate is accumulated over, as a run's sparse steps (default 1,6,16)")
-    parser.add_argument("--strata", type=int, default=STRATA, help=f"sampled blocks per head and call (default {STRATA})")
+    parser.add_argument("--strata", type=int, default=STRATA,
+                        help=f"sampled blocks per head and call (default {STRATA})")
     parser.add_argument("--rows", type=int, default=ROWS, help=f"rows of a sampled block (default {ROWS})")
     parser.add_argument("--tiling", default="reblock", choices=("reblock", "cube"))
     parser.add_argument("--kernel", default="auto")
