@@ -467,8 +467,8 @@ def block_sparse_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
 def add_tail(q: torch.Tensor, plan: BlockSparsePlan, partial: tuple[torch.Tensor, torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`block_sparse_triton(q, q, q, plan, partial=partial)` at the finishing config (`configs.finish_config`):
-    the tail added to another kernel's exact-key result, rows stored in model order (a `helper` the
-    `triton` family lends, `family.py`)."""
+    the tail added to another kernel's exact-key result, rows stored in model order (what the `triton`
+    family's helper "add_tail" runs, through its custom op in `op.py`)."""
     return block_sparse_triton(q, q, q, plan, finish_config(q.shape[-1], plan.block_size, q.device), partial)
 
 

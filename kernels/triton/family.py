@@ -13,7 +13,7 @@ from ..arch import CONFIGS
 from ..vocabulary import (Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, float32_inputs,
                           head_dim_in)
 from .configs import TRITON_DTYPES
-from .op import TritonAttention
+from .op import TritonAttention, add_tail, triton_tiled_pack
 
 MIN_CAPABILITY = (8, 0)  # the kernels' 16-bit tensor-core paths and shared-memory plans start at Ampere
 
@@ -102,16 +102,6 @@ def _split() -> Any:
     return reblock_split
 
 
-def _pack() -> Any:
-    from . import tiled_pack
-    return tiled_pack
-
-
-def _attention() -> Any:
-    from . import attention
-    return attention
-
-
 def _triton(operation: str, load: Callable[[], Callable], accepts: Callable[..., str | None] | None = None,
             label: str = "") -> Implementation:
     return Implementation(operation, "triton", load, REQUIRES, accepts, label)
@@ -138,7 +128,7 @@ TRITON = Family("triton", (
             "rank a power of two >= 16"),
     _triton("partition_level", lambda: _split().partition_level_triton),
     ATTENTION,
-), auto="cuda", compiles=True, helpers=(  # what the cuDNN attention runs on Triton (`registry.helper`)
-    _triton("tiled_pack", lambda: _pack().pack_qkv),
-    _triton("add_tail", lambda: _attention().add_tail),
+), auto="cuda", compiles=True, helpers=(  # what the cuDNN attention borrows (custom ops, `op.py`)
+    _triton("tiled_pack", lambda: triton_tiled_pack),
+    _triton("add_tail", lambda: add_tail),
 ))
