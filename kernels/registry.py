@@ -10,9 +10,10 @@ and one entry in `FAMILIES` (a sparse attention and the planner's stages) or in 
 dense kernel the measured dense choice times against SDPA's and the host's); a sparse attention kernel
 the measured sparse choice times under ``auto`` (`sparse_choice/`) is one row of `SPARSE_KERNELS`.
 
-A package under kernels/ that runs part of its work on a family's kernels (the cuDNN attention packs
-Q/K/V and adds its tail with Triton's; the sparse choice checks on the torch oracle) reaches them by
-`helper` here, never by importing that family's package: a family imports only the kernels root.
+A family imports only the kernels root. An implementation that runs part of its work on another
+family's kernels (the cuDNN attention packs Q/K/V and adds its tail with Triton's) declares them in
+its row (`Implementation.borrows`), and `load` hands them in when it loads the row; a package above
+the registry (the sparse choice checks on the torch oracle) asks for one by `helper`.
 
 `FAMILIES` is the order ``auto`` prefers them in, and a named family's fallback runs the ones after
 it. `resolve` turns (requested kernel, device, dtype, head dim, block size, capability) into one
@@ -41,7 +42,7 @@ from .cudnn.family import CUDNN, CUDNN_BF16
 from .flash4.family import FLASH4
 from .reference.family import TORCH
 from .triton.family import TRITON, TRITON_8BIT, TRITON_BF16
-from .vocabulary import DenseKernel, Family, Host, Operation, SparseKernel, Target, names
+from .vocabulary import DenseKernel, Family, Host, Implementation, Operation, SparseKernel, Target, names
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (CUDNN, TRITON, TORCH)}  # ``auto``'s order of preference
 DENSE_KERNELS: tuple[DenseKernel, ...] = (FLASH4,)  # offered to the dense choice after SDPA's, in this order
@@ -167,9 +168,9 @@ def resolve(requested: str, device: torch.device, dtype: torch.dtype, *, strict:
         impl = next(i for i in (FAMILIES[f].of(name) for f in chosen)
                     if i is not None and i.unmet(target, host) is None)
         if name == "attention":
-            stages[name] = impl.load()
+            stages[name] = load(impl)
             continue
-        stages[name] = Stage(name, impl.family, impl.load(), FAMILIES["torch"].of(name).load(), impl.accepts, strict,
+        stages[name] = Stage(name, impl.family, load(impl), load(FAMILIES["torch"].of(name)), impl.accepts, strict,
                              notices)
     return Kernels(chosen[0], FAMILIES[chosen[0]].compiles, **stages)
 
@@ -181,11 +182,18 @@ def resolve_family(requested: str, device: torch.device, dtype: torch.dtype, str
 
 
 def helper(family: str, name: str) -> Callable:
-    """`family`'s helper `name` (`Family.helpers`), loaded: what another family's kernel runs inside its own."""
+    """`family`'s helper `name` (`Family.helpers`), loaded: what an implementation that borrows it is handed
+    (`load`), or what a package above the registry runs of that family (the sparse choice's oracle)."""
     found = next((h for h in FAMILIES[family].helpers if h.operation == name), None)
     if found is None:
         raise LookupError(f"the {family!r} family lends no helper {name!r}")
-    return found.load()
+    return load(found)
+
+
+def load(impl: Implementation) -> Any:
+    """`impl`'s function (or attention object), loaded with the helpers it borrows handed in by name
+    (`Implementation.borrows`)."""
+    return impl.load(**{name: helper(family, name) for family, name in impl.borrows})
 
 
 def unavailable_reason(family: str, device: torch.device, dtype: torch.dtype | None = None,
@@ -232,9 +240,9 @@ def render(target: Target, host: Host) -> list[str]:
 
 def reference_kernels() -> Kernels:
     """The torch reference of every operation (any device and dtype; never falls back)."""
-    stages = {op.name: Stage(op.name, "torch", op.of("torch").load(), op.of("torch").load(), None, True, Notices())
+    stages = {op.name: Stage(op.name, "torch", load(op.of("torch")), load(op.of("torch")), None, True, Notices())
               for op in OPERATIONS if op is not ATTENTION}
-    return Kernels("torch", FAMILIES["torch"].compiles, ATTENTION.of("torch").load(), **stages)
+    return Kernels("torch", FAMILIES["torch"].compiles, load(ATTENTION.of("torch")), **stages)
 
 
 def or_reference(kernels: Kernels | None) -> Kernels:

@@ -113,14 +113,18 @@ class Implementation:
     `load()` returns the function (for the attention an object whose `attend_blocks(q, k, v, plan)`
     runs it); a family whose modules must not be imported with the package (Triton decorates its
     kernels when first imported) imports them inside `load`. `requires` is what it needs of the call,
-    `accepts(*args)` what it needs of its inputs (why not, None when it takes them)."""
+    `accepts(*args)` what it needs of its inputs (why not, None when it takes them). `borrows` names
+    the helpers of other families it runs inside its own work, as (family, helper) pairs
+    (`Family.helpers`): the registry loads it as ``load(helper=function, ...)`` (`registry.load`), so a
+    family's package imports neither the registry nor the family it borrows from."""
 
     operation: str
     family: str
-    load: Callable[[], Any]
+    load: Callable[..., Any]
     requires: tuple[Requirement, ...] = ()
     accepts: Callable[..., str | None] | None = None
     accepts_label: str = ""
+    borrows: tuple[tuple[str, str], ...] = ()
 
     def unmet(self, target: Target, host: Host) -> str | None:
         """Why it cannot run for `target` on `host` (None: it can)."""
@@ -146,8 +150,9 @@ class Family:
     always), where ``auto`` (or a named family's fallback) may take it (on "cuda" only, or on "any"
     device), whether its kernels are compiled on first use (then worth preparing ahead of the
     first sparse step), and its `helpers`: kernels another family's implementation runs inside its
-    own (named by `Implementation.operation`; not rows of the table), reached through
-    `registry.helper`, never by importing this family's package."""
+    own (named by `Implementation.operation`; not rows of the table), handed in by the registry to the
+    implementations that borrow them (`Implementation.borrows`), never imported from this family's
+    package."""
 
     name: str
     implementations: tuple[Implementation, ...]

@@ -1,5 +1,6 @@
 """The cuDNN backend's two halves on the CPU: the key lists it hands cuDNN, and the Triton kernel
-finishing from a partial result (interpreter).
+finishing from a partial result (interpreter); and the whole attention as the registry loads it (the
+Triton helpers handed in) through its custom ops, eager and under torch.compile.
 
 cuDNN itself is replaced by `emulated_cudnn`, a float64 torch model of its documented contract
 (per query block, the first q2k_block_nums entries of q2k_block_index are its key blocks, keys
@@ -11,6 +12,7 @@ kernel runs in fp32 in the interpreter: 2e-5 on outputs, 1e-4 on the LSE, as in
 tests/test_triton_kernel.py.
 """
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -24,9 +26,10 @@ with kernel_imports():
 
 from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.backend.planner import build_plan
-from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, block_sparse_reference, pack
+from adaptive_sparse_attention.kernels import EMPTY_ROW_LSE, block_sparse_reference, pack, registry
 from adaptive_sparse_attention.kernels.cudnn import cudnn_attention
-from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import exact_attention_cudnn, key_lists, sparse_span
+from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import (block_sparse_cudnn, exact_attention_cudnn, exact_keys,
+                                                                     key_lists, sparse_span)
 from adaptive_sparse_attention.kernels.registry import helper
 from layouts import awkward_layout, with_empty_rows
 from random_blocks import random_block_lengths, random_perms
@@ -47,6 +50,12 @@ def emulated_cudnn(q, k, v, index, num, block_len):
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)).masked_fill(~mask, 0.0)
     return (p @ v.double()).to(q.dtype), lse.float()
+
+
+def exact_emulated(q, k, v, plan):
+    """`exact_attention_cudnn` as the cuDNN attention runs it (the Triton helper packs), cuDNN emulated."""
+    return exact_attention_cudnn(q, k, v, plan, helper("triton", "tiled_pack"),
+                                 functools.partial(exact_keys, forward=emulated_cudnn))
 
 
 CASES = [  # heads, head dim, tiling, scope, tail, granularity, empty rows
@@ -72,7 +81,7 @@ def test_key_lists_give_the_exact_keys_of_the_plan(monkeypatch, case):
     """Head chunks of 2 (so 3 heads make an uneven last chunk), both calls (span and outside)."""
     monkeypatch.setattr(cudnn_attention, "HEADS_PER_CALL", 2)
     q, k, v, plan = planned(*case, seed=len(case[2]) + case[0])
-    out, lse = exact_attention_cudnn(q.double(), k.double(), v.double(), plan, forward=emulated_cudnn)
+    out, lse = exact_emulated(q.double(), k.double(), v.double(), plan)
     exact = dataclasses.replace(plan, tail=None)
     want, want_lse = block_sparse_reference(q.double(), k.double(), v.double(), exact)
     slots = plan.q_perm >= 0
@@ -89,7 +98,7 @@ def test_key_lists_give_the_exact_keys_of_the_plan(monkeypatch, case):
 @pytest.mark.parametrize("case", CASES)
 def test_the_kernel_finishing_a_partial_equals_the_reference(case):
     q, k, v, plan = planned(*case, seed=7 + case[0])
-    partial = exact_attention_cudnn(q, k, v, plan, forward=emulated_cudnn)
+    partial = exact_emulated(q, k, v, plan)
     out, lse = helper("triton", "add_tail")(q, plan, partial)  # what the cuDNN attention runs
     ref, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), plan)
     assert out.dtype == q.dtype
@@ -99,9 +108,31 @@ def test_the_kernel_finishing_a_partial_equals_the_reference(case):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-7, atol=1e-4)
 
 
+def test_the_attention_the_registry_loads_runs_its_ops_eager_and_compiled(monkeypatch):
+    """The `cudnn` row loaded by the registry (Triton's pack and tail handed in, both custom ops) around
+    cuDNN's own op, one per head chunk (chunks of 2: 3 heads make an uneven last one): the same bits as
+    the functions it composes, and under torch.compile (fullgraph, the ops' fakes) the same again. cuDNN
+    is emulated and the call check (CUDA only) is lifted, so it runs on the CPU."""
+    monkeypatch.setattr(cudnn_attention, "HEADS_PER_CALL", 2)
+    monkeypatch.setattr(cudnn_attention, "_forward", emulated_cudnn)
+    monkeypatch.setattr(cudnn_attention, "check_call", lambda q, plan: None)
+    q, k, v, plan = planned(3, 32, "cube", "target-video", "reweight", "query", False, seed=17)
+    attention = registry.load(registry.FAMILIES["cudnn"].of("attention"))
+    assert (attention.tiled_pack, attention.add_tail) == (helper("triton", "tiled_pack"), helper("triton", "add_tail"))
+    want, want_lse = block_sparse_cudnn(q, k, v, plan, helper("triton", "tiled_pack"), helper("triton", "add_tail"))
+    out, lse = attention.attend_blocks(q, k, v, plan)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    ref, _ = block_sparse_reference(q.double(), k.double(), v.double(), plan)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+    compiled = torch.compile(lambda a, b, c: attention.attend_blocks(a, b, c, plan), fullgraph=True,
+                             backend="aot_eager")
+    out, lse = compiled(q, k, v)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 def test_a_nan_partial_row_stays_nan_and_a_bad_partial_is_named():
     q, k, v, plan = planned(1, 32, "cube", "target-video", "reweight", "query", False, seed=3)
-    part_out, part_lse = exact_attention_cudnn(q, k, v, plan, forward=emulated_cudnn)
+    part_out, part_lse = exact_emulated(q, k, v, plan)
     lo = sparse_span(plan)[0] * 64
     part_lse[0, 0, lo] = float("nan")
     out, _ = block_sparse_triton(q, q, q, plan, partial=(part_out, part_lse))
@@ -127,7 +158,7 @@ def test_key_lists_keep_the_dense_prefix_then_the_picks():
 def test_a_plan_without_groups_is_refused_by_name():
     q, k, v, plan = planned(1, 32, "cube", "target-video", "none", "query", False, seed=1)
     with pytest.raises(ValueError, match="plan.groups is empty"):
-        exact_attention_cudnn(q, k, v, dataclasses.replace(plan, groups=()), forward=emulated_cudnn)
+        exact_emulated(q, k, v, dataclasses.replace(plan, groups=()))
 
 
 @pytest.mark.parametrize("per_head,bs", [(True, 64), (False, 64), (True, 16)])

@@ -7,8 +7,8 @@ picks. Sparse query blocks (the span of the plan's groups, whose prefix is the s
 dense ones (every key block) are two calls, so no J x J table is built. The tail joins afterwards:
 the Triton kernel starts its online softmax from cuDNN's normalised rows and log-sum-exp (its
 helper `add_tail`), adds the summaries, normalises once and stores rows in model order. Same
-semantics as the reference. Both helpers come through `registry.helper`: this package imports
-only the kernels root.
+semantics as the reference. Both helpers are handed in (`family.py` declares them borrowed, the
+registry loads them): this package imports only the kernels root.
 
 The package `nvidia-cudnn-frontend` (with `nvidia-cutlass-dsl`) is optional: without it, or on a
 GPU architecture it is not enabled for, it is unavailable; where it runs, `auto` takes it
@@ -93,42 +93,63 @@ def cudnn_calls(plan: BlockSparsePlan, qp: torch.Tensor, heads: tuple[int, int]
     return calls
 
 
+def exact_keys(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, plan: BlockSparsePlan, heads: tuple[int, int],
+               forward: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact keys' attention of one head chunk on cuDNN (`cudnn_calls`), in tiled order.
+
+    Args:
+        qp, kp, vp: heads [h0, h1) of Q/K/V packed into tiled order, [B, h1 - h0, J * 64, D] contiguous.
+        plan: the plan (block size 64).
+        heads: (h0, h1).
+        forward: cuDNN's call (tests pass an emulation of its contract).
+    Returns:
+        (out [B, h1 - h0, J * 64, D] normalised over the exact keys, lse [B, h1 - h0, J * 64] fp32
+        natural log, -inf where a row has no key); padding slots hold whatever cuDNN leaves there.
+    """
+    forward = _forward if forward is None else forward
+    B, hc, L, D = qp.shape
+    block_len = plan.block_len.contiguous()
+    out = torch.empty(B, hc, L, D, dtype=qp.dtype, device=qp.device)
+    lse = torch.empty(B, hc, L, dtype=torch.float32, device=qp.device)
+    for rows, qs, index, num in cudnn_calls(plan, qp, heads):
+        o, s = forward(qs, kp, vp, index, num, block_len)
+        start = 0
+        for a, b in rows:
+            out[:, :, a:b] = o[:, :, start:start + b - a]
+            lse[:, :, a:b] = s[:, :, start:start + b - a]
+            start += b - a
+    return out, lse
+
+
 def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-                          forward: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact keys' attention of every query row, in tiled order (`cudnn_calls` per head chunk).
+                          tiled_pack: Callable, exact: Callable = exact_keys) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact keys' attention of every query row, in tiled order: HEADS_PER_CALL heads at a time
+    packed by `tiled_pack`, then `exact` on them.
 
     Args:
         q, k, v: [B, H, S, D] in model order.
         plan: the plan (block size 64).
-        forward: cuDNN's call (tests pass an emulation of its contract).
+        tiled_pack: the Triton family's helper "tiled_pack" ((q, k, v, q_perm, k_perm) -> packed q, k, v).
+        exact: (qp, kp, vp, plan, (h0, h1)) -> (out, lse) of one head chunk: `exact_keys` (the cuDNN
+            attention passes its custom op, tests an emulation of cuDNN).
     Returns:
         (out [B, H, J * 64, D] normalised over the exact keys, lse [B, H, J * 64] fp32 natural
         log, -inf where a row has no key); padding slots hold whatever cuDNN leaves there.
     """
-    from ..registry import helper
-
-    pack_qkv = helper("triton", "tiled_pack")
-    forward = _forward if forward is None else forward
-    B, H, _, D = q.shape
-    L = plan.num_blocks * plan.block_size
-    block_len = plan.block_len.contiguous()
-    out = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    H = q.shape[1]
+    parts = []
     for h0 in range(0, H, HEADS_PER_CALL):
         h1 = min(H, h0 + HEADS_PER_CALL)
-        qp, kp, vp = pack_qkv(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(plan.q_perm, h0, h1),
-                              perm_heads(plan.k_perm, h0, h1))
-        for rows, qs, index, num in cudnn_calls(plan, qp, (h0, h1)):
-            o, s = forward(qs, kp, vp, index, num, block_len)
-            start = 0
-            for a, b in rows:
-                out[:, h0:h1, a:b] = o[:, :, start:start + b - a]
-                lse[:, h0:h1, a:b] = s[:, :, start:start + b - a]
-                start += b - a
-    return out, lse
+        packed = tiled_pack(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(plan.q_perm, h0, h1),
+                            perm_heads(plan.k_perm, h0, h1))
+        parts.append(exact(*packed, plan, (h0, h1)))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 1)
 
 
-def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan
+def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
+                       tiled_pack: Callable, add_tail: Callable, exact: Callable = exact_keys
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q, k, v [B, H, S, D] under `plan`: exact keys on cuDNN, the tail
     and the store to model order on the Triton kernel.
@@ -137,11 +158,11 @@ def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
         q, k, v: one fp16/bf16 dtype on an enabled GPU (`family.REQUIRES`), head_dim in
             HEAD_DIMS, any strides.
         plan: a plan with block size 64 and the routing groups (`sparse_span`).
+        tiled_pack, add_tail: the Triton family's helpers of those names (`registry.helper`).
+        exact: one head chunk's exact keys (`exact_attention_cudnn`).
     Returns:
         (out [B, H, S, D] in q's dtype and model order, lse [B, H, S] fp32 natural log), as
         `block_sparse_triton`.
     """
     check_call(q, plan)
-    from ..registry import helper
-
-    return helper("triton", "add_tail")(q, plan, exact_attention_cudnn(q, k, v, plan))
+    return add_tail(q, plan, exact_attention_cudnn(q, k, v, plan, tiled_pack, exact))

@@ -37,6 +37,7 @@ REQUIRES = (
                 f"precision {t.precision!r} is not supported (its 8-bit path returns no log-sum-exp to merge the tail "
                 "with; the Triton kernel has the 8-bit loop)"))
 
-ATTENTION = Implementation("attention", "cudnn", CudnnAttention, REQUIRES)
+ATTENTION = Implementation("attention", "cudnn", CudnnAttention, REQUIRES,
+                           borrows=(("triton", "tiled_pack"), ("triton", "add_tail")))  # handed in
 CUDNN_BF16 = SparseKernel("cudnn", "cuDNN-frontend", ATTENTION)  # a candidate of the measured sparse choice
 CUDNN = Family("cudnn", (ATTENTION,), auto="cuda", compiles=True)

@@ -37,7 +37,7 @@ from ...version import __version__
 from ..dense.choice import describe, device_key, tolerance
 from ..dense.store import MAX_CHOICES, ChoiceFile, Remembered, choice_path
 from ..plan import BlockSparsePlan, QuerySummaries
-from ..registry import SPARSE_KERNELS, current_host
+from ..registry import SPARSE_KERNELS, current_host, load
 from ..vocabulary import SparseKernel, Target
 from .sample import Sample
 
@@ -270,4 +270,4 @@ def named(name: str) -> SparseKernel:
 def run(kernel: SparseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         plan: BlockSparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `kernel` on q, k, v under `plan`, at its own precision."""
-    return kernel.attention.load().attend_blocks(q, k, v, plan, precision=kernel.precision)
+    return load(kernel.attention).attend_blocks(q, k, v, plan, precision=kernel.precision)
