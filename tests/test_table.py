@@ -219,31 +219,77 @@ def test_a_family_declared_outside_the_registry_resolves_by_its_place_in_the_ord
     assert registry.choose_family("test", Target("cuda", (9, 0), torch.bfloat16), Host(), notices=Notices()) == "torch"
 
 
+KERNELS = "adaptive_sparse_attention.kernels"
+
+
+def kernel_parts(root: Path) -> dict[str, list[tuple[str, str]]]:
+    """What each part of kernels/ under `root` imports of the others, lazy imports inside functions
+    included: {part: [(imported part, "file:line")]}. A part is a package (its folder's name) or a
+    module at the root (its name; "__init__" is the root's face, which `from .. import name` reaches
+    for a name that is no part)."""
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in root.glob("*.py")}
+    files = [(p.stem, p, 1) for p in root.glob("*.py")] + [(p.parent.name, p, 2) for n in packages
+                                                          for p in (root / n).glob("*.py")]
+    parts: dict[str, list[tuple[str, str]]] = {part: [] for part in packages | modules}
+    for part, path, up in sorted(files):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == up:  # from <root>.X import / from <root> import X
+                named = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+                dotted = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                named = [(d + ".__init__").split(".")[2] for d in dotted if d == KERNELS or d.startswith(KERNELS + ".")]
+            else:
+                continue
+            where = f"{path.relative_to(root)}:{node.lineno}"
+            parts[part] += [(n if n in parts else "__init__", where) for n in named if n != part]
+    return parts
+
+
+def above(parts: dict[str, list[tuple[str, str]]], bottom: set[str]) -> set[str]:
+    """The parts that import one of `bottom`, directly or through others."""
+    found: set[str] = set()
+    while new := {p for p, edges in parts.items() if p not in found and any(n in bottom | found for n, _ in edges)}:
+        found |= new
+    return found
+
+
 def test_a_family_package_imports_only_the_kernels_root():
     """An implementation family's package (one with a family.py) imports no other package under kernels/,
-    and no package there imports another's family: what a kernel runs on another family's kernels
-    (the cuDNN attention's pack and tail on Triton, the sparse choice's check on the torch oracle)
-    comes through `registry.helper`. (The sparse choice keeps its choices in the dense choice's store.)"""
+    nor a module at the root that imports a family (the registry, the root's face): that is a circle.
+    No package there imports another's family. What a kernel runs on another family's kernels is handed
+    in (the cuDNN attention's pack and tail on Triton: its row borrows them and the registry loads them)
+    or asked of the registry by a package above it (the sparse choice's check on the torch oracle,
+    `registry.helper`). (The sparse choice keeps its choices in the dense choice's store.)"""
     root = Path(registry.__file__).parent
-    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    parts = kernel_parts(root)
+    packages = {p for p in parts if (root / p / "__init__.py").is_file()}
     families = {p for p in packages if (root / p / "family.py").is_file()}
     assert families == {"cudnn", "flash4", "reference", "triton"}
+    assert {"registry", "__init__"} <= above(parts, families)
     problems = []
-    for package in sorted(packages):
-        barred = (packages if package in families else families) - {package}
-        for path in sorted((root / package).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..X import / from .. import X
-                    named = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-                elif isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
-                    dotted = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-                    named = [d.split(".")[2] for d in dotted if d.startswith("adaptive_sparse_attention.kernels.")]
-                else:
-                    continue
-                problems += [f"{package}/{path.name}:{node.lineno} imports {n}" for n in named if n in barred]
+    for part in sorted(packages):
+        barred = (packages | above(parts, families) if part in families else families) - {part}
+        problems += [f"{part}: {where} imports {n}" for n, where in parts[part] if n in barred]
     assert not problems, "\n".join(problems)
     with pytest.raises(LookupError, match="lends no helper 'nothing'"):
         registry.helper("triton", "nothing")
+
+
+def test_the_kernels_import_each_other_in_no_circle():
+    """Between kernels/' packages and root modules no import, lazy or not, runs back: the parts stand
+    in layers (a circle would be, for one, a family asking the registry that imports it for another's
+    kernels)."""
+    parts = kernel_parts(Path(registry.__file__).parent)
+    layered: list[str] = []
+    while rest := [p for p in parts if p not in layered]:
+        ready = sorted(p for p in rest if all(n in layered for n, _ in parts[p]))
+        while not ready and (top := {p for p in rest if all(p != n for q in rest for n, _ in parts[q])}):
+            rest = [p for p in rest if p not in top]  # what only stands above a circle, left out of the message
+        circle = "\n".join(f"{p}: {where} imports {n}" for p in rest for n, where in parts[p] if n in rest)
+        assert ready, f"a circle among {sorted(rest)}:\n{circle}"
+        layered += ready
+    assert layered.index("vocabulary") < layered.index("triton") < layered.index("registry")
 
 
 def test_the_table_imports_no_kernel_module_until_a_call_resolves_to_it(tmp_path):
