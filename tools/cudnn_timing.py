@@ -16,6 +16,7 @@ from adaptive_sparse_attention.bench.timing import bench_ms, queued_ms
 from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import (_forward, block_sparse_cudnn, cudnn_calls,
                                                                exact_attention_cudnn)
 from adaptive_sparse_attention.kernels.plan import BlockSparsePlan
+from adaptive_sparse_attention.kernels.registry import helper
 from adaptive_sparse_attention.kernels.triton.tiled_pack import pack_qkv
 from adaptive_sparse_attention.kernels.triton.attention import add_tail
 from kernel_cases import DIM, computed_pairs
@@ -35,12 +36,13 @@ def cudnn_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSpar
 
     exact, summary = computed_pairs(plan)
     anchor_ms = anchor(plan)
-    ms = bench_ms(lambda: block_sparse_cudnn(q, k, v, plan))
-    part = exact_attention_cudnn(q, k, v, plan)
+    pack, tail = helper("triton", "tiled_pack"), helper("triton", "add_tail")
+    ms = bench_ms(lambda: block_sparse_cudnn(q, k, v, plan, pack, tail))
+    part = exact_attention_cudnn(q, k, v, plan, pack)
     row = dict(ratio=ratio, gran=gran, anchor_ms=anchor_ms, anchor_tflops=4 * DIM * exact / anchor_ms / 1e9,
                cudnn_backend_ms=ms, cudnn_backend_tflops=4 * DIM * (exact + summary) / ms / 1e9,
                pack_ms=bench_ms(lambda: pack_qkv(q, k, v, plan.q_perm, plan.k_perm)),
-               exact_ms=bench_ms(lambda: exact_attention_cudnn(q, k, v, plan)),
+               exact_ms=bench_ms(lambda: exact_attention_cudnn(q, k, v, plan, pack)),
                finish_ms=bench_ms(lambda: add_tail(q, plan, part)))
     part = None
     row["anchor_vs_dense_rate"] = row["anchor_tflops"] / dense_tflops

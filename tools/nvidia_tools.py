@@ -39,8 +39,9 @@ def sanitize_child() -> None:
             block_sparse_triton(q, k, v, plan, config=kernel_config(128, 64, q.device, arch=arch))
         if unavailable_reason("cudnn", q.device, q.dtype, 128, 64) is None:
             from adaptive_sparse_attention.kernels.cudnn.cudnn_attention import block_sparse_cudnn
+            from adaptive_sparse_attention.kernels.registry import helper
 
-            block_sparse_cudnn(q, k, v, plan)
+            block_sparse_cudnn(q, k, v, plan, helper("triton", "tiled_pack"), helper("triton", "add_tail"))
     torch.cuda.synchronize()
     print("sanitize-child done")
 
