@@ -129,8 +129,8 @@ class SparseConfig:
         "and rebuilds them when they have (saves planner time; the run report counts the rebuilds). off: planned "
         "afresh at every step.")
     measure_error: bool = setting(True, Flag(),
-        "On: every sparse call also runs a few sampled query blocks per head exactly against all keys (about 1 ms, "
-        "1-2% of the call at 10 s on an H100) and measures its own error on them, the relative L2 of the video rows "
+        "On: every sparse call also runs a few sampled query blocks per head exactly against all keys (about "
+        "1-2% of the call) and measures its own error on them, the relative L2 of the video rows "
         "against dense attention, shown in the run's report. Off: nothing is measured.")
     error_target: float = setting(0.0, Number(0.0, 1.0),
         "0: off, topk_ratio decides. Above 0: the error the run should hold (relative L2 of the video rows against "

@@ -17,10 +17,7 @@ torch.compile.
 
 Cost: `strata` x `rows` query rows per head and sparse region; the default (2 x 64 = 128 rows, one
 128-row query tile per head) at H3 10 s (S 73,642, 56 heads of 128) is 0.27 TFLOP and one read of K
-and V. On an H100 (torch 2.11, bf16, 2026-12-06) it took 1.1-1.4 ms alone, 92% of it the SDPA call (56
-query tiles, each streaming every key: latency-bound, so 64 rows cost as much as 128 and 256 rows only
-1.9 ms), and added 0.75 ms (1.0%) to the sparse call at ratio 0.1 (74.4 ms) and 1.9 ms (1.7%) at 0.2
-(108.0 ms).
+and V, about 1-2% of a sparse call (measured: BENCHMARKS.md, "The sampled error estimate").
 """
 from __future__ import annotations
 
