@@ -154,7 +154,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                for g in plan.groups if (g.lo, g.hi) == span}
     info = SparseInfo(plan.density(), budgets, ran_on, plan)
     if sample is not None:
-        info.sampled_error, info.sampled_error_heads = float(sample.pooled()), sample.heads()
+        info.sampled_error, info.sampled_error_heads = float(sample.pooled().detach()), sample.heads().detach()
     if timings:
         info.timings_ms = {"plan": (marks[1] - marks[0]) * 1e3, "kernel": (marks[2] - marks[1]) * 1e3}
         if sample is not None:
