@@ -28,10 +28,8 @@ from ..backend.prepare import prepare as prepare_kernels
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
-from ..notices import logger
 from .scenes import SceneSize, strided_qkv
 
-log = logger()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the official templates' canvases (ResolutionSelector 16:9, multiple 32) and the benchmark's 1344x768
 CANVASES = {"0.4mp": (864, 480), "0.9mp": (1280, 736), "1344x768": (1344, 768)}

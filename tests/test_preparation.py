@@ -124,3 +124,16 @@ def test_the_packs_errors_share_one_type():
     with pytest.raises(SparseAttentionError, match="does not match the layout"):
         q = torch.zeros(1, 1, 10, 32)
         sparse_attention(q, q, q, SequenceLayout.from_segments([(0, 12, "video", (1, 3, 4))]))
+
+
+@needs_triton
+def test_the_fixed_set_meets_every_row_bucket_up_to_its_length():
+    """`prepare`'s shapes (`bench.prepare.rungs`) hold every row bucket a 1344x768 clip up to 60 s and the
+    templates' canvases up to 10 s fall in: what a sparse call compiles depends on the bucket alone."""
+    from adaptive_sparse_attention.bench.prepare import CANVASES, bucket, clip_size, latent_frames, rungs
+
+    met = {bucket(r.size) for r in rungs(60.0)}
+    clips = [clip_size(*CANVASES["1344x768"], t) for t in range(2, latent_frames(60.0) + 1)]
+    clips += [clip_size(*CANVASES[c], latent_frames(s)) for c in CANVASES for s in (2.0, 3.0, 5.0, 7.0, 10.0)]
+    assert all(bucket(size) in met for size in clips)
+    assert len(rungs(60.0)) == len({r.name for r in rungs(60.0)}) < 40  # a small, fixed set
