@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 from ...errors import SparseAttentionError
-from ..plan import BlockSparsePlan, group_span, perm_heads
+from ..packed import exact_in_chunks
+from ..plan import BlockSparsePlan, group_span
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)  # cuDNN also runs 96; the Triton kernel that adds the tail needs a power of two
@@ -136,16 +137,7 @@ def exact_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         (out [B, H, J * 64, D] normalised over the exact keys, lse [B, H, J * 64] fp32 natural
         log, -inf where a row has no key); padding slots hold whatever cuDNN leaves there.
     """
-    H = q.shape[1]
-    parts = []
-    for h0 in range(0, H, HEADS_PER_CALL):
-        h1 = min(H, h0 + HEADS_PER_CALL)
-        packed = tiled_pack(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], perm_heads(plan.q_perm, h0, h1),
-                            perm_heads(plan.k_perm, h0, h1))
-        parts.append(exact(*packed, plan, (h0, h1)))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 1)
+    return exact_in_chunks(q, k, v, plan, tiled_pack, exact, HEADS_PER_CALL)
 
 
 def block_sparse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
