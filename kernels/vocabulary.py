@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from importlib import metadata
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
@@ -29,19 +30,36 @@ def names(values: tuple) -> str:
 @dataclass(frozen=True)
 class Host:
     """Facts of this process that availability depends on: which optional packages import (by module
-    name), and whether Triton runs under its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    name), the installed release of the top-level ones (major.minor, from their metadata: a kernel
+    written against one release's API names the releases it runs on), and whether Triton runs under
+    its CPU interpreter (``TRITON_INTERPRET=1``)."""
 
     packages: frozenset[str] = frozenset()
     interpret: bool = False
+    releases: frozenset[tuple[str, str]] = frozenset()
 
     def has(self, module: str) -> bool:
         """Whether `module` imports here."""
         return module in self.packages
 
+    def release(self, module: str) -> str | None:
+        """The major.minor release of the installed top-level `module` (None: unknown or not installed)."""
+        return next((r for m, r in self.releases if m == module), None)
+
     @classmethod
     def current(cls, modules: Iterable[str]) -> "Host":
         """The facts of this process, read now for `modules` (nothing is cached: the caller owns the result)."""
-        return cls(frozenset(m for m in modules if _importable(m)), os.environ.get("TRITON_INTERPRET") == "1")
+        present = frozenset(m for m in modules if _importable(m))
+        return cls(present, os.environ.get("TRITON_INTERPRET") == "1",
+                   frozenset((m, r) for m in present if "." not in m and (r := _release(m)) is not None))
+
+
+def _release(module: str) -> str | None:
+    """The major.minor version of the distribution named `module`, read from its metadata (None: none)."""
+    try:
+        return ".".join(metadata.version(module).split(".")[:2])
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _importable(module: str) -> bool:
