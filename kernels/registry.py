@@ -2,7 +2,7 @@
 
 Rows (`OPERATIONS`) are what a sparse call runs: the QKV producer's epilogue, the planner's stages and
 the attention itself.
-Each family (a package under kernels/: `reference`, `triton`, `cudnn`, `flash4`) declares its own
+Each family (a package under kernels/: `reference`, `triton`, `cudnn`, `sm90`, `flash4`) declares its own
 implementations in its `family.py`, with what each needs of the call (`Requirement`: device, dtype,
 compute capability, head dim, block size, an optional package) and, where a kernel takes only some
 inputs, what it needs of them (`accepts`, checked when it runs). Adding a family is one new package
@@ -41,13 +41,14 @@ from ..notices import Notices
 from .cudnn.family import CUDNN, CUDNN_BF16
 from .flash4.family import FLASH4
 from .reference.family import TORCH
+from .sm90.family import SM90, SM90_BF16
 from .triton.family import TRITON, TRITON_8BIT, TRITON_BF16
 from .vocabulary import DenseKernel, Family, Host, Implementation, Operation, SparseKernel, Target, names
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (CUDNN, TRITON, TORCH)}  # ``auto``'s order of preference
+FAMILIES: dict[str, Family] = {f.name: f for f in (CUDNN, SM90, TRITON, TORCH)}  # ``auto``'s order of preference
 DENSE_KERNELS: tuple[DenseKernel, ...] = (FLASH4,)  # offered to the dense choice after SDPA's, in this order
 # the measured sparse choice's candidates under ``auto``, in order of preference for equal times
-SPARSE_KERNELS: tuple[SparseKernel, ...] = (CUDNN_BF16, TRITON_BF16, TRITON_8BIT)
+SPARSE_KERNELS: tuple[SparseKernel, ...] = (CUDNN_BF16, SM90_BF16, TRITON_BF16, TRITON_8BIT)
 
 ROWS = (  # (operation, what it does), in the order a call runs them
     ("norm_rope", "q/k RMSNorm and split-half RoPE of projected rows, q/k/v written head-major (the QKV producer)"),

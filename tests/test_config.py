@@ -29,7 +29,7 @@ def test_defaults_match_the_node():
     ("block_size", 96, "one of 64, 128"),
     ("min_tokens", -1, "an integer in [0, 4194304]"),
     ("strict", "yes", "True or False"),
-    ("kernel", "cuda", "'auto', 'cudnn', 'triton', 'torch'"),
+    ("kernel", "cuda", "'auto', 'cudnn', 'sm90', 'triton', 'torch'"),
     ("dense_layers", (0, -2), "non-negative layer indices"),
 ])
 def test_bad_values_name_field_value_and_allowed(field, value, allowed):
@@ -65,7 +65,7 @@ def test_the_old_field_name_backend_says_what_it_became(make):
     with pytest.raises(ValueError) as err:
         make()
     assert str(err.value) == ("SparseConfig.backend='triton': the field is now called kernel "
-                              "(SparseConfig(kernel='triton')); allowed: 'auto', 'cudnn', 'triton', 'torch'")
+                              "(SparseConfig(kernel='triton')); allowed: 'auto', 'cudnn', 'sm90', 'triton', 'torch'")
     assert "backend" not in settings()
     assert SparseConfig(kernel="triton").kernel == "triton"
 

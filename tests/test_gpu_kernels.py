@@ -4,7 +4,8 @@ Attention (bf16 and fp16): the fast path's error against a float64 reference is 
 FlashAttention's tests, by a multiple of what the same computation costs at the fast path's own
 precision. For every case, on the same plan:
 - out_fast: the Triton kernel, or the `cudnn` backend (cuDNN-frontend for the exact keys, the
-  Triton kernel for the tail) where its package and GPU are there;
+  Triton kernel for the tail) where its package and GPU are there, or the `sm90` one (the Gluon
+  Hopper kernel for the exact keys) on Hopper;
 - out_ref64: `block_sparse_reference` on the inputs upcast to float64;
 - out_ref_low: the reference at the kernel's precision. `block_sparse_reference` computes 16-bit
   inputs entirely in fp32, which is more accurate than the kernel, so `low_precision_reference`
@@ -17,7 +18,7 @@ precision. For every case, on the same plan:
   The emulation run in float64 without rounding must equal the reference (1e-12), so its masks
   and summary columns are the reference's.
 Bound: max|out_fast - out_ref64| <= m * max|out_ref_low - out_ref64| + floor, m = 2 for Triton and 3
-for cudnn (its exact rows are stored in 16 bits before the tail joins), and the same for
+for cudnn and sm90 (their exact rows are stored in 16 bits before the tail joins), and the same for
 the LSE (over rows that may attend to something; rows that may not must be exactly zero with
 LSE EMPTY_ROW_LSE in fp32). floor = 4 fp32 roundings of the largest reference value,
 4 * eps32 * max|ref64|: the kernel folds the scale into base-2 exponentials and converts its
@@ -143,19 +144,21 @@ def case_id(case) -> str:
 
 
 CUDNN_MULTIPLE = 3  # cuDNN stores the exact keys' rows in 16 bits before the tail joins: one rounding more
-BACKEND_CASES = [("triton", 2, c) for c in ATTENTION_CASES] + [("cudnn", CUDNN_MULTIPLE, c) for c in ATTENTION_CASES
-                                                               if c[4] == 64]
+PACKED_MULTIPLE = CUDNN_MULTIPLE  # the sm90 kernel stores its exact keys' rows in 16 bits too
+BACKEND_CASES = [("triton", 2, c) for c in ATTENTION_CASES] + [
+    (b, PACKED_MULTIPLE, c) for b in ("cudnn", "sm90") for c in ATTENTION_CASES if c[4] == 64]
 
 
 @pytest.mark.parametrize("backend,multiple,case", BACKEND_CASES,
                          ids=[f"{b}-{case_id(c)}" for b, _, c in BACKEND_CASES])
 def test_attention_kernel_error_is_within_a_multiple_of_the_low_precision_reference(backend, multiple, case):
     """The Triton kernel within 2x; the `cudnn` backend (exact keys on cuDNN-frontend, tail on
-    Triton) within 3x, on the same plans. Both repeat bit for bit."""
+    Triton) and the `sm90` one (exact keys on the Hopper kernel, tail on Triton) within 3x, on the same
+    plans. All repeat bit for bit."""
     from adaptive_sparse_attention.kernels.registry import unavailable_reason
 
     dtype, B, H, D, bs, tiling, scope, tail, gran, empty = case
-    reason = unavailable_reason("cudnn", DEVICE, dtype, D, bs) if backend == "cudnn" else None
+    reason = unavailable_reason(backend, DEVICE, dtype, D, bs) if backend != "triton" else None
     if reason is not None:
         pytest.skip(reason)
     layout = awkward_layout(large=True)

@@ -47,15 +47,51 @@ def test_auto_takes_cudnn_then_triton_on_cuda_else_torch():
     assert auto(Target("mps", None, torch.float32)) == "torch"
 
 
+def test_auto_takes_the_sm90_kernel_on_hopper_with_a_triton_it_is_written_for():
+    """The Gluon kernel needs sm90 exactly, a Triton release whose Gluon API it is written for and no
+    interpreter; elsewhere it is unavailable with the reason, and the next family serves."""
+    from adaptive_sparse_attention.kernels.sm90.family import SM90
+
+    hopper = Target("cuda", (9, 0), torch.bfloat16, 128, 64)
+    for release in ("3.6", "3.7"):
+        host = Host(frozenset({TRITON}), releases=frozenset({("triton", release)}))
+        assert auto(hopper, host) == "sm90"
+        assert auto(Target("cuda", (8, 9), torch.bfloat16, 128, 64), host) == "triton"
+        assert auto(Target("cuda", (12, 0), torch.bfloat16, 128, 64), host) == "triton"
+        assert auto(Target("cuda", (9, 0), torch.float32, 128, 64), host) == "triton"
+        assert auto(Target("cuda", (9, 0), torch.bfloat16, 128, 128), host) == "triton"
+        assert auto(hopper, Host(frozenset({TRITON, CUDNN}), releases=host.releases)) == "cudnn"  # preferred first
+    old = Host(frozenset({TRITON}), releases=frozenset({("triton", "3.5")}))
+    assert auto(hopper, old) == "triton"
+    assert SM90.unavailable(hopper, old) == "Triton 3.5: the kernel's Gluon code is written for Triton 3.6 or 3.7"
+    assert SM90.unavailable(hopper, Host(frozenset({TRITON}))) == (
+        "Triton (release unknown): the kernel's Gluon code is written for Triton 3.6 or 3.7")
+    interpreted = Host(frozenset({TRITON}), True, frozenset({("triton", "3.7")}))
+    assert SM90.unavailable(hopper, interpreted) == ("Triton runs under its CPU interpreter (TRITON_INTERPRET=1), "
+                                                     "which has no Gluon")
+    assert SM90.unavailable(Target("cuda", (8, 6), torch.bfloat16), old) == (
+        "sm86 is not Hopper (the kernel needs sm90's wgmma and TMA)")
+    assert "precision '8-bit' is not supported" in SM90.of("attention").unmet(
+        Target("cuda", (9, 0), torch.bfloat16, 128, 64, precision="8-bit"),
+        Host(frozenset({TRITON}), releases=frozenset({("triton", "3.7")})))
+
+
 def test_auto_reads_the_device_and_this_process():
-    """`resolve_family` without a GPU: a CUDA device object gets Triton when it is installed."""
+    """`resolve_family` without a GPU: a CUDA device object (any capability assumed) gets the sm90 kernel
+    when this process's Triton is a release it is written for and not interpreted, else Triton when it is
+    installed."""
+    from adaptive_sparse_attention.kernels.sm90.family import TRITONS
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert registry.resolve_family("auto", cpu, torch.float32) == "torch"
     if not torch.cuda.is_available() and importlib.util.find_spec("cudnn") is None:
-        assert registry.resolve_family("auto", cuda, torch.bfloat16) == ("triton" if HAS_TRITON else "torch")
+        host = registry.current_host()
+        gluon = host.release("triton") in TRITONS and not host.interpret
+        assert registry.resolve_family("auto", cuda, torch.bfloat16) == (
+            ("sm90" if gluon else "triton") if HAS_TRITON else "torch")
     with pytest.raises(ValueError, match="kernel='rocm' is not allowed"):
         registry.resolve_family("rocm", cpu, torch.float32)
-    assert tuple(FAMILIES) == ("cudnn", "triton", "torch")
+    assert tuple(FAMILIES) == ("cudnn", "sm90", "triton", "torch")
 
 
 @pytest.mark.parametrize("target, named", [
@@ -265,7 +301,7 @@ def test_a_family_package_imports_only_the_kernels_root():
     parts = kernel_parts(root)
     packages = {p for p in parts if (root / p / "__init__.py").is_file()}
     families = {p for p in packages if (root / p / "family.py").is_file()}
-    assert families == {"cudnn", "flash4", "reference", "triton"}
+    assert families == {"cudnn", "flash4", "reference", "sm90", "triton"}
     assert {"registry", "__init__"} <= above(parts, families)
     problems = []
     for part in sorted(packages):

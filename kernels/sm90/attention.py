@@ -1,0 +1,222 @@
+"""Warp-specialised Hopper (sm90) kernel of the exact keys of block-sparse attention, in Gluon.
+
+One CTA per (packed head, 64-row query block). Its key list is the dense prefix [0, dense_hi)
+followed by the block's picks q2k_idx[:q2k_num] (the plan's own tables, read in the kernel: no
+list is built). Two partitions share the CTA:
+- the loader (one warp, few registers) walks the list and issues one TMA copy of each listed key
+  block's K and one of its V into a ring of `STAGES` shared-memory slots, each with its own
+  "ready" mbarrier (the copy engine signals it) and "free" mbarrier (the consumer signals it), so
+  K of block t+1 and V of block t are in flight while block t is computed;
+- the consumer (one warpgroup) runs S = Q.K^T with `wgmma` from shared memory, the online softmax in
+  registers (base 2, the scale folded into one multiply-add, keys beyond an edge block's true
+  length masked), then O += P.V with P from registers; K's slot is freed as soon as S is read,
+  V's when its MMA retires. While the softmax of block t runs, the MMA of block t+1's logits is
+  already issued (`PIPELINE`), so the tensor cores and the softmax overlap within the warpgroup,
+  and two or three CTAs per SM overlap with each other.
+The output is the exact keys' part only: rows normalised over their exact keys and their natural
+log-sum-exp, in tiled order (as the cuDNN kernel returns it); the Triton family's `add_tail` joins
+the tail summaries to it in the same softmax and stores rows in model order.
+
+Importing this module imports Triton and Gluon: the family imports it only on demand.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ...errors import SparseAttentionError
+from ..plan import BlockSparsePlan
+
+BLOCK = 64  # query and key block rows: one warpgroup's wgmma M, the plan's block size
+DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _key_block(t, dh, sel_row):
+    """Key block at position t of a query block's list: the dense prefix [0, dh), then the picks."""
+    if t < dh:
+        blk = t
+    else:
+        blk = gl.load(sel_row + (t - dh)).to(gl.int32)
+    return blk
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, sel_row, dh, n_keys, key_base,
+            STAGES: gl.constexpr):
+    """The loader partition: TMA copies of each listed key block's K then V into the ring."""
+    for t in range(n_keys):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        row = key_base + _key_block(t, dh, sel_row) * k_desc.block_type.shape[0]
+        mbarrier.wait(k_free.index(slot), phase ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_free.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def _logits(q_smem, k_bufs, k_ready, t, zero):
+    """Issue S = Q.K^T of list position t on the tensor cores (asynchronous: the caller waits on it)."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    slot = t % STAGES
+    mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row, dh, n_keys,
+              q_row, qk_scale, PartOut, PartLse):
+    """The consumer warpgroup: the online softmax over the listed key blocks; stores the normalised rows
+    and their natural log-sum-exp (-inf for a row with no key).
+
+    The MMAs retire in issue order, S_0 | S_1, PV_0 | S_2, PV_1 | ...: at step t it waits for S_t only
+    (PV_{t-1} may still run), issues S_{t+1}, runs the softmax of S_t beside both, then waits for
+    PV_{t-1} before rescaling the output and issuing PV_t."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[0]
+    BN: gl.constexpr = k_bufs.type.shape[1]
+    D: gl.constexpr = q_smem.type.shape[1]
+    LN2: gl.constexpr = 0.6931471805599453
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+
+    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)  # finite: exp2(m_old - m_new) stays defined
+    l_i = gl.zeros([BM], gl.float32, row_s)
+    zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    acc = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, o_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    s_tok = warpgroup_mma_init(zero)
+    if n_keys > 0:
+        s_tok = _logits(q_smem, k_bufs, k_ready, 0, zero)
+    for t in range(n_keys):
+        slot = t % STAGES
+        if t == 0:
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+        else:
+            s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t; PV_{t-1} may still run
+        mbarrier.arrive(k_free.index(slot), count=1)
+        last = t + 1 == n_keys
+        if not last:
+            s_tok = _logits(q_smem, k_bufs, k_ready, t + 1, zero)
+        blen = gl.load(BlockLen + _key_block(t, dh, sel_row))
+        s = gl.where(gl.expand_dims(cols < blen, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        if last:
+            o = warpgroup_mma_wait(0, deps=[acc])  # PV_{t-1}
+        else:
+            o = warpgroup_mma_wait(1, deps=[acc])  # PV_{t-1}; S_{t+1} may still run
+        if t > 0:
+            mbarrier.arrive(v_free.index((t - 1) % STAGES), count=1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(slot), o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=[acc])
+
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    out = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    rows = q_row + gl.arange(0, BM, layout=row_o)
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(PartOut + gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(dims, 0), out.to(q_smem.dtype))
+    gl.store(PartLse + q_row + gl.arange(0, BM, layout=row_s), lse)
+
+
+@gluon.jit(do_not_specialize=["J", "R", "HC", "H0", "H"])
+def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi, Q2kIdx, Q2kNum,
+                     H, H0, HC, J, R, qk_scale, STAGES: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    i = gl.program_id(0)  # query block
+    bh = gl.program_id(1)  # (batch, head of this chunk)
+    b = bh // HC
+    row = (b * H + H0 + bh % HC).to(gl.int64) * J + i  # (b, h, i) row of the plan's tables (all H heads)
+    sel_row = Q2kIdx + row * R
+    dh = gl.load(DenseHi + i)
+    n_keys = dh + gl.load(Q2kNum + row)
+    base = bh * J * BN  # this (batch, head)'s first packed row
+    q_row = base + i * BM
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_free.index(s), count=1)
+        mbarrier.init(v_free.index(s), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row, dh,
+                     n_keys, q_row, qk_scale, PartOut, PartLse)),
+        (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, sel_row, dh, n_keys, base,
+                   STAGES)),
+    ], [1], [24])
+
+
+def shared_layout(head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout of one [64, head_dim] tile (TMA's and wgmma's)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim], DTYPES[dtype])
+
+
+def exact_keys_sm90(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, plan: BlockSparsePlan,
+                    heads: tuple[int, int], stages: int = 2, maxnreg: int = 128
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact keys' attention of one packed head chunk on the sm90 kernel, in tiled order.
+
+    Args:
+        qp, kp, vp: heads [h0, h1) of Q/K/V packed into tiled order, [B, h1 - h0, J * 64, D] contiguous,
+            bf16 or fp16, D in HEAD_DIMS.
+        plan: the plan (block size 64); its tables cover all heads.
+        heads: (h0, h1).
+        stages: K/V slots in the ring (2 gives two CTAs an SM at head dim 128).
+        maxnreg: the register cap a thread (sets how many CTAs share an SM).
+    Returns:
+        (out [B, h1 - h0, J * 64, D] normalised over the exact keys, lse [B, h1 - h0, J * 64] fp32 natural
+        log, -inf where a row has no key).
+    """
+    B, hc, L, D = qp.shape
+    J = plan.num_blocks
+    if plan.block_size != BLOCK or L != J * BLOCK or D not in HEAD_DIMS or qp.dtype not in DTYPES:
+        raise SparseAttentionError(
+            f"exact_keys_sm90: packed q {tuple(qp.shape)} {qp.dtype}, block_size {plan.block_size}: expected "
+            f"[B, h, J * {BLOCK}, D] with D in {HEAD_DIMS}, dtype in {tuple(DTYPES)}, block_size {BLOCK}")
+    layout = shared_layout(D, qp.dtype)
+    q_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(B * hc * L, D), [BLOCK, D], layout)
+                              for t in (qp, kp, vp))
+    out = torch.empty_like(qp)
+    lse = torch.empty(B, hc, L, dtype=torch.float32, device=qp.device)
+    q2k_idx = plan.q2k_idx.contiguous()
+    _exact_keys_sm90[(J, B * hc)](
+        q_desc, k_desc, v_desc, out, lse, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx,
+        plan.q2k_num.contiguous(), plan.q2k_idx.shape[1], heads[0], hc, J, q2k_idx.shape[-1],
+        D ** -0.5 * 1.4426950408889634, STAGES=stages, num_warps=4, maxnreg=maxnreg)
+    return out, lse
