@@ -16,6 +16,8 @@
 - routing-quality: 8-bit routing scores against the fp32 selection (bench/routing_quality.py).
 - steps: denoising trajectories of the scenes: the warmup ramp's error per step beside dense warmup,
   and plans reused across steps beside fresh ones (bench/steps.py).
+- frontier: the speed-up against `topk_ratio` and the measured error, one line per clip, drawn from the
+  JSON `e2e` writes (bench/frontier.py; needs matplotlib).
 - error-estimate: the sampled error estimate of a sparse call (backend/fidelity.py) against the true
   error of all video rows on the scenes: its ratio and the head ranking (bench/error_estimate.py).
 - GPU timings of one part, each in its own module of this folder: planner-timing, reblock-timing,
@@ -41,8 +43,8 @@ import torch
 
 from ..kernels import registry
 from ..nodes.capture import capture_header, load_capture
-from . import (error_estimate, long_clips, planner_timing, prepare, reblock_timing, routing_quality, steps,
-               tiling_ceiling, ulysses_timing)
+from . import (error_estimate, frontier, long_clips, planner_timing, prepare, reblock_timing, routing_quality,
+               steps, tiling_ceiling, ulysses_timing)
 from .checkpoints import WEIGHTS
 from .e2e import RUNS
 from .e2e_graphs import ATTENTION_BACKENDS, DEFAULT_PRESET
@@ -336,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("ulysses-timing", ulysses_timing, "sequence-parallel attention, one rank per process: run under torchrun"),
             ("routing-quality", routing_quality, "8-bit routing scores against the fp32 selection on the bench scenes"),
             ("steps", steps, "denoising trajectories: the warmup ramp's error per step, plans reused across steps"),
-            ("error-estimate", error_estimate, "the sampled error estimate against the true error of all video rows")):
+            ("error-estimate", error_estimate, "the sampled error estimate against the true error of all video rows"),
+            ("frontier", frontier, "speed-up against ratio and measured error from e2e JSON, as a PNG")):
         p = sub.add_parser(name, help=text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)
         p.set_defaults(func=module.run)
