@@ -6,9 +6,10 @@ reblock levels: the power of two), never on the exact clip length or resolution.
 shape per bucket from the smallest clip to `--max-seconds` (60 s by default) at 1344x768, beside the
 official templates' sizes (0.4 MP, 0.9 MP, 1344x768) at 2, 5 and 10 s; for each, this compiles (or loads)
 the kernels (`backend.prepare.prepare`), measures the dense-kernel choice and the sparse-kernel choice
-(bf16 and 8-bit bounds), so a run compiles and measures nothing it covers. The results persist (Triton's
-disk cache, the choice files). It also measures from which clip length sparse attention pays on this GPU
-(bench/pays_from.py), which the node names when a run is too small for it. Each shape is sized before it
+(bf16 and 8-bit bounds; the sparse one at every ratio class, once per row bucket), so a run compiles and
+measures nothing it covers. The results persist (Triton's disk cache, the choice files). It also measures
+from which clip length sparse attention pays on this GPU (bench/pays_from.py), which the node names when a
+run is too small for it. Each shape is sized before it
 runs (`shape_bytes`) against the memory this process can still take (`free_bytes`, which honours an allocator
 cap): a shape that does not fit, or runs out of memory all the same, is skipped and named, and the rest go on.
 `python install.py prepare` runs it (ComfyUI-Manager's install step does too, when it finds a GPU).
@@ -30,7 +31,7 @@ from ..backend.config import SparseConfig
 from ..backend.prepare import prepare as prepare_kernels
 from ..kernels.dense.choice import CHECK_ROWS, DenseChoices, default_cache_path
 from ..kernels.dense.choice import describe as describe_error
-from ..kernels.sparse_choice.choice import SparseChoices
+from ..kernels.sparse_choice.choice import RATIO_CLASSES, SparseChoices, rows_bucket
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from .scenes import SceneSize, strided_qkv
 
@@ -142,7 +143,8 @@ def prepare(shapes: list[Rung], device: torch.device, dtype: torch.dtype, config
 
     Before a shape runs its memory (`shape_bytes`) is compared with `budget()`: one that does not fit is
     skipped and named, and the next one is tried; one that runs out of memory all the same is freed, named
-    and skipped too. A summary line names every shape skipped.
+    and skipped too. A summary line names every shape skipped. The sparse choice is measured at the first
+    shape of each of its row buckets (`sparse_choice.choice.rows_bucket`), for every ratio class.
 
     Args:
         shapes: `rungs()`.
@@ -154,10 +156,11 @@ def prepare(shapes: list[Rung], device: torch.device, dtype: torch.dtype, config
         sparse_choices: where the sparse choice of `config` is measured and saved (None: not measured).
         budget: the bytes a shape may take now; None: `free_bytes(device)` less MARGIN_BYTES.
     Returns:
-        shape name -> {"kernels_s", "dense_s"} (and "sparse_s" with `sparse_choices`), for the shapes that ran.
+        shape name -> {"kernels_s", "dense_s"} (and "sparse_s" where the sparse choice was measured), for the
+        shapes that ran.
     """
     budget = budget or (lambda: free_bytes(device) - MARGIN_BYTES)
-    result, skipped = {}, []
+    result, skipped, measured = {}, [], set()
     for rung in shapes:
         need, room = shape_bytes(rung.size, dtype), budget()
         if need > room:
@@ -167,8 +170,11 @@ def prepare(shapes: list[Rung], device: torch.device, dtype: torch.dtype, config
                  "it at its first sparse step")
             continue
         failed = None
+        bucket = rows_bucket(rung.size.total)
+        sparse = sparse_choices if bucket not in measured else None  # the sparse choice's key ignores the rest
         try:
-            result[rung.name] = prepare_shape(rung, device, dtype, config, choices, echo, sparse_choices)
+            result[rung.name] = prepare_shape(rung, device, dtype, config, choices, echo, sparse)
+            measured.add(bucket)
         except torch.OutOfMemoryError as err:
             failed = describe_error(err)
         if failed is not None:
@@ -224,22 +230,27 @@ def synchronize(device: torch.device) -> None:
 
 def measure_sparse(rung: Rung, device: torch.device, dtype: torch.dtype, config: SparseConfig,
                    choices: SparseChoices, echo) -> float:
-    """Measure (or check the saved) sparse-kernel choice of one sparse call of `rung` under `config`, for the
-    bf16 bound and the 8-bit one (a launch with 8-bit attention runs the latter); seconds."""
+    """Measure (or check the saved) sparse-kernel choice of one sparse call of `rung` under `config` at every
+    ratio class (`RATIO_CLASSES`: a run whose ratio moves, with an error target or a ramped warmup, meets no
+    other), for the bf16 bound and the 8-bit one (a launch with 8-bit attention runs the latter); seconds."""
     size = rung.size
     start = time.perf_counter()
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(1, size.heads, size.total, size.head_dim, generator=g, device=device, dtype=dtype)
                for _ in range(3))
-    ran: list[str] = []
+    ran: dict[str, list[str]] = {}
     layout = size.layout()
-    for precision in ("bf16", "8-bit"):
-        sparse_attention(q, k, v, layout, config.replace(precision=precision), choices=choices,
-                         ran=lambda name, summary: ran.append(f"{name} ({precision} bound)"))
+    for ratio in RATIO_CLASSES:
+        for precision in ("bf16", "8-bit"):
+            sparse_attention(q, k, v, layout, config.replace(topk_ratio=ratio, precision=precision), choices=choices,
+                             ran=lambda name, summary: ran.setdefault(f"{name} ({precision} bound)", []).append(
+                                 f"{ratio:g}"))
     del q, k, v
     synchronize(device)
     seconds = time.perf_counter() - start
-    echo(f"prepare {rung.name}: sparse attention runs on {', '.join(ran)} (chosen in {seconds:.1f} s)")
+    echo(f"prepare {rung.name}: sparse attention runs on "
+         + "; ".join(f"{name} at ratio classes {', '.join(classes)}" for name, classes in ran.items())
+         + f" (chosen in {seconds:.1f} s)")
     return seconds
 
 
