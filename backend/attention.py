@@ -192,7 +192,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparseP
             choices = layout.cache.get("sparse_choices", (), lambda: SparseChoices(persist=False))
         out, _, name, summary = choices.attend(q, k, v, plan, config.exact_precision,
                                                (kernels.family, kernels.attention), config.strict,
-                                               layout.cache.notices)
+                                               layout.cache.notices, ratio=config.topk_ratio)
     if ran is not None:
         ran(label(name, config.exact_precision), summary)
     return out, name

@@ -17,6 +17,7 @@ import importlib.util
 import os
 from importlib import metadata
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -201,7 +202,8 @@ class DenseKernel:
     present (present but unable to run is said once); `attention(q, k, v)` runs exact softmax
     attention (scale head_dim ** -0.5) on [B, H, S, D] and returns q's dtype; `needs` what it needs,
     for the table; `first_call` what its first call in a process costs (said once where it is a
-    candidate)."""
+    candidate); `disk_cache(folder)`, where its package can keep what it compiles on disk, points it at
+    `folder` (one the pack owns) before the package is first imported and returns the line said once."""
 
     name: str
     label: str
@@ -210,6 +212,7 @@ class DenseKernel:
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     needs: str = ""
     first_call: str = ""
+    disk_cache: Callable[[Path], str] | None = None
 
 
 @dataclass(frozen=True)

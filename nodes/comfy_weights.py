@@ -125,7 +125,8 @@ def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, hea
     """The fused qkv projection `module` as the layer itself multiplies x, for the producer.
 
     A layer whose class brings its own forward goes through that forward on each chunk of rows
-    (`ForwardProjection`); one whose class brings its own ``cast_bias_weight`` (GGUF's GGMLOps:
+    (`ForwardProjection`), its ``cast_bias_weight`` run once for them all (`casting_once`); one whose class
+    brings its own ``cast_bias_weight`` (GGUF's GGMLOps:
     dequantisation and LoRA patches inside) through that cast, once per call (`weight_path`).
     ComfyUI's own layers mirror the inference path of its mixed-precision Linear: a quantised weight
     whose format quantises activations (fp8, nvfp4, mxfp8) gets each chunk of rows quantised as the
@@ -139,7 +140,8 @@ def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, hea
     """
     path = weight_path(module)
     if path == "forward":
-        yield ForwardProjection(module, num_heads, head_dim)
+        with casting_once(module):
+            yield ForwardProjection(module, num_heads, head_dim)
         return
     layout = getattr(module, "layout_type", None)
     if path == "cast" or layout is None:  # a class's own cast, any other ComfyUI op class, or plain torch
@@ -170,6 +172,33 @@ def qkv_projection(module: torch.nn.Module, x: torch.Tensor, num_heads: int, hea
         with linear_weights(module, x) as (weight, bias):
             weight = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
             yield LayerProjection(weight, bias, num_heads, head_dim, pre)
+
+
+@contextmanager
+def casting_once(module: torch.nn.Module) -> Iterator[None]:
+    """While inside, the layer's ``cast_bias_weight`` method (GGUF's: the weight fetched to the device,
+    dequantised and patched) runs once per dtype and device and its (weight, bias) is handed to every later
+    call: the forward path calls the layer's forward once per chunk of rows and head group, and each call
+    would cast again (with streamed weights, fetch the weight again). A layer without that method (its
+    forward reads its weight another way) is left as it is; the method is its own again on leaving."""
+    cast = getattr(module, "cast_bias_weight", None)
+    if not callable(cast) or "cast_bias_weight" in vars(module):
+        yield
+        return
+    kept: dict[tuple, Any] = {}
+
+    def once(input: Any = None, dtype: Any = None, device: Any = None, bias_dtype: Any = None, **rest: Any) -> Any:
+        key = (getattr(input, "dtype", None), getattr(input, "device", None), dtype, device, bias_dtype,
+               tuple(sorted(rest.items())))
+        if key not in kept:
+            kept[key] = cast(input, dtype=dtype, device=device, bias_dtype=bias_dtype, **rest)
+        return kept[key]
+
+    module.cast_bias_weight = once
+    try:
+        yield
+    finally:
+        del module.cast_bias_weight
 
 
 class ForwardProjection:

@@ -13,7 +13,7 @@ from ..backend.layout import SequenceLayout
 from ..backend.plan_reuse import PlanSlot
 from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
-from ..kernels.sparse_choice.choice import SparseChoices
+from ..kernels.sparse_choice.choice import SparseChoices, ratio_class
 from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
 from .run_tracker import RunTracker
 
@@ -39,9 +39,11 @@ def call_problem(attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dty
 
 def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, layer: int, token: Any,
            attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict) -> torch.Tensor:
-    """Sparse attention of block input x, then out_proj (`output`). The first call of a layout in a run
-    measures the density, the second is timed against dense attention for the report; with ``measure_error``
-    every call adds its sampled error to the run's `ErrorMeter`, on the device.
+    """Sparse attention of block input x, then out_proj (`output`). The first call of a layout and ratio class
+    (`sparse_choice.choice.ratio_class`: the classes the kernel choice is keyed by) in a run measures the density,
+    the second is timed against dense attention for the report; the other ratios of that class (an error target's,
+    a ramp's) take those figures, so they cost no host synchronisation. With ``measure_error`` every call adds its
+    sampled error to the run's `ErrorMeter`, on the device.
 
     Args:
         tracker: the run's tracker (densities, timings, kept plans, counters).
@@ -55,7 +57,7 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
     """
     step, layout, config, branch, sigmas = token
     timer = tracker.start_timer(x[0] if isinstance(x, list) else x)
-    key = (layout.signature(), config.topk_ratio)
+    key = (layout.signature(), ratio_class(config.topk_ratio))  # a new ratio of a class met already: no host sync
     density = tracker.densities.get(key)
     timed = key in tracker.timed
     group = 0  # the head group of the next `run` (its plan slot)

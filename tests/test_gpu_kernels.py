@@ -329,7 +329,7 @@ def test_the_measured_sparse_choice_runs_the_fastest_candidate_within_the_bound(
     for precision in ("bf16", "8-bit"):
         out, info = sparse_attention(q, k, v, layout, SparseConfig(topk_ratio=0.25, precision=precision),
                                      return_info=True, choices=choices)
-        ranking = choices.choices[choices.key(q, info.plan, precision)].ranking
+        ranking = choices.choices[choices.key(q, info.plan, precision, 0.25)].ranking
         if len(SparseChoices.candidates(q, info.plan, precision)) < 2:
             assert ranking == () and info.kernel in ("triton", "cudnn")
             continue

@@ -158,3 +158,27 @@ def test_a_layer_that_cannot_be_read_is_refused_naming_its_class():
         with pytest.raises(RuntimeError, match=r"WideForward layer: its own forward returned torch\.Size\(\[5, 384\]\) "
                                                r"for rows of shape \(5, 64\), expected \(5, 192\)"):
             projection.for_heads((0, 2))(x)
+
+
+class StreamedCastLinear(PackCastLinear):
+    """A pack's layer whose cast fetches its weight (streamed weights): each cast counted."""
+
+
+@pytest.mark.parametrize("path", ["cast", "forward"])
+def test_a_streamed_layer_is_cast_once_per_block_call_on_every_weight_path(path):
+    """Three chunks of rows and two head groups: six forward calls on the forward path (an on-the-fly LoRA's
+    weight function set), yet one cast a block call, as on the cast path; the output is the layer's own, and
+    the layer's own cast is back afterwards (the next block call casts once again)."""
+    x, w, scale, _ = inputs()
+    layer = StreamedCastLinear(w)
+    if path == "forward":
+        layer.weight_function = [lambda weight: weight]
+    assert weight_path(layer) == path
+    for block_call in (1, 2):
+        with qkv_projection(layer, x, H, D) as projection:
+            groups = [producer.produce_qkv(x, projection, None, H, D, scale, scale, 1e-6, None, heads, chunk_rows=10)
+                      for heads in ((0, 2), (2, 3))]
+        assert layer.casts == block_call and "cast_bias_weight" not in vars(layer)
+    expected = project_rows(layer.forward_comfy_cast_weights(x), scale, (0, 3))
+    for got, want in zip(groups[0] + groups[1], [t[:, :2] for t in expected] + [t[:, 2:] for t in expected]):
+        torch.testing.assert_close(got, want)

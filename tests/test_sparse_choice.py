@@ -63,7 +63,7 @@ def test_the_fastest_candidate_within_the_bound_runs_and_its_bits_are_returned(m
     assert sorted(timer.timed) == ["a", "b"]  # timed once each, on the first call only
     said = [r.getMessage() for r in caplog.records]
     chosen = [m for m in said if m.startswith("sparse attention for") and "measured" in m]
-    assert len(chosen) == 1 and f"runs on stand-in {fast}" in chosen[0] and "ratio 0.35" in chosen[0], said
+    assert len(chosen) == 1 and f"runs on stand-in {fast}" in chosen[0] and "ratio class 0.4" in chosen[0], said
 
 
 def test_a_raising_candidate_is_skipped_with_a_warning_naming_it(monkeypatch, caplog):
@@ -170,22 +170,22 @@ def test_the_store_keys_choices_per_gpu_shape_class_and_bound(monkeypatch, tmp_p
         monkeypatch.setattr(SparseChoices, "describe_device", lambda self, device, gpu=gpu: f"pack|{gpu}|sm90")
         for precision in ("bf16", "8-bit"):
             call(SparseChoices(path, timer=Timer([a, b], ms), persist=True), precision=precision)
-    call(SparseChoices(path, timer=Timer([a, b], ms), persist=True), topk_ratio=0.5)  # another shape class
+    call(SparseChoices(path, timer=Timer([a, b], ms), persist=True), topk_ratio=0.1)  # another ratio class
     saved = json.loads(path.read_text())
     assert len(saved) == 5 and set(saved.values()) == {"b,a"}
     assert {key.split("|")[1] for key in saved} == {"NVIDIA H200", "NVIDIA RTX 4090"}
     assert {key.rsplit("bound ", 1)[1] for key in saved} == {"bf16", "8-bit"}
-    assert len({key.split("ratio ")[1][:4] for key in saved}) == 2
+    assert {key.split("ratio class ")[1].split()[0] for key in saved} == {"0.4", "0.1"}
 
     # a later process takes the saved choice after one check, without timing anything
     later = SparseChoices(path, timer=lambda fn: pytest.fail("the saved choice is not timed again"), persist=True)
-    (out, info), setup = call(later, topk_ratio=0.5)
+    (out, info), setup = call(later, topk_ratio=0.1)
     assert info.kernel == "b" and torch.equal(out, expected(b.factor, setup))
     # a saved kernel that no longer meets the bound here is measured again
     bad = StandIn("b", WRONG)
     candidates(monkeypatch, row(a), row(bad))
     timer = Timer([a, bad], ms)
-    (_, info), _ = call(SparseChoices(path, timer=timer, persist=True), topk_ratio=0.5)
+    (_, info), _ = call(SparseChoices(path, timer=timer, persist=True), topk_ratio=0.1)
     assert info.kernel == "a" and timer.timed == ["a"]
     resaved = json.loads(path.read_text())
     assert len(resaved) == 5 and sorted(resaved.values()) == ["a"] + ["b,a"] * 4

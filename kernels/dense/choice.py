@@ -429,12 +429,16 @@ class DenseChoices(Remembered):
         """The kernels these inputs may run on in a run of `precision`, in order of preference for equal
         times: SDPA's backends (SDPA's own choice on the CPU), the dense kernels families offer
         (`registry.DENSE_KERNELS`) where they run, then the host's function (unless it is 8-bit in a
-        bf16 run: said once)."""
+        bf16 run: said once). A kernel with a disk cache of what it compiles is pointed at the folder of
+        this object's file first (`DenseKernel.disk_cache`): every dense call asks for its candidates
+        before it runs any, so this happens before the kernel's package is first imported."""
         names = candidates(q, k, v) if q.is_cuda else (DEFAULT,)
         for dense in DENSE_KERNELS:
             reason = dense.unavailable(q)
             if reason is None:
                 names += (dense.name,)
+                if dense.disk_cache is not None:  # before the kernel's package is first imported
+                    self.note(dense.disk_cache(self.path.parent))
                 if dense.first_call:
                     self.note(f"dense kernel {dense.label} is a candidate here: {dense.first_call}")
             elif q.is_cuda and dense.installed():

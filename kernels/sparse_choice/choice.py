@@ -45,6 +45,12 @@ log = logger()
 
 CACHE_ENV = "ADAPTIVE_SPARSE_SPARSE_CACHE"
 REPS = 3  # timed calls per candidate, after one untimed
+# the ratio classes: 0.0125 to 0.8, a factor of 2 apart, so every topk_ratio the node runs (0.01 to 1: the widget's
+# range, an error target's floor to cap, a ramp's densities) is within a factor of sqrt(2) of one
+RATIO_CLASSES = tuple(0.2 * 2.0 ** k for k in range(-4, 3))
+# the largest row bucket: longer calls share it (their 1,024 or more query blocks a head fill the GPU many times
+# over), so `prepare` measures each class there once, at its first shape past 32,768 rows, not up to 60 s
+ROWS_CAP = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -63,17 +69,31 @@ def default_cache_path(user_dir: str | os.PathLike | None = None) -> Path:
     return choice_path(CACHE_ENV, user_dir, "sparse_choices.json", "sparse_kernels.json")
 
 
-def shape_class(q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
-    """What the ranking depends on besides the GPU, from metadata only: dtype, batch, heads, head size,
-    power-of-two row bucket, block size, the routing's share of candidate blocks (to the nearest 0.05:
-    a ramped warmup runs a new share every step, and kernels rank alike within 0.05), the tail, the bound."""
+def ratio_class(ratio: float) -> float:
+    """The class of a routing ratio (``topk_ratio``) the choice is keyed by: the nearest of RATIO_CLASSES on a
+    log scale (the lower one at a tie). Every ratio maps to one, so a run whose ratio moves (an error target, a
+    ramped warmup) meets only the classes `prepare` measured.
+
+    Args:
+        ratio: the call's ``topk_ratio`` (above 0).
+    Returns:
+        One of RATIO_CLASSES.
+    """
+    return min(RATIO_CLASSES, key=lambda c: (abs(math.log(ratio / c)), c))
+
+
+def rows_bucket(rows: int) -> int:
+    """The row bucket the choice is keyed by: the power of two at or above `rows`, at most ROWS_CAP."""
+    return min(ROWS_CAP, 1 << max(0, math.ceil(math.log2(max(1, rows)))))
+
+
+def shape_class(q: torch.Tensor, plan: BlockSparsePlan, precision: str, ratio: float) -> str:
+    """What the ranking depends on besides the GPU, from metadata only: dtype, batch, heads, head size, row
+    bucket (`rows_bucket`), block size, the class of the routing ratio (`ratio_class`), the tail, the bound."""
     B, H, S, D = q.shape
-    bucket = 1 << max(0, math.ceil(math.log2(max(1, S))))
-    share = max((g.budget / max(1, g.hi - g.lo) for g in plan.groups), default=1.0)
-    share = round(share * 20) / 20
     tail = "none" if plan.tail is None else "query" if isinstance(plan.tail, QuerySummaries) else "block"
-    return (f"{str(q.dtype).removeprefix('torch.')} B{B} H{H} D{D} rows<={bucket} block {plan.block_size} "
-            f"ratio {share:.2f} tail {tail} bound {precision}")
+    return (f"{str(q.dtype).removeprefix('torch.')} B{B} H{H} D{D} rows<={rows_bucket(S)} block {plan.block_size} "
+            f"ratio class {ratio_class(ratio):g} tail {tail} bound {precision}")
 
 
 class SparseChoices(Remembered):
@@ -103,12 +123,12 @@ class SparseChoices(Remembered):
         """The JSON file of saved choices."""
         return self.file.path
 
-    def key(self, q: torch.Tensor, plan: BlockSparsePlan, precision: str) -> str:
+    def key(self, q: torch.Tensor, plan: BlockSparsePlan, precision: str, ratio: float) -> str:
         """The stored key of a call: the GPU and build (`dense.choice.device_key`), then `shape_class`."""
         device = self.devices.get((q.device.type, q.device.index))
         if device is None:
             device = self.describe_device(q.device)
-        return f"{device}|{shape_class(q, plan, precision)}"
+        return f"{device}|{shape_class(q, plan, precision, ratio)}"
 
     @torch.compiler.disable
     def describe_device(self, device: torch.device) -> str:
@@ -127,15 +147,16 @@ class SparseChoices(Remembered):
                      and k.unavailable(target, host) is None)
 
     def choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-               precision: str) -> tuple[str, Choice]:
-        """(key, choice) of this call: a lookup, or on a class's first use the measurement (`first_use`)."""
-        key = self.key(q, plan, precision)
+               precision: str, ratio: float) -> tuple[str, Choice]:
+        """(key, choice) of this call at routing ratio `ratio`: a lookup, or on a class's first use the
+        measurement (`first_use`)."""
+        key = self.key(q, plan, precision, ratio)
         found = self.choices.get(key)
-        return key, found if found is not None else self.first_use(key, q, k, v, plan, precision)
+        return key, found if found is not None else self.first_use(key, q, k, v, plan, precision, ratio)
 
     @torch.compiler.disable
     def first_use(self, key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan,
-                  precision: str) -> Choice:
+                  precision: str, ratio: float) -> Choice:
         """The saved choice of `key` if it still runs and meets the bound here, else a measurement; said
         once, kept in memory, saved when measured (where `persist`)."""
         with self.lock:
@@ -150,7 +171,7 @@ class SparseChoices(Remembered):
             with device, torch.no_grad():
                 sample = Sample.of(q, k, v, plan)
                 bound = tolerance(q.dtype, precision)
-                shape = shape_class(q, plan, precision)
+                shape = shape_class(q, plan, precision, ratio)
                 found = self.saved(key, shape, kernels, q, k, v, plan, sample, bound) if persist else None
                 if found is None:
                     found = self.measure(shape, kernels, q, k, v, plan, sample, bound)
@@ -209,7 +230,8 @@ class SparseChoices(Remembered):
         said.append(message.removeprefix("sparse kernel "))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, precision: str,
-               fallback: tuple[str, Any], strict: bool, notices: Notices) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+               fallback: tuple[str, Any], strict: bool, notices: Notices, *, ratio: float
+               ) -> tuple[torch.Tensor, torch.Tensor, str, str]:
         """(out, lse) of q, k, v under `plan` on the chosen kernel, with its name and the choice's summary.
 
         Args:
@@ -219,10 +241,11 @@ class SparseChoices(Remembered):
             fallback: (name, attention) of the registry's family, run at `precision` where nothing is chosen.
             strict: a chosen kernel that raises raises (else: said once into `notices`, the next one runs).
             notices: the owner's once-only record.
+            ratio: the call's routing ratio (``topk_ratio``: its class keys the choice).
         Returns:
             (out [B, H, S, D] in q's dtype, lse [B, H, S] fp32, the kernel that ran, the choice's summary).
         """
-        key, choice = self.choice(q, k, v, plan, precision)
+        key, choice = self.choice(q, k, v, plan, precision, ratio)
         for name in choice.ranking:
             kernel = named(name)
             try:
