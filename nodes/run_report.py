@@ -34,7 +34,7 @@ def saved_time(stats: RunStats) -> dict | None:
     saved_ms = sum(stats.shape_calls.get(key, 0) * (t.dense_ms - t.sparse_ms) / t.share for key, t in timed.items())
     untimed = sum(n for key, n in stats.shape_calls.items() if key not in timed)
     baselines = sorted({t.baseline for t in timed.values()})
-    return {"saved_s": saved_ms / 1e3, "baseline": "; ".join(baselines), "untimed_calls": untimed}
+    return {"saved_s": saved_ms / 1e3, "baseline": ", ".join(baselines), "untimed_calls": untimed}
 
 
 def mean_density(stats: RunStats) -> float:

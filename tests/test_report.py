@@ -109,11 +109,11 @@ def test_saved_time_counts_each_shapes_calls_at_its_timed_saving():
     # b: a quarter of the heads, sparse 62.5 ms, dense 31.25 ms -> -125 ms a call (sparse was slower)
     tracker.note_timing(("b",), 0.25, "FlashAttention-4", (2.0, 2.0625, 2.09375))
     saved = saved_time(tracker.stats)
-    assert saved == {"saved_s": (4 * 312.5 - 2 * 125.0) / 1e3, "baseline": "FlashAttention-4; SDPA cuDNN",
+    assert saved == {"saved_s": (4 * 312.5 - 2 * 125.0) / 1e3, "baseline": "FlashAttention-4, SDPA cuDNN",
                      "untimed_calls": 3}
     assert saved["saved_s"] == 1.0
-    assert "attention saved 1.00 s against FlashAttention-4; SDPA cuDNN" in tracker.summary()
-    assert saving(saved) == ("attention time saved: 1.00 s (sparse attention against FlashAttention-4; SDPA cuDNN, "
+    assert "attention saved 1.00 s against FlashAttention-4, SDPA cuDNN" in tracker.summary()
+    assert saving(saved) == ("attention time saved: 1.00 s (sparse attention against FlashAttention-4, SDPA cuDNN, "
                              "the dense attention these blocks would have run, timed on one call per shape); 3 sparse "
                              "block calls of shapes that ran once are not counted")
     lost = {"saved_s": -0.5, "baseline": "SDPA cuDNN", "untimed_calls": 0}
