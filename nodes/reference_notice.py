@@ -9,14 +9,16 @@ import platform
 import torch
 
 from ..backend.config import SparseConfig
-from ..kernels.registry import resolve_family, unavailable_reason
+from ..kernels.registry import current_host, resolve_family, unavailable_reason
+from ..kernels.sparse_choice import choice as sparse_choice
+from ..kernels.vocabulary import Target
 
 REASON = "no fast sparse kernel runs on this device"  # the report's count of the blocks it sends to dense
 
 
 def no_fast_kernel(config: SparseConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why a sparse call of `config` under ``kernel="auto"`` would run the torch reference (the node then runs
-    it dense), or None.
+    it dense), or None: its family is the reference and fewer than two sparse-choice candidates run here.
 
     Args:
         config: the engine config of the sparse calls (a kernel named is run as the registry resolves it).
@@ -27,6 +29,11 @@ def no_fast_kernel(config: SparseConfig, device: torch.device, dtype: torch.dtyp
     """
     if config.kernel != "auto" or resolve_family("auto", device, dtype, head_dim=head_dim,
                                                  block_size=config.block_size) != "torch":
+        return None
+    target, host = Target.of(device, dtype, head_dim, config.block_size), current_host()
+    rows = [row for row in sparse_choice.SPARSE_KERNELS if (row.precision == "bf16" or config.exact_precision == "8-bit")
+            and row.unavailable(target, host) is None]
+    if len(rows) >= 2:  # auto's attention is then the measured sparse choice among them (`SparseChoices`)
         return None
     if device.type != "cuda":
         reason = f"the model runs on the {device.type.upper()}"

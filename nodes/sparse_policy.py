@@ -144,7 +144,8 @@ class SparseAttentionHook(BlockHook):
         """Why this layout's sparse calls would run the torch reference (`no_fast_kernel`, resolved once per layout
         and call kind), or None."""
         config = self.engine_config
-        return layout.cache.get("no_fast_kernel", (config.kernel, config.block_size, str(device), dtype, head_dim),
+        key = (config.kernel, config.block_size, config.exact_precision, str(device), dtype, head_dim)
+        return layout.cache.get("no_fast_kernel", key,
                                 lambda: no_fast_kernel(config, device, dtype, head_dim))
 
     def dense_instead(self, why: str) -> str:

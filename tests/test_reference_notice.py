@@ -83,3 +83,22 @@ def test_the_torch_reference_runs_when_named(caplog):
     assert hook.tracker.stats.sparse_blocks == 2 and hook.tracker.stats.dense_blocks == 0
     assert (out - reference(model, args, lambda block: block.attn)).abs().max() > 1e-6  # really sparse
     assert not any(REASON in r.getMessage() for r in caplog.records)
+
+
+def test_auto_runs_sparse_where_sparse_choice_candidates_run(monkeypatch):
+    """Two candidates of the measured sparse choice that run on the CPU (stand-ins): auto has a kernel to run."""
+    from sparse_standins import StandIn, row
+
+    from adaptive_sparse_attention.kernels.sparse_choice import choice as sparse_choice
+
+    a, b = StandIn("a", 1.0), StandIn("b", 1.0)
+    monkeypatch.setattr(sparse_choice, "SPARSE_KERNELS", (row(a), row(b)))
+    assert no_fast_kernel(SparseConfig(), CPU, torch.float64, 32) is None
+    model = model_of(True, seed=66)
+    args = block_args(model.blocks[0], PACKED, seed=67, new=True)
+    args["transformer_options"] = options()
+    hook = SparseAttentionHook(config(kernel="auto"))
+    run_model(model, hook, args, True)
+    stats = hook.tracker.stats
+    assert stats.sparse_blocks == 2 and sum(stats.sparse_kernels.values()) == 2
+    assert set(stats.sparse_kernels) <= {"stand-in a", "stand-in b"}
