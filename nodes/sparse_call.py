@@ -9,7 +9,6 @@ import torch
 from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.plan_reuse import PlanSlot
 from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
 from ..kernels.sparse_choice.choice import SparseChoices
