@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 # entries kept per job of a `ShapeCache` (the oldest goes first); graphs hold GPU memory
 JOB_BOUNDS = {"kernels": 8, "cube_tiling": 4, "route_plan": 8, "tube_statics": 4, "reblock_static": 4,
-              "partition_graph": 4, "prepared": 4, "sparse_choices": 1, "reference_notice": 8}
+              "partition_graph": 4, "prepared": 4, "sparse_choices": 1, "no_fast_kernel": 8}
 
 
 class BoundedCache(Generic[T]):

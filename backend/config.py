@@ -56,7 +56,7 @@ def setting(default: Any, rule: Rule, meaning: str) -> Any:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Configuration of adaptive block-sparse attention (the node's widgets, plus `kernel`).
+    """Configuration of adaptive block-sparse attention (the node's widgets).
 
     Every field is declared with `setting(default, rule, meaning)`; `settings()` lists the
     declarations. Values are checked and normalised when the config is built (NumPy scalars and
@@ -106,7 +106,9 @@ class SparseConfig:
         "The kernels every stage runs, the planner's included: auto picks the first that runs on the "
         "device and dtype, and for the attention the fastest kernel of this GPU within the precision setting's "
         "error bound, measured once per shape (cuDNN-frontend, Triton bf16, Triton 8-bit); triton, cudnn or torch "
-        "(the pure-torch reference, on every device) by name.")
+        "(the pure-torch reference, on every device) by name. In the node, where no fast kernel runs (the CPU, a GPU "
+        "without Triton) the sparse blocks run dense on the fastest dense kernel, said once per run, unless torch is "
+        "asked for by name (correct, but slower than dense attention).")
     dense_attention: str = setting("fastest", Choice(DENSE_ATTENTIONS),
         "fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest attention "
         "kernel of this GPU that meets the precision setting, measured once per shape: SDPA's kernels, "

@@ -201,7 +201,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .checkpoints import unsupported
-    from .e2e import default_work, markdown, preset_line, qkv_markdown, run_benchmark, split_markdown
+    from .e2e import (default_work, markdown, preset_line, qkv_markdown, run_benchmark, saving_markdown,
+                      split_markdown)
 
     if not args.comfyui or not os.path.isfile(os.path.join(args.comfyui, "main.py")):
         print(f"e2e: --comfyui (or COMFYUI_PATH) must point at a ComfyUI checkout, got {args.comfyui!r}",
@@ -228,6 +229,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     print(f"ComfyUI launched as {result['launch']} (its attention: {result['comfyui_attention']}); our node at "
           f"precision {result['precision']}{widgets}; every ratio is against this launch without our node")
     print(markdown(result))
+    print()
+    print(saving_markdown(result))
     print()
     print(qkv_markdown(result))
     if result["op"]:

@@ -91,9 +91,10 @@ SCALES = {
     "h3": Scale(FULL, 1344, 768, {"5s": 124, "10s": 243, "30s": 736, "new-length": 226, "new-length-2": 260,
                                   **{clip: template_frames(s) for clip, (_, _, s) in TEMPLATE_SIZES.items()}},
                 256, 5120, sizes={clip: (w, h) for clip, (w, h, _) in TEMPLATE_SIZES.items()}),
-    # the template sizes' clip names at tiny sizes (the smaller canvas and clip of the CPU check)
+    # the template sizes' clip names at tiny sizes (the smaller canvas and clip of the CPU check; the torch
+    # reference named, as auto runs the sparse blocks dense where no fast sparse kernel runs)
     "tiny": Scale(TINY, 256, 256, {"5s": 22, "10s": 39, "new-length": 56, "new-length-2": 73, "0.4mp-2s": 22},
-                  7, 48, {"min_tokens": 0}, sizes={"0.4mp-2s": (128, 96)}),
+                  7, 48, {"min_tokens": 0, "kernel": "torch"}, sizes={"0.4mp-2s": (128, 96)}),
 }
 
 
@@ -357,6 +358,8 @@ def summarise(name: str, calls: list[float], total_s: float, peak: float | None,
         if m := re.search(r"kernels ready in ([\d.]+) s(?: \((\d+) compiled)?", line):
             row["prepare_s"] = row.get("prepare_s", 0.0) + float(m[1])
             row["compiled"] = row.get("compiled", 0) + int(m[2] or 0)
+        if m := re.search(r"attention saved (-?[\d.]+) s against ([^;]+)", line):
+            row.update(report_saved_s=float(m[1]), report_baseline=m[2])
         if m := re.search(r"measured error ([\d.]+) \(worst block \d+: ([\d.]+)\)", line):
             row.update(measured_error=float(m[1]), worst_block_error=float(m[2]))
         if m := re.search(r"plans reused (\d+), built (\d+) \((\d+) rebuilds(?:, (\d+) past the plans' memory budget)?\)",
@@ -649,13 +652,17 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
         row["clip"], row["frames"], row["size"] = clip, scale.frames[clip], scale.size(clip)
         row["graph"] = sorted({node["class_type"] for node in prompt.values()})
         row["model"], row["schedule"] = dict(e2e_nodes.STATE["model"]), e2e_nodes.STATE["schedule"]
+        base = next((r for r in result["runs"] if r["run"] == "comfyui" and r["clip"] == clip), None)
+        if widgets is not None and base is not None and n_steps == steps:
+            row["measured_saved_s"] = base["run_s"] - total  # the report's saved seconds are checked against it
         if widgets is None and n_steps == steps and backend is None:
             references[clip] = latent
         if widgets is None and backend is None:
             plain[:] = [e2e_nodes.STATE["patcher"]]
         echo(f"e2e {name} [{clip}]: run {total:.1f} s, {len(calls)} calls" +
              "".join(f", {k} {row[k]:.4g}" for k in ("dense_call_ms", "first_sparse_ms", "steady_sparse_ms",
-                                                      "peak_gib", "rel_l2", "prepare_s") if k in row))
+                                                      "peak_gib", "rel_l2", "prepare_s", "report_saved_s",
+                                                      "measured_saved_s") if k in row))
         result["runs"].append(row)
         if out is not None:
             out.write_text(json.dumps(result, indent=1))
@@ -826,6 +833,23 @@ def markdown(result: dict) -> str:
                     f"{f(r.get('first_sparse_ms'))} | {f(r.get('steady_sparse_ms'))} | {f(r.get('median_call_ms'))} | "
                     f"{f(r.get('peak_gib'), 2)} | {f(r.get('density'), 3)} | {f(r.get('measured_error'), 3)} | "
                     f"{f(r.get('rel_l2'), 4)} | {f(r.get('prepare_s'), 2)} ({f(r.get('compiled'))}) |")
+    return "\n".join(rows)
+
+
+def saving_markdown(result: dict) -> str:
+    """The run report's saved seconds (its attention against the dense attention it would have run, per shape)
+    beside the measured difference of whole runs (the graph without our node minus ours, same clip): the
+    measured one also holds what the report leaves out (dense steps on our dense kernel, preparing, the rest of
+    the block), so they agree only where sparse steps' attention is the whole difference."""
+    rows = ["| run | clip | report: attention saved s | against | measured: ComfyUI run s - ours | report / measured |",
+            "|" + "---|" * 6]
+    for r in result["runs"]:
+        if r.get("report_saved_s") is None:
+            continue
+        measured = r.get("measured_saved_s")
+        share = f"{r['report_saved_s'] / measured:.2f}" if measured else "-"
+        rows.append(f"| {r['run']} | {r['clip']} | {r['report_saved_s']:.2f} | {r['report_baseline']} | "
+                    f"{'-' if measured is None else f'{measured:.2f}'} | {share} |")
     return "\n".join(rows)
 
 

@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 
 from ..backend.attention import DTYPES
-from ..kernels.dense.choice import DenseChoices, HostAttention
+from ..kernels.dense.choice import DenseChoices, HostAttention, sdpa
 from .precision import identity, is_eight_bit
 
 MAX_FUNCTIONS = 16  # identities of ComfyUI attention functions remembered (a launch has one or two)
@@ -63,6 +63,28 @@ class DenseOverride:
                         **kwargs)
 
         return HostAttention(ident, run, is_eight_bit(ident), label=f"ComfyUI's attention {ident}")
+
+    def baseline(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, func: Callable | None,
+                 fastest: bool = True) -> tuple[Callable[[], torch.Tensor], str]:
+        """The dense attention a dense block would run on q, k, v [B, H, S, D] (the saved time's baseline in the
+        run report), its kernel choice resolved now (a bucket's first use measures), and its name.
+
+        Args:
+            q, k, v: a sparse call's head group.
+            func: ComfyUI's attention function as launched (`precision.launch_attention`); None where not found.
+            fastest: ``dense_attention="fastest"``: this override runs the dense blocks; False: ComfyUI's own
+                attention (ModelAttentionBackend's choice where set) runs them.
+        Returns:
+            (a thunk that runs it and returns its output, its name).
+        """
+        func = func if self.chosen is None else self.chosen
+        host = None if func is None else self.host(func, q.shape[1], {})
+        if not fastest:
+            if host is not None:
+                return (lambda: host.run(q, k, v)), host.name()
+            return (lambda: sdpa(q, k, v, None)), self.choices.label(None)
+        kernel = self.choices.choice(q, k, v, host, self.precision)
+        return (lambda: self.choices.attention(q, k, v, host, self.precision)[0]), self.choices.label(kernel, host)
 
     @torch.compiler.disable
     def __call__(self, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,

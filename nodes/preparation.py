@@ -9,35 +9,23 @@ import torch
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..backend.prepare import prepare
-from ..kernels.registry import resolve_family
 from .comfy_weights import head_groups, outside_allocation_graph
 from .progress import progress_text
-from .reference_notice import reference_kernel_notice
-from .run_tracker import RunTracker
 
 
-def prepare_layout(setting: SparseConfig, config: SparseConfig, attn: torch.nn.Module, dtype: torch.dtype,
-                   device: torch.device, layout: SequenceLayout, head_chunks: Any, tracker: RunTracker) -> None:
+def prepare_layout(config: SparseConfig, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                   layout: SequenceLayout, head_chunks: Any) -> None:
     """Prepare the kernels of this layout's sparse calls, shown in the console and as progress text on the
     running node, at the head count of one sparse call (the largest of KJNodes' head groups, `head_chunks`).
-    Where the sparse blocks run the torch reference kernel, say so once per run.
 
     Args:
-        setting: the node's config (what the user asked for).
         config: the engine config of the sparse calls (precision resolved).
         attn: the block's attention module (heads, head size).
         dtype, device: of the block input.
         layout: the call's layout.
         head_chunks: KJNodes' ``minimax_head_chunks`` (1 without it).
-        tracker: the run's tracker (its report).
     """
     head_dim = attn.head_dim
     heads = max(h1 - h0 for h0, h1 in head_groups(attn.heads, head_chunks))
-    notice = layout.cache.get(  # resolved once per layout and call kind, not at every block call
-        "reference_notice", (setting.kernel, setting.block_size, str(device), dtype, head_dim),
-        lambda: reference_kernel_notice(resolve_family(config.kernel, device, dtype, head_dim=head_dim,
-                                                       block_size=config.block_size), setting, device, dtype, head_dim))
-    if notice is not None:
-        tracker.say_in_report(notice)
     with outside_allocation_graph():
         prepare(layout, config, dtype, device, head_dim, heads, announce=progress_text)

@@ -81,14 +81,19 @@ class RaylightSparseAttention(SparseAttentionHook):
         x = args["img"]
         layout = self.layout(args, ctx)
         rows = layout.total if layout is not None else x.shape[0] * self.degree
+        reason = None
         if schedule_reason(self.config, layer, self.warmup(ctx), rows) is None:
             problem = self.shard_problem(x, layout)
-            if problem is None:
+            slow = None if problem is not None else self.slow_kernel(layout, x.dtype, x.device, attn.head_dim)
+            if problem is None and slow is None:
                 # strict raises here when the asked-for kernel family cannot run
                 layout_kernels(layout, self.engine_config, x.device, x.dtype, attn.head_dim)
                 return ctx.step, layout
-            self.refuse(layer, problem)
-        self.tracker.note_block(ctx.step, sparse=False)
+            if problem is not None:
+                self.refuse(layer, problem)
+            else:
+                reason = self.dense_instead(slow)
+        self.tracker.note_block(ctx.step, sparse=False, reason=reason)
         return None
 
     def shard_problem(self, x: torch.Tensor, layout: SequenceLayout | None) -> str | None:

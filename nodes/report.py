@@ -1,4 +1,4 @@
-"""The text of the "Sparse Attention Report" node, from `RunTracker.report()` data (no ComfyUI)."""
+"""The text of the "Sparse Attention Report" node, from `run_report.report_of` data (no ComfyUI)."""
 from __future__ import annotations
 
 from .error_meter import SCALE
@@ -16,21 +16,28 @@ def spans(values: list[int]) -> str:
     return ", ".join(out) or "none"
 
 
-def saving(seconds: float | None) -> str:
-    """The estimated time saved, or plainly the time lost when sparse attention was the slower one."""
-    if seconds is None:
-        return "estimated time saved: not measured (no block ran sparse twice with one shape)"
+def saving(saved: dict | None) -> str:
+    """The attention time saved (`run_report.saved_time`), or plainly the time lost when sparse attention was the
+    slower one, naming the dense attention it was compared with."""
+    if saved is None:
+        return "attention time saved: not measured (no block ran sparse twice with one shape)"
+    seconds, baseline = saved["saved_s"], saved["baseline"]
     if seconds < 0:
-        return (f"estimated time lost: {-seconds:.2f} s (sparse attention was SLOWER than torch's dense attention, "
-                "timed on one call per shape)")
-    return f"estimated time saved: {seconds:.2f} s (vs torch's dense attention, timed on one call per shape)"
+        text = (f"attention time lost: {-seconds:.2f} s (sparse attention was SLOWER than {baseline}, the dense "
+                "attention these blocks would have run, timed on one call per shape)")
+    else:
+        text = (f"attention time saved: {seconds:.2f} s (sparse attention against {baseline}, the dense attention "
+                "these blocks would have run, timed on one call per shape)")
+    if saved["untimed_calls"]:
+        text += f"; {saved['untimed_calls']} sparse block calls of shapes that ran once are not counted"
+    return text
 
 
 def format_report(report: dict | None) -> str:
     """Several lines: steps and blocks that ran sparse, density, time, and why blocks ran dense.
 
     Args:
-        report: a `RunTracker.report()` dict, or None when no run finished yet.
+        report: a `run_report.report_of` dict, or None when no run finished yet.
     Returns:
         The text the node shows.
     """
@@ -43,7 +50,7 @@ def format_report(report: dict | None) -> str:
         f"layers that ran sparse: {spans(report['layers_sparse'])}; layers always dense: "
         f"{spans(report['layers_dense_only'])}",
         f"Mean density of sparse blocks: {report['mean_density']:.3f}",
-        f"Sparse attention time: {report['attention_s']:.2f} s; " + saving(report["est_saved_s"]),
+        f"Sparse attention time: {report['attention_s']:.2f} s; " + saving(report["saved"]),
     ]
     if "precision" in report:
         lines.append(f"Precision: {report['precision']} ({report['precision_reason']})")

@@ -37,8 +37,9 @@ class SparseAttentionReport(io.ComfyNode):
             category=CATEGORY,
             search_aliases=list(REPORT_SEARCH_ALIASES),
             description=("Place after the sampler: shows what adaptive sparse attention did in the last run "
-                         "(sparse steps and blocks, mean density, attention time, estimated time saved, and why "
-                         "blocks ran dense). The latent passes through unchanged."),
+                         "(sparse steps and blocks, mean density, attention time, the attention time saved against the "
+                         "dense attention these blocks would have run, and why blocks ran dense). The latent passes "
+                         "through unchanged."),
             inputs=[io.Latent.Input("samples", tooltip="The sampler's output (orders this node after the run)."),
                     io.Model.Input("model", tooltip=f"The MODEL output of {SPARSE_NODE_NAME} that the sampler used.")],
             outputs=[io.Latent.Output(tooltip="The same latent.")],

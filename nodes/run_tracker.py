@@ -1,4 +1,5 @@
-"""What one sampling run did: its counters, logged reasons, timers and report (`RunTracker`).
+"""What one sampling run did: its counters, logged reasons and timers (`RunTracker`); its report is made
+from them by `run_report`.
 
 `RunTracker` holds everything that belongs to one run (its sigmas, reasons already logged,
 counters, timings, the plans kept between its steps) and is reset when the next run starts, so
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,8 @@ from ..backend.plan_reuse import PlanStore
 from ..notices import Notices, logger
 from .error_meter import ErrorMeter
 from .error_target import ErrorTarget
+from .run_report import report_of, summary_line
+from .run_timers import RunTimers, ShapeTiming, mark
 from .schedule import denoising_step
 
 log = logger()
@@ -35,8 +37,8 @@ class RunStats:
     attention_ms: float = 0.0  # our attention in sparse blocks
     layers: dict[int, list[int]] = field(default_factory=dict)  # layer -> [dense calls, sparse calls]
     dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
-    timed_sparse_ms: float = 0.0  # calls timed against dense attention (one per shape and run)
-    timed_dense_ms: float = 0.0
+    shape_calls: dict[tuple, int] = field(default_factory=dict)  # timing key (layout, ratio) -> sparse block calls
+    timings: dict[tuple, ShapeTiming] = field(default_factory=dict)  # timing key -> its call timed against dense
     dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
     sparse_kernels: dict[str, int] = field(default_factory=dict)  # sparse attention kernel -> calls
     sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
@@ -71,7 +73,7 @@ class RunTracker:
         self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
         self.precision: tuple[str, str] = ("bf16", "not resolved yet")  # (precision, why), set per sampler call
         self.plans = PlanStore()  # plans kept between evaluated steps (plan_reuse="on"), bounded, per run
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.timers = RunTimers()  # CUDA events of the run not read yet
 
     def step_of(self, transformer_options: dict) -> tuple[int | None, float | None, tuple[int, int] | None]:
         """(step in the run, sigma, (step, total) in this sampler call's schedule) of a model call;
@@ -131,7 +133,7 @@ class RunTracker:
                 s.sparse_choices.append(summary)
 
     def note_block(self, step: int | None, sparse: bool, density: float = 1.0, layer: int | None = None,
-                   reason: str | None = None) -> None:
+                   reason: str | None = None, shape: tuple | None = None) -> None:
         """Count one block call: sparse with its density, or dense with the reason why.
 
         Args:
@@ -140,6 +142,7 @@ class RunTracker:
             density: its exact-pair density.
             layer: the block index, for the per-layer counts.
             reason: why a dense call ran dense, for the report.
+            shape: a sparse call's timing key (layout signature, ratio), for the saved time.
         """
         with self.lock:
             s = self.stats
@@ -152,96 +155,47 @@ class RunTracker:
                 s.sparse_blocks += 1
                 s.sparse_steps.add(key)
                 s.density_sum += density
+                if shape is not None:
+                    s.shape_calls[shape] = s.shape_calls.get(shape, 0) + 1
             else:
                 s.dense_blocks += 1
                 s.dense_steps.add(key)
 
-    def note_timing(self, key: tuple, sparse_ms: float, dense_ms: float) -> None:
-        """Record one call timed against dense attention for layout signature `key`."""
+    def note_timing(self, key: tuple, share: float, baseline: str, marks: tuple[object, object, object]) -> None:
+        """Record one head group of a sparse call timed against dense attention.
+
+        Args:
+            key: the call's timing key (layout signature, ratio).
+            share: the head group's share of the call's heads.
+            baseline: the dense attention timed, as the report names it.
+            marks: `run_timers.mark`s before the sparse op, after it and after the dense attention (CUDA
+                events are read at the next `flush_timers`).
+        """
         with self.lock:
             self.timed.add(key)
-            self.stats.timed_sparse_ms += sparse_ms
-            self.stats.timed_dense_ms += dense_ms
+            self.timers.timing(self.stats, key, share, baseline, marks)
 
     def start_timer(self, x: torch.Tensor) -> object:
         """Start timing our attention; CUDA events avoid a host synchronisation per block."""
-        if x.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
+        return mark(x)
 
     def stop_timer(self, token: object) -> None:
         """Stop the timer `start_timer` returned; CUDA times are added up at the next `flush_timers`."""
         with self.lock:
-            if isinstance(token, float):
-                self.stats.attention_ms += (time.perf_counter() - token) * 1e3
-                return
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((token, end))
+            self.timers.stop(self.stats, token)
 
     def flush_timers(self) -> None:
-        """Add up recorded CUDA event pairs (called once per model call and at the end of a run)."""
+        """Add up recorded CUDA events (called once per model call and at the end of a run)."""
         with self.lock:
-            if self._pending:
-                self._pending[-1][1].synchronize()
-                self.stats.attention_ms += sum(a.elapsed_time(b) for a, b in self._pending)
-                self._pending.clear()
-
-    def mean_density(self) -> float:
-        """Mean density of the sparse block calls (1.0 when none ran sparse)."""
-        s = self.stats
-        return s.density_sum / s.sparse_blocks if s.sparse_blocks else 1.0
+            self.timers.flush(self.stats)
 
     def summary(self) -> str | None:
-        """One log line of the run's counters, or None when no block ran."""
-        s = self.stats
-        if not (s.dense_blocks or s.sparse_blocks):
-            return None
-        # a step is sparse when any block of it ran sparse
-        sparse_steps = len(s.sparse_steps)
-        dense_steps = len(s.dense_steps - s.sparse_steps)
-        overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
-        density = f"{self.mean_density():.3f} in sparse blocks ({overall:.3f} over all blocks)"
-        line = (f"{self.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
-                f"{s.sparse_blocks} sparse; mean density {density}; sparse attention time "
-                f"{s.attention_ms / 1e3:.2f} s; precision {self.precision[0]}")
-        if s.dense_kernels:
-            line += "; dense attention on " + ", ".join(sorted(s.dense_kernels))
-        if s.sparse_kernels:
-            line += "; sparse attention on " + ", ".join(sorted(s.sparse_kernels))
-        error = s.errors.summary()
-        if error is not None:
-            block, value = error["worst_block"]
-            line += f"; measured error {error['mean']:.3f} (worst block {block}: {value:.3f})"
-        plans = self.plans.summary()
-        if plans["reused"]:
-            past = plans.get("built: memory budget", 0)
-            line += (f"; plans reused {plans['reused']}, built {plans['built']} ({plans['rebuilds']} rebuilds"
-                     + (f", {past} past the plans' memory budget" if past else "") + ")")
-        return line
+        """The run's log line (`run_report.summary_line`), or None when no block ran."""
+        return summary_line(self)
 
     def report(self) -> dict:
-        """What the run did, as plain data (the report node shows it).
-
-        ``est_saved_s`` scales the sparse attention time by the dense/sparse time ratio of the calls
-        timed against torch's dense attention (None when no call was timed); negative when sparse
-        attention was slower.
-        """
-        s = self.stats
-        attention_s = s.attention_ms / 1e3
-        ratio = s.timed_dense_ms / s.timed_sparse_ms if s.timed_sparse_ms > 0 else None
-        return {"steps_sparse": sorted(s.sparse_steps), "steps_dense": sorted(s.dense_steps - s.sparse_steps),
-                "blocks_sparse": s.sparse_blocks, "blocks_dense": s.dense_blocks,
-                "layers_sparse": sorted(i for i, (_, n) in s.layers.items() if n),
-                "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
-                "mean_density": self.mean_density(), "attention_s": attention_s,
-                "est_saved_s": None if ratio is None else attention_s * (ratio - 1.0),
-                "dense_reasons": dict(s.dense_reasons), "precision": self.precision[0],
-                "precision_reason": self.precision[1], "dense_kernels": dict(s.dense_kernels),
-                "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices),
-                "notes": list(s.notes), "plans": self.plans.summary(), "error": s.errors.summary()}
+        """What the run did, as plain data (`run_report.report_of`)."""
+        return report_of(self)
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""

@@ -2,7 +2,6 @@
 (`sparse_attention`), the output projection, and what the run report measures of it."""
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import torch
@@ -10,14 +9,16 @@ import torch
 from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
-from ..backend.plan_reuse import PlanSlot
 from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
 from ..kernels.sparse_choice.choice import SparseChoices, ratio_class
 from .comfy_weights import head_groups, on_device, outside_allocation_graph, qkv_projection, unwrap_input
+from .run_timers import mark
 from .run_tracker import RunTracker
 
 DEVICES = ("cuda", "cpu")
+# q, k, v [B, H, S, D] -> (a thunk running the dense attention a dense block would run on them, its name)
+DenseBaseline = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[Callable[[], torch.Tensor], str]]
 
 
 def call_problem(attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -38,11 +39,13 @@ def call_problem(attn: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dty
 
 
 def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, layer: int, token: Any,
-           attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict) -> torch.Tensor:
+           attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,
+           dense: DenseBaseline) -> torch.Tensor:
     """Sparse attention of block input x, then out_proj (`output`). The first call of a layout and ratio class
     (`sparse_choice.choice.ratio_class`: the classes the kernel choice is keyed by) in a run measures the density,
-    the second is timed against dense attention for the report; the other ratios of that class (an error target's,
-    a ramp's) take those figures, so they cost no host synchronisation. With ``measure_error`` every call adds its
+    the next head groups of that shape are timed against the dense attention that would have run
+    (`timed_against_dense`) for the report's saved time; the other ratios of that class (an error target's, a
+    ramp's) take those figures, so they cost no host synchronisation. With ``measure_error`` every call adds its
     sampled error to the run's `ErrorMeter`, on the device.
 
     Args:
@@ -52,6 +55,7 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
         layer: the block index.
         token: what the hook's `decide` returned: (step, layout, engine config, branch, (sigma, next sigma)).
         attn, x, rope_freqs, transformer_options: the block's attention module and its call.
+        dense: the dense attention a dense block would run (the timed call's baseline).
     Returns:
         The attention output [S, hidden].
     """
@@ -74,16 +78,16 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
             o, info = sparse_attention(q, k, v, layout, config, return_info=True, coarse_gate=g, plan_slot=slot,
                                        **kernel)
             density = tracker.densities.setdefault(key, info.density)
-        elif not timed:  # the next call (kernels prepared): vs dense
-            o, sparse_ms, dense_ms = timed_against_dense(q, k, v, layout, config, g, slot, **kernel)
-            tracker.note_timing(key, sparse_ms, dense_ms)
+        elif not timed:  # the next head groups (kernels prepared): against the dense attention
+            o = timed_against_dense(tracker, key, q.shape[1] / attn.heads, q, k, v, dense, lambda: sparse_attention(
+                q, k, v, layout, config, coarse_gate=g, plan_slot=slot, **kernel))
         else:
             o = sparse_attention(q, k, v, layout, config, coarse_gate=g, plan_slot=slot, **kernel)
         return o
 
     out = output(attn, x, rope_freqs, transformer_options, run, layout, config, setting)
     tracker.stop_timer(timer)
-    tracker.note_block(step, sparse=True, density=density, layer=layer)
+    tracker.note_block(step, sparse=True, density=density, layer=layer, shape=key)
     return out
 
 
@@ -126,27 +130,31 @@ def coarse_gate(attn: torch.nn.Module, x: torch.Tensor, config: SparseConfig) ->
     return g.view(x.shape[0], attn.heads, attn.head_dim).transpose(0, 1).unsqueeze(0)
 
 
-def timed_against_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-                        config: SparseConfig, gate: torch.Tensor | None, slot: PlanSlot | None = None,
-                        **kernel: Any) -> tuple[torch.Tensor, float, float]:
-    """One sparse call timed against torch's dense SDPA on the same tensors (for the run report).
+def timed_against_dense(tracker: RunTracker, key: tuple, share: float, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, dense: DenseBaseline, sparse: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The sparse op `sparse()` (plan and kernel) of one head group, timed against the dense attention a dense
+    block would run on the same q, k, v, for the report's saved time (`run_report.saved_time`).
 
-    Dense attention runs on the first head only and is scaled by the number of heads, to keep the
-    extra cost to one head's attention. Synchronises the device three times. `kernel`: `sparse_attention`'s
-    ``choices`` and ``ran``.
-    Returns (sparse output, sparse ms, dense ms for all heads of q).
+    The dense choice is resolved before the timing (its first use of a bucket measures); the marks are CUDA
+    events read at the model call's end, so nothing here waits for the device.
+
+    Args:
+        tracker: the run's tracker (it keeps the timing under `key`).
+        key: the call's timing key (layout signature, ratio).
+        share: the head group's share of the call's heads.
+        q, k, v: the head group's [1, h, S, D].
+        dense: the dense baseline (`DenseBaseline`).
+        sparse: runs the sparse op.
+    Returns:
+        The sparse output.
     """
-    def now() -> float:
-        if q.is_cuda:
-            torch.cuda.synchronize(q.device)
-        return time.perf_counter()
-
-    t0 = now()
-    out = sparse_attention(q, k, v, layout, config, coarse_gate=gate, plan_slot=slot, **kernel)
-    t1 = now()
-    torch.nn.functional.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])
-    t2 = now()
-    return out, (t1 - t0) * 1e3, (t2 - t1) * 1e3 * q.shape[1]
+    run_dense, baseline = dense(q, k, v)
+    start = mark(q)
+    out = sparse()
+    middle = mark(q)
+    run_dense()
+    tracker.note_timing(key, share, baseline, (start, middle, mark(q)))
+    return out
 
 
 def gate_notice(diffusion_model: Any, config: SparseConfig) -> str | None:

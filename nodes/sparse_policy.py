@@ -23,6 +23,8 @@ from .model_patches import install
 from .model_state import comfy_user_dir, model_state
 from .precision import launch_attention, model_choice, resolve_precision
 from .preparation import prepare_layout
+from .reference_notice import REASON as NO_FAST_KERNEL
+from .reference_notice import dense_notice, no_fast_kernel, strict_refusal
 from .schedule import ramp_ratio, schedule_reason, start_sigma, warmup_reason, warmup_sigma
 from .size_notice import SizeNotice
 
@@ -51,7 +53,8 @@ class SparseAttentionHook(BlockHook):
         self.warmup_sigma: float | None = None
         self.start_sigma: float | None = None
         self.left_to: str | None = None  # why this sampler call leaves every block's attention to ComfyUI
-        self.set_precision(*resolve_precision(self.config.precision, launch_attention(None), None))
+        self.launched = launch_attention(None)  # ComfyUI's attention for the blocks (set from the sampled model)
+        self.set_precision(*resolve_precision(self.config.precision, self.launched, None))
 
     def set_precision(self, precision: str, reason: str) -> None:
         """Run at `precision` ("bf16" or "8-bit"): the engine's config, the dense override's bound, the report."""
@@ -69,8 +72,8 @@ class SparseAttentionHook(BlockHook):
         override = patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
         override = None if isinstance(override, DenseOverride) else override
         self.dense_override.chosen = model_choice(override)  # ModelAttentionBackend's, followed as a launch's
-        self.set_precision(*resolve_precision(self.config.precision,
-                                              launch_attention(patcher.get_model_object("diffusion_model")), override))
+        self.launched = launch_attention(patcher.get_model_object("diffusion_model"))
+        self.set_precision(*resolve_precision(self.config.precision, self.launched, override))
         self.left_to = interop.leave_reason(patcher, self.config, self.title, self.notices, self.announce, self.tracker)
 
     @property
@@ -119,21 +122,39 @@ class SparseAttentionHook(BlockHook):
     def choose(self, layer: int, attn: torch.nn.Module, x: torch.Tensor, layout: SequenceLayout | None,
                warmup: str | None, head_chunks: Any) -> str | None:
         """Why this block call runs dense, or None when it runs sparse. The first call that needs them (a
-        warmup step of a sparse layer, or a sparse step) prepares the layout's kernels; an unsupported call
-        raises under `strict`, else its reason is logged once per run."""
+        warmup step of a sparse layer, or the first sparse step) prepares the layout's kernels; an unsupported call
+        raises under `strict`, else its reason is logged once per run (`slow_kernel`: said once per run)."""
         rows, dtype, device = x.shape[0], x.dtype, x.device
         reason = schedule_reason(self.config, layer, warmup, rows)
         problem = sparse_call.call_problem(attn, tuple(x.shape), dtype, device, layout)
         sparse_layer = schedule_reason(self.config, layer, None, rows) is None
         if problem is None and layer not in self.config.dense_layers and self.config.warmup_mode != "dense":
             self.sizes.note(rows, dtype, device, self.config, self.dense_choices, self.tracker)
-        if problem is None and sparse_layer:
-            prepare_layout(self.config, self.engine_config, attn, dtype, device, layout, head_chunks, self.tracker)
+        slow = None if problem is not None or not sparse_layer else self.slow_kernel(layout, dtype, device, attn.head_dim)
+        if problem is None and sparse_layer and slow is None:
+            prepare_layout(self.engine_config, attn, dtype, device, layout, head_chunks)
         if reason is not None:
             return reason
         if problem is not None:
             self.refuse(layer, problem)
-        return problem
+            return problem
+        return None if slow is None else self.dense_instead(slow)
+
+    def slow_kernel(self, layout: SequenceLayout, dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
+        """Why this layout's sparse calls would run the torch reference (`no_fast_kernel`, resolved once per layout
+        and call kind), or None."""
+        config = self.engine_config
+        key = (config.kernel, config.block_size, config.exact_precision, str(device), dtype, head_dim)
+        return layout.cache.get("no_fast_kernel", key,
+                                lambda: no_fast_kernel(config, device, dtype, head_dim))
+
+    def dense_instead(self, why: str) -> str:
+        """A sparse call that runs dense because no fast sparse kernel runs (`why`): strict raises; otherwise
+        said once per run and kept in the report. Returns the report's reason."""
+        if self.config.strict:
+            raise SparseAttentionError(strict_refusal(self.title, why))
+        self.tracker.say_in_report(dense_notice(why))
+        return NO_FAST_KERNEL
 
     def decide(self, layer: int, attn: torch.nn.Module, args: dict, ctx: CallContext) -> Any:
         """(step, layout, engine config of the step, cond/uncond branch, (sigma, next sigma)) when this call
@@ -166,7 +187,11 @@ class SparseAttentionHook(BlockHook):
         """Sparse attention of block input x, then out_proj (`sparse_call.attend`). Eager inside a compiled
         model too (its caller, `HookedAttention`, is skipped by torch.compile)."""
         return sparse_call.attend(self.tracker, self.sparse_choices, self.config, layer, token, attn, x, rope_freqs,
-                                  transformer_options)
+                                  transformer_options, self.dense_baseline)
+
+    def dense_baseline(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Callable, str]:
+        """The dense attention a dense block of this model would run on q, k, v (`DenseOverride.baseline`)."""
+        return self.dense_override.baseline(q, k, v, self.launched, self.config.dense_attention == "fastest")
 
 
 def apply_sparse_attention(model_patcher: Any, config: SparseConfig) -> Any:

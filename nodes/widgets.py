@@ -92,7 +92,7 @@ def config_widget(name: str, step: float | None = None, advanced: bool = False, 
     raise TypeError(f"SparseConfig.{name}: no widget for a {type(rule).__name__} rule")
 
 
-# Every SparseConfig field but `kernel` (left to `auto` on the node), in the order the node shows them.
+# Every SparseConfig field, in the order the node shows them (`kernel` last: the pure-torch reference by name).
 # Saved UI workflows fill widgets by position: the order never changes and a new widget goes at the end.
 # Widgets added after the first release (0.1.0) are optional, so an API prompt saved before them still
 # runs with their defaults; ComfyUI lists optional inputs after the required ones, which keeps this order.
@@ -115,6 +115,7 @@ SPARSE_WIDGETS: tuple[Widget, ...] = (
     config_widget("plan_reuse", advanced=True, optional=True),
     config_widget("measure_error", advanced=True, optional=True),
     config_widget("error_target", step=0.005, advanced=True, optional=True),
+    config_widget("kernel", advanced=True, optional=True),
 )
 
 CAPTURE_WIDGETS: tuple[Widget, ...] = (

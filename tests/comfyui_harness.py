@@ -34,7 +34,8 @@ SUMMARY = re.compile(r"adaptive sparse attention: steps (\d+) dense / (\d+) spar
 SPARSE = dict(topk_ratio=0.25, warmup_mode="fidelity", sparse_scope="target-video", tail_granularity="query",
               warmup_ratio=0.25, tiling="reblock", reblock_layout="q_reuse_k", tail="reweight", dense_layers="",
               min_tokens=0, block_size=64, strict=True, dense_attention="fastest", routing_scores="fp32",
-              precision="auto", plan_reuse="off", measure_error=True, error_target=0.0)
+              precision="auto", plan_reuse="off", measure_error=True, error_target=0.0,
+              kernel="torch")  # on the CPU auto runs the sparse blocks dense: the reference is named
 
 
 

@@ -33,9 +33,10 @@ def declare(monkeypatch, standins: list[StandIn], ms: dict[str, float]) -> Timer
 
 
 def sparse_run(nodes, model, **changes):
-    """A sampler run with our node (1 dense warmup step, 3 sparse); returns (latent, the run's report). The
-    dense step runs ComfyUI's own attention (the dense choice's CPU timings would vary between runs)."""
-    patched = sparse(model, **{"dense_attention": "comfyui", **changes})
+    """A sampler run with our node (1 dense warmup step, 3 sparse; kernel auto: the stand-ins are its candidates
+    on the CPU); returns (latent, the run's report). The dense step runs ComfyUI's own attention (the dense
+    choice's CPU timings would vary between runs)."""
+    patched = sparse(model, **{"dense_attention": "comfyui", "kernel": "auto", **changes})
     return sample(nodes, patched), hooks_of(patched)[0].tracker.last_report
 
 

@@ -67,6 +67,17 @@ def test_summary_splits_dense_first_and_steady_calls():
     plain = e2e.summarise("comfyui", calls, 5.0, None, None, reference, None, [])
     assert "first_sparse_ms" not in plain
     assert plain["dense_call_ms"] == plain["median_call_ms"] == 200.0
+    assert "report_saved_s" not in row  # nothing timed: no saved seconds
+    saved = e2e.summarise("ours", calls, 4.0, 2.5, 2, reference, reference,
+                          [line.replace("; precision bf16", "; precision bf16; attention saved 0.75 s against SDPA "
+                                                            "cuDNN, ComfyUI's attention x.attention_pytorch")])
+    assert (saved["report_saved_s"], saved["report_baseline"]) == (
+        0.75, "SDPA cuDNN, ComfyUI's attention x.attention_pytorch")
+    check = e2e.saving_markdown({"runs": [dict(plain, clip="10s"), dict(saved, clip="10s", measured_saved_s=1.0),
+                                          dict(saved, run="ours-cold", clip="10s")]})
+    assert check.splitlines()[2:] == [
+        "| ours | 10s | 0.75 | SDPA cuDNN, ComfyUI's attention x.attention_pytorch | 1.00 | 0.75 |",
+        "| ours-cold | 10s | 0.75 | SDPA cuDNN, ComfyUI's attention x.attention_pytorch | - | - |"]
     table = e2e.markdown({"blocks": 1, "runs": [dict(plain, clip="10s", frames=39), dict(row, clip="10s", frames=39)]})
     assert "| ours | 10s (39 frames) | 4.0 | 1.25x |" in table
     assert "| 0.250 | 0.071 | 0.0100 | 3.30 (2) |" in table

@@ -1,4 +1,4 @@
-"""The run report: RunTracker.report() data and the text the report node shows (no ComfyUI)."""
+"""The run report: `run_report.report_of` data, its saved time, and the text the report node shows (no ComfyUI)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,8 @@ import torch
 
 from adaptive_sparse_attention.nodes.error_meter import SCALE
 from adaptive_sparse_attention.nodes.run_tracker import RunTracker
-from adaptive_sparse_attention.nodes.report import format_report, spans
+from adaptive_sparse_attention.nodes.report import format_report, saving, spans
+from adaptive_sparse_attention.nodes.run_report import saved_time
 
 
 def test_spans():
@@ -25,9 +26,10 @@ def test_report_of_a_run_and_its_text():
             elif layer == 2:
                 tracker.note_block(step, sparse=False, layer=layer, reason="layer 2 is in dense_layers")
             else:
-                tracker.note_block(step, sparse=True, density=0.25, layer=layer)
+                tracker.note_block(step, sparse=True, density=0.25, layer=layer, shape=("shape",))
     tracker.stats.attention_ms = 1500.0
-    tracker.note_timing(("shape",), sparse_ms=100.0, dense_ms=400.0)  # dense took 4x as long
+    # one call timed on the CPU clock: sparse 125 ms, the dense attention 500 ms (6 calls x 375 ms = 2.25 s saved)
+    tracker.note_timing(("shape",), 1.0, "SDPA cuDNN", (0.0, 0.125, 0.625))
     tracker.precision = ("8-bit", "auto: ComfyUI runs attention_sage")
     for _ in range(3):
         tracker.note_dense_kernel("SDPA cuDNN")
@@ -45,7 +47,7 @@ def test_report_of_a_run_and_its_text():
     report = tracker.last_report
     assert report == {"steps_sparse": [1, 2, 3], "steps_dense": [0], "blocks_sparse": 6, "blocks_dense": 6,
                       "layers_sparse": [0, 1], "layers_dense_only": [2], "mean_density": 0.25, "attention_s": 1.5,
-                      "est_saved_s": pytest.approx(4.5), "dense_reasons": {"warmup (step 1 of 4)": 3,
+                      "saved": {"saved_s": 2.25, "baseline": "SDPA cuDNN", "untimed_calls": 0}, "dense_reasons": {"warmup (step 1 of 4)": 3,
                                                                            "layer 2 is in dense_layers": 3},
                       "precision": "8-bit", "precision_reason": "auto: ComfyUI runs attention_sage",
                       "dense_kernels": {"SDPA cuDNN": 3}, "sparse_kernels": {"cuDNN-frontend": 2, "Triton bf16": 1},
@@ -69,8 +71,8 @@ def test_report_of_a_run_and_its_text():
         "Sparse steps (0-based): 1-3; dense-only steps: 0",
         "Block calls: 6 sparse, 6 dense; layers that ran sparse: 0-1; layers always dense: 2",
         "Mean density of sparse blocks: 0.250",
-        "Sparse attention time: 1.50 s; estimated time saved: 4.50 s (vs torch's dense attention, timed on one "
-        "call per shape)",
+        "Sparse attention time: 1.50 s; attention time saved: 2.25 s (sparse attention against SDPA cuDNN, the dense "
+        "attention these blocks would have run, timed on one call per shape)",
         "Precision: 8-bit (auto: ComfyUI runs attention_sage)",
         "Dense attention (our override) ran on: SDPA cuDNN (3 calls)",
         "Sparse attention ran on: Triton bf16 (1 calls); cuDNN-frontend (2 calls)",
@@ -90,11 +92,37 @@ def test_report_says_when_nothing_ran_sparse():
     text = format_report(tracker.last_report)
     assert text.startswith("The sparse path did not run")
     assert "warmup_mode='dense': 1 block calls" in text
-    assert "estimated time saved: not measured" in text
+    assert "attention time saved: not measured" in text
     assert format_report(None).startswith("No sampling run")
 
 
-def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
+def test_saved_time_counts_each_shapes_calls_at_its_timed_saving():
+    """Per shape: (dense - sparse) ms of its timed head groups over their share of the call's heads, times its
+    sparse block calls; a shape that was never timed is counted apart, not guessed."""
+    tracker = RunTracker("t")
+    for shape, calls in ((("a",), 4), (("b",), 2), (("c",), 3)):
+        for _ in range(calls):
+            tracker.note_block(5, sparse=True, density=0.2, layer=0, shape=shape)
+    # a: two head groups of half the heads each: sparse 125 + 62.5 ms, dense 250 + 250 ms -> 312.5 ms a call
+    tracker.note_timing(("a",), 0.5, "SDPA cuDNN", (0.0, 0.125, 0.375))
+    tracker.note_timing(("a",), 0.5, "SDPA cuDNN", (1.0, 1.0625, 1.3125))
+    # b: a quarter of the heads, sparse 62.5 ms, dense 31.25 ms -> -125 ms a call (sparse was slower)
+    tracker.note_timing(("b",), 0.25, "FlashAttention-4", (2.0, 2.0625, 2.09375))
+    saved = saved_time(tracker.stats)
+    assert saved == {"saved_s": (4 * 312.5 - 2 * 125.0) / 1e3, "baseline": "FlashAttention-4, SDPA cuDNN",
+                     "untimed_calls": 3}
+    assert saved["saved_s"] == 1.0
+    assert "attention saved 1.00 s against FlashAttention-4, SDPA cuDNN" in tracker.summary()
+    assert saving(saved) == ("attention time saved: 1.00 s (sparse attention against FlashAttention-4, SDPA cuDNN, "
+                             "the dense attention these blocks would have run, timed on one call per shape); 3 sparse "
+                             "block calls of shapes that ran once are not counted")
+    lost = {"saved_s": -0.5, "baseline": "SDPA cuDNN", "untimed_calls": 0}
+    assert saving(lost) == ("attention time lost: 0.50 s (sparse attention was SLOWER than SDPA cuDNN, the dense "
+                            "attention these blocks would have run, timed on one call per shape)")
+    assert saved_time(RunTracker("t").stats) is None
+
+
+def test_the_second_sparse_call_of_a_shape_is_timed_against_the_dense_attention_of_a_dense_block():
     from h3_harness import PACKED, config, model_of, options, run_model
     from h3_block import block_args
 
@@ -103,6 +131,14 @@ def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
     model = model_of(True, seed=40, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=41, new=True)
     hook = SparseAttentionHook(config())
+    baselines = []
+
+    def baseline(q, k, v):  # what a dense block would run, as the hook resolves it
+        run, name = SparseAttentionHook.dense_baseline(hook, q, k, v)
+        baselines.append((tuple(q.shape), name))
+        return run, name
+
+    hook.dense_baseline = baseline
     outs = []
     for step in (3, 4, 5):
         args["transformer_options"] = options(step)
@@ -110,8 +146,46 @@ def test_the_second_sparse_call_of_a_shape_is_timed_against_dense():
         assert len(hook.tracker.timed) == (0 if step == 3 else 1)  # first call measures density, next is timed
     assert outs[0].equal(outs[1])
     assert outs[1].equal(outs[2])  # the timed call returns the same output
-    s = hook.tracker.stats
-    assert s.timed_sparse_ms > 0
-    assert s.timed_dense_ms > 0
+    heads, dim = model.blocks[0].attn.heads, model.blocks[0].attn.head_dim
+    rows = args["img"].shape[0]
+    assert baselines == [((1, heads, rows, dim), "SDPA's own choice")]  # the CPU's dense choice, no host
+    (timing,) = hook.tracker.stats.timings.values()
+    assert timing.share == 1.0 and timing.baseline == "SDPA's own choice"
+    assert timing.sparse_ms > 0 and timing.dense_ms > 0
+    assert hook.tracker.stats.shape_calls == {next(iter(hook.tracker.timed)): 3}
     assert hook.tracker.finish()
-    assert hook.tracker.last_report["est_saved_s"] is not None
+    saved = hook.tracker.last_report["saved"]
+    assert saved["saved_s"] == pytest.approx(3 * (timing.dense_ms - timing.sparse_ms) / 1e3)
+    assert saved["baseline"] == "SDPA's own choice" and saved["untimed_calls"] == 0
+
+
+def test_the_baseline_is_the_dense_choice_with_comfyuis_attention_or_comfyuis_attention_itself(tmp_path):
+    """``dense_attention="fastest"``: the measured choice among SDPA and ComfyUI's function (here the function
+    wins); ``comfyui``: ComfyUI's function as launched, untimed by the choice."""
+    from adaptive_sparse_attention.kernels.dense.choice import DenseChoices
+    from adaptive_sparse_attention.nodes.dense_override import DenseOverride
+
+    calls = []
+
+    def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                        skip_output_reshape=False, **kwargs):
+        calls.append(heads)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def timer(fn):  # the host function is timed faster than SDPA
+        before = len(calls)
+        fn()
+        return 1.0 if len(calls) > before else 2.0
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    name = f"ComfyUI's attention {__name__}.{comfy_attention.__qualname__}"
+    override = DenseOverride(DenseChoices(tmp_path / "dense.json", timer=timer))
+    run, label = override.baseline(q, k, v, comfy_attention, fastest=True)
+    assert label == name
+    calls.clear()
+    assert run().equal(torch.nn.functional.scaled_dot_product_attention(q, k, v)) and calls == [2]
+    run, label = override.baseline(q, k, v, comfy_attention, fastest=False)
+    assert label == name and run() is not None and calls == [2, 2]
+    run, label = override.baseline(q, k, v, None, fastest=False)
+    assert label == "SDPA's own choice"

@@ -240,6 +240,6 @@ def test_timers_accumulate_without_growing():
     for _ in range(50):
         tracker.stop_timer(tracker.start_timer(x))
     assert tracker.stats.attention_ms > 0
-    assert tracker._pending == []
+    assert tracker.timers.blocks == [] and tracker.timers.timings == []
     tracker.finish()
     assert tracker.stats.attention_ms == 0

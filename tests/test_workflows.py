@@ -93,10 +93,12 @@ def test_scenario_settings():
 
 
 def test_widget_spec_mirrors_sparse_config():
-    """Every SparseConfig field but the kernel is a widget, with SparseConfig's default."""
+    """Every SparseConfig field is a widget, with SparseConfig's default; `kernel` (the reference by name) is the
+    last, optional, so prompts saved before it run on auto."""
     defaults = SparseConfig()
     names = [w.name for w in SPARSE_WIDGETS]
-    assert sorted(names) == sorted(f.name for f in dataclasses.fields(SparseConfig) if f.name != "kernel")
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(SparseConfig))
+    assert names[-1] == "kernel" and SPARSE_WIDGETS[-1].optional and SPARSE_WIDGETS[-1].default == "auto"
     for w in SPARSE_WIDGETS:
         default = getattr(defaults, w.name)
         assert (",".join(map(str, default)) if w.name == "dense_layers" else default) == w.default
@@ -240,7 +242,8 @@ def test_output_names_are_comfyuis():
 # breaks saved workflows; one added later must be optional, so saved API prompts keep running.
 FIRST_RELEASE = ("topk_ratio", "warmup_mode", "sparse_scope", "tail_granularity", "warmup_ratio", "tiling",
                  "reblock_layout", "tail", "dense_layers", "min_tokens", "block_size", "strict")
-ADDED_LATER = ("dense_attention", "routing_scores", "precision", "plan_reuse", "measure_error", "error_target")
+ADDED_LATER = ("dense_attention", "routing_scores", "precision", "plan_reuse", "measure_error", "error_target",
+               "kernel")
 
 
 def test_widget_order_is_kept_and_widgets_added_later_are_optional():

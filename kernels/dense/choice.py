@@ -18,6 +18,8 @@ SDPA's memory-efficient kernel indexes a head's rows in 32 bits: on ComfyUI's q/
 of the fused qkv buffer, 3*H*D elements apart) a clip whose rows span 2^31 elements or more (H3
 from about 14 s) makes it read out of bounds, which kills the CUDA context instead of raising.
 Such inputs are never given to it, neither while measuring nor after.
+A sticky CUDA error (`cuda_errors.poisons_context`) while a candidate is checked or timed is not skipped: the
+measurement stops with it, since every later candidate would fail on the lost context.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from ...errors import SparseAttentionError
 from ...notices import Notices, logger
 from ...timer import median_ms
 from ...version import __version__
+from ..cuda_errors import poisons_context
 from ..offsets import wide_rows
 from ..registry import DENSE_KERNELS
 from .store import MAX_CHOICES, ChoiceFile, Remembered, choice_path
@@ -245,6 +248,8 @@ def agrees(name: str, run: Callable[[str], torch.Tensor], reference: torch.Tenso
     try:
         err = relative_l2(run(name), reference)
     except Exception as exc:  # out of memory, or a kernel that does not take these inputs
+        if poisons_context(exc):  # a lost CUDA context: every later candidate would fail too
+            raise
         note(f"dense kernel {label(name)} cannot run here ({describe(exc)}): skipped",
              logging.WARNING if isinstance(exc, ReentryError) else logging.INFO)
         return False
@@ -280,6 +285,8 @@ def fastest(candidates: Sequence[str], run: Callable[[str], torch.Tensor],
         try:
             times[name] = time_ms(lambda: run(name))
         except Exception as exc:
+            if poisons_context(exc):
+                raise
             note(f"dense kernel {label(name)} failed while timed ({describe(exc)}): skipped")
     if not times:
         return None

@@ -14,8 +14,9 @@ no host synchronisation.
 At call time a chosen kernel that raises (cuDNN-frontend's op was seen to raise UnicodeDecodeError in
 a process where other CuTe DSL / 8-bit kernels had run: BENCHMARKS.md) is said once per owner, dropped
 for this process, and the call runs on the next kernel of the choice (same plan, same outputs), in the end on
-the registry's family; strict mode raises instead. Fewer than two candidates: nothing to choose, the
-registry's family runs.
+the registry's family; strict mode raises instead. A sticky CUDA error (`cuda_errors.poisons_context`: the
+context is lost, every later kernel would fail too) is never skipped: the call stops with it. Fewer than two
+candidates: nothing to choose, the registry's family runs.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 from ...notices import Notices, logger
 from ...timer import median_ms
 from ...version import __version__
+from ..cuda_errors import poisons_context
 from ..dense.choice import describe, device_key, tolerance
 from ..dense.store import MAX_CHOICES, ChoiceFile, Remembered, choice_path
 from ..plan import BlockSparsePlan, QuerySummaries
@@ -191,7 +193,9 @@ class SparseChoices(Remembered):
         first = names.get(ranking[0]) if ranking else None
         try:
             ok = first is not None and sample.error(run(first, q, k, v, plan)[0]) <= bound
-        except Exception:  # checked below: measured again
+        except Exception as exc:  # checked below: measured again
+            if poisons_context(exc):
+                raise
             ok = False
         if not ok:
             self.notices.say(f"the saved sparse kernel {text!r} for {shape} does not run or meet the bound here: "
@@ -215,6 +219,8 @@ class SparseChoices(Remembered):
                 times[kernel.name] = timer(lambda: run(kernel, q, k, v, plan))
                 said.append(f"{kernel.label} {times[kernel.name]:.3g} ms (error {error:.1e})")
             except Exception as exc:  # a kernel that cannot run here, or fails on this process's state
+                if poisons_context(exc):
+                    raise
                 self.skip(said, f"sparse kernel {kernel.label} failed on {shape} ({describe(exc)}, {origin(exc)})")
         order = [kernel.name for kernel in kernels]
         ranking = tuple(sorted(times, key=lambda n: (times[n], order.index(n))))
@@ -252,6 +258,8 @@ class SparseChoices(Remembered):
                 out, lse = run(kernel, q, k, v, plan)
                 return out, lse, name, choice.summary
             except Exception as exc:
+                if poisons_context(exc):
+                    raise
                 rest = tuple(n for n in self.choices.get(key, choice).ranking if n != name)
                 self.remember(key, replace(choice, ranking=rest))
                 message = f"sparse kernel {kernel.label} raised {describe(exc)} ({origin(exc)})"
