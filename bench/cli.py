@@ -223,7 +223,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
                            compile_only=args.compile_only, runs=tuple(args.runs.split(",")), prepared=args.prepared,
                            profile_call=args.profile_call, weights=weights, launch=args.launch,
                            precision=args.precision, preset=args.preset, sigma_shift=args.sigma_shift,
-                           attention_backend=args.attention_backend, widgets=dict(args.set or ()))
+                           attention_backend=args.attention_backend, widgets=dict(args.set or ()),
+                           vram_gib=args.vram_gib, dynamic_vram=not args.disable_dynamic_vram)
     print(preset_line(result))
     widgets = "".join(f", {k}={v}" for k, v in result["widgets"].items())
     print(f"ComfyUI launched as {result['launch']} (its attention: {result['comfyui_attention']}); our node at "
@@ -321,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--set", action="append", type=_widget, metavar="NAME=VALUE",
                      help="a widget of our node in every run of ours, e.g. --set plan_reuse=on --set topk_ratio=0.1 "
                           "(repeatable; the runs that set a widget themselves, such as ours-ratio-0.1, keep theirs)")
+    e2e.add_argument("--vram-gib", type=float, metavar="N",
+                     help="ComfyUI sees a card of N GiB (its reserve, dynamic VRAM and partial loading decide as on "
+                          "one) and torch's allocator is capped at N GiB; N below the GPU's memory")
+    e2e.add_argument("--disable-dynamic-vram", action="store_true",
+                     help="ComfyUI's --disable-dynamic-vram: estimate-based loading instead of comfy-aimdo's dynamic "
+                          "VRAM, which the e2e otherwise starts as ComfyUI's main.py does")
     e2e.add_argument("--profile-call", type=int, metavar="N",
                      help="profile the N-th model call (0-based) of every run: kernel tables in WORK/profiles/RUN.txt")
     e2e.set_defaults(func=cmd_e2e)

@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 
 from ..notices import logger
-from . import e2e_nodes
+from . import comfy_memory, e2e_nodes
 from .checkpoints import FORMATS, QUANTISED, SafetensorsWriter, header_bound, quantise_tensor, unsupported
 from .e2e_graphs import (DEFAULT_PRESET, LORA_NAME, PRESETS, TEMPLATE_SIZES, Preset, graph, template_frames,
                          write_lora)
@@ -169,15 +169,20 @@ def launched_attention() -> str:
     return getattr(attention.optimized_attention, "__name__", repr(attention.optimized_attention))
 
 
-def load_comfyui(comfyui: str, work: Path, cpu: bool, launch: str = "default"):
-    """ComfyUI's `nodes` and `execution` in this process, launched as `launch` (`set_launch`), with this
-    pack and the bench nodes loaded."""
+def load_comfyui(comfyui: str, work: Path, cpu: bool, launch: str = "default", vram_gib: float | None = None,
+                 dynamic_vram: bool = True):
+    """ComfyUI's `nodes`, `execution` and its memory set-up in words, in this process, launched as `launch`
+    (`set_launch`), with this pack and the bench nodes loaded. Its memory management starts as its main.py
+    starts it (`comfy_memory.start`: comfy-aimdo's dynamic VRAM unless `dynamic_vram` is False, as
+    --disable-dynamic-vram), on a card of `vram_gib` GiB where given."""
     sys.path.insert(0, comfyui)
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = cpu
     set_launch(comfy.cli_args.args, launch)
     comfy.cli_args.args.disable_api_nodes = True
+    comfy.cli_args.args.disable_dynamic_vram = not dynamic_vram
+    memory = comfy_memory.start(comfy.cli_args.args, vram_gib, None if cpu else torch.cuda)
     import folder_paths
 
     custom = work / "custom_nodes"
@@ -203,7 +208,7 @@ def load_comfyui(comfyui: str, work: Path, cpu: bool, launch: str = "default"):
     expected = LAUNCH_ATTENTION.get(launch)
     if expected is not None and launched_attention() != expected:
         raise RuntimeError(f"e2e --launch {launch}: ComfyUI bound {launched_attention()}, not {expected}")
-    return nodes, execution
+    return nodes, execution, memory()
 
 
 def meta_specs(build: Callable[[], torch.nn.Module]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -546,7 +551,8 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                   compile_only: bool = False, runs: tuple[str, ...] = RUNS, prepared: bool = False,
                   profile_call: int | None = None, weights: str | None = None, launch: str = "default",
                   precision: str = "auto", preset: str = DEFAULT_PRESET, sigma_shift: tuple[float, float] | None = None,
-                  attention_backend: str | None = None, widgets: dict[str, Any] | None = None) -> dict:
+                  attention_backend: str | None = None, widgets: dict[str, Any] | None = None,
+                  vram_gib: float | None = None, dynamic_vram: bool = True) -> dict:
     """Every run of the benchmark; returns (and with `out`, writes after each run) the results.
 
     `preset` picks the sampler setup (bench/e2e_graphs.py PRESETS); `steps`, `cfg` and `weights`
@@ -565,7 +571,9 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     `launch`: ComfyUI launched as default, ck
     (``--use-ck-attention``) or sage (``--use-sage-attention``), for every run, so each ratio is against
     the same launch without our node. `precision`: the node's precision widget in every run of ours.
-    `widgets`: other widget values of every run of ours (a run that sets one itself keeps its own)."""
+    `widgets`: other widget values of every run of ours (a run that sets one itself keeps its own).
+    `vram_gib`: ComfyUI runs on a card of that many GiB (bench/comfy_memory.py); `dynamic_vram` False:
+    ComfyUI launched with --disable-dynamic-vram."""
     if compile_only and compile_backend is None:
         raise ValueError("e2e: compile_only needs a compile backend (--compile)")
     unknown_runs = [r for r in runs if r not in RUNS]
@@ -596,7 +604,9 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
     lines = LogLines()
     logger().addHandler(lines)
     logger().setLevel(logging.INFO)
-    nodes, execution = load_comfyui(comfyui, work, cpu=not cuda, launch=launch)
+    nodes, execution, memory = load_comfyui(comfyui, work, cpu=not cuda, launch=launch, vram_gib=vram_gib,
+                                            dynamic_vram=dynamic_vram)
+    echo(f"e2e memory: {memory}")
     if compile_backend is not None and "TorchCompileModel" not in nodes.NODE_CLASS_MAPPINGS:
         raise RuntimeError("e2e: this ComfyUI has no TorchCompileModel node (comfy_extras/nodes_torch_compile.py)")
     ckpt = f"h3_random_{scale_name}_{blocks}blocks_{weights}.safetensors"
@@ -609,7 +619,7 @@ def run_benchmark(comfyui: str, work: Path, scale_name: str, blocks: int, steps:
                               "scale": scale_name, "blocks": blocks, "steps": steps, "cfg": cfg,
                               "weights": weights, "compile": compile_backend, "qkv": {},
                               "launch": launch, "precision": precision, "widgets": dict(widgets or {}),
-                              "comfyui_attention": launched_attention(),
+                              "comfyui_attention": launched_attention(), "vram_gib": vram_gib, "memory": memory,
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                               "model_build_s": time.perf_counter() - start,
                               **{f"model_build_{k}": v for k, v in build.items()}, "runs": [], "op": {}}

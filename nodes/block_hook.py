@@ -160,8 +160,8 @@ class BlockHook(ABC):
                 return model_state(ctx.model).layouts.of(packed)
         return None
 
-    def dense_args(self, args: dict) -> dict:
-        """The block args of a call this hook does not take (unchanged here)."""
+    def dense_args(self, args: dict, attn: torch.nn.Module) -> dict:
+        """The block args of a call of block attention `attn` this hook does not take (unchanged here)."""
         return args
 
     def on_pre_run(self, patcher: Any) -> None:

@@ -25,6 +25,8 @@ class DenseOverride:
     dtype the engine does not take) goes to `func` unchanged. Where the user chose the model's
     attention with ComfyUI's ModelAttentionBackend, that choice (`chosen`) stands in for `func`
     everywhere, as it does without our node: the override it replaces called it instead of `func`.
+    Where a block's attention module chose its own function (current upstream's ``attn.comfy_attention``),
+    the block's calls get `preferring` it: that function stands in for `func` (below `chosen`, as in ComfyUI).
 
     Runs eagerly under torch.compile: it reads the run's precision and records the kernel in the run
     report, state a compiled frame would freeze (TorchCompileModel drops the guards under
@@ -49,6 +51,20 @@ class DenseOverride:
         self.precision = precision
         self.chosen = chosen
         self.identities: dict[Callable, str] = {}
+        self.preferred: dict[Callable, PreferredOverride] = {}
+
+    def preferring(self, function: Callable | None) -> DenseOverride | PreferredOverride:
+        """The override of a block whose attention module chose `function` (`precision.module_attention`;
+        None: this override). One object per function (at most MAX_FUNCTIONS kept), so compiled callers
+        see the same object every call."""
+        if function is None:
+            return self
+        bound = self.preferred.get(function)
+        if bound is None:
+            bound = PreferredOverride(self, function)
+            if len(self.preferred) < MAX_FUNCTIONS:
+                self.preferred[function] = bound
+        return bound
 
     def host(self, func: Callable, heads: int, kwargs: dict) -> HostAttention:
         """ComfyUI's `func` as a candidate: [B, H, S, D] in and out, with ComfyUI's other arguments."""
@@ -103,3 +119,32 @@ class DenseOverride:
         if skip_output_reshape:
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+class PreferredOverride:
+    """`DenseOverride` for the calls of a block whose attention module chose its own attention function.
+
+    Current upstream hands each module's choice (``attn.comfy_attention``) to ``optimized_attention`` as
+    ``preferred_attention``, and its ``wrap_attn`` drops it once an ``optimized_attention_override`` is set,
+    calling the override with the launch's function. Without our node ComfyUI runs the module's function,
+    so here it is the function the override receives: a candidate of the dense choice, and what runs
+    the calls the override does not serve.
+
+    Args:
+        override: the patched model's dense override (its precision and ModelAttentionBackend's choice,
+            which still wins over the module's, as in ComfyUI).
+        function: the module's attention function.
+    """
+
+    def __init__(self, override: DenseOverride, function: Callable):
+        self.override = override
+        self.function = function
+
+    @torch.compiler.disable
+    def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.override(self.function, *args, **kwargs)
+
+
+def is_ours(override: Any) -> bool:
+    """Whether `override` is this pack's dense override (a model's, or one block's `PreferredOverride`)."""
+    return isinstance(override, (DenseOverride, PreferredOverride))

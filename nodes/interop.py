@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..backend.config import SparseConfig
 from .core_sparse import core_sparse_blocks, core_sparse_message, core_sparse_order, fasth3_message, gated_blocks
-from .dense_override import DenseOverride
+from .dense_override import DenseOverride, is_ours
 from .precision import model_choice
 from .run_tracker import RunTracker
 
@@ -36,19 +36,21 @@ def leave_reason(patcher: Any, config: SparseConfig, title: str, notes: list[str
     return reason
 
 
-def dense_args(args: dict, config: SparseConfig, dense_override: DenseOverride, tracker: RunTracker) -> dict:
+def dense_args(args: dict, config: SparseConfig, dense_override: DenseOverride, tracker: RunTracker,
+               preferred: Callable | None = None) -> dict:
     """Args whose attention runs on the fastest exact kernel (``dense_attention="fastest"``), unless another
-    node's override already decides the dense attention. ModelAttentionBackend's choice is followed as
-    ComfyUI's launch attention is: a candidate within the run's precision."""
+    node's override already decides the dense attention. ModelAttentionBackend's choice, and the block's
+    attention module's own (`preferred`, `precision.module_attention`), are followed as ComfyUI's launch
+    attention is: a candidate within the run's precision."""
     to = args.get("transformer_options", {})
     override = to.get("optimized_attention_override")
-    if config.dense_attention != "fastest" or isinstance(override, DenseOverride):
+    if config.dense_attention != "fastest" or is_ours(override):
         return args
     if override is not None and (dense_override.chosen is None or model_choice(override) is not dense_override.chosen):
         tracker.log_once("another node's optimized_attention_override runs the dense blocks "
                          "(dense_attention='fastest' does not replace it)")
         return args
-    return dict(args, transformer_options=dict(to, optimized_attention_override=dense_override))
+    return dict(args, transformer_options=dict(to, optimized_attention_override=dense_override.preferring(preferred)))
 
 
 def note_other_override(transformer_options: dict, tracker: RunTracker) -> None:

@@ -196,7 +196,7 @@ class BlockReplacement:
             return args
         token = hook.decide(self.layer, attn, args, ctx)
         if token is None:
-            args = hook.dense_args(args)
+            args = hook.dense_args(args, attn)
         elif self.via_args:
             if current is not None and not taken:
                 hook.tracker.log_once("the block attention set by another patch is replaced in the calls "

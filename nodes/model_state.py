@@ -14,6 +14,7 @@ from typing import Any
 from ..kernels.dense.choice import DenseChoices, default_cache_path
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
+from .comfy_weights import outside_allocation_graph
 from .h3_model import LayoutCache
 
 # on a diffusion model: its `ModelState`, one per copy of this package in the process (a benchmark imports the
@@ -32,8 +33,7 @@ class ModelState:
     @classmethod
     def new(cls) -> ModelState:
         """Empty layouts; the choices read from (and saved to) ComfyUI's user directory when it is loaded."""
-        return cls(LayoutCache(), DenseChoices(default_cache_path(comfy_user_dir())),
-                   SparseChoices(sparse_cache_path(comfy_user_dir())))
+        return cls(LayoutCache(), dense_choices(), SparseChoices(sparse_cache_path(comfy_user_dir())))
 
     def __deepcopy__(self, memo: dict) -> ModelState:
         """A deep copy of the model (a clone on another device): its own layouts, the same choices."""
@@ -46,6 +46,12 @@ def model_state(diffusion_model: Any) -> ModelState:
     if state is None:
         state = diffusion_model.__dict__.setdefault(STATE_ATTR, ModelState.new())
     return state
+
+
+def dense_choices() -> DenseChoices:
+    """Dense-kernel choices read from (and saved to) ComfyUI's user directory, measured outside ComfyUI's
+    allocation graph (`comfy_weights.outside_allocation_graph`), as the sparse path runs."""
+    return DenseChoices(default_cache_path(comfy_user_dir()), paused=outside_allocation_graph)
 
 
 def comfy_user_dir() -> str | None:

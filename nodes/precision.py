@@ -5,7 +5,10 @@ model's blocks at import from its launch flags (``--use-sage-attention`` binds `
 ``--use-ck-attention`` binds ``attention_comfy_kitchen_int8``), the attention the user chose for the
 model with ComfyUI's ModelAttentionBackend node (``ModelPatcher.set_model_optimized_attention``: an
 override that runs one registered attention function, read here as that function, `model_choice`),
-or an attention override another node installed on the model. Functions are told apart by a stable identity (module and qualified
+an attention override another node installed on the model, or (current upstream) the attention a block's own
+attention module chose (``attn.comfy_attention``, a ComfyAttention whose ``function`` a checkpoint sets
+through its ``blocks.N.attn.comfy_attention.config`` entry, e.g. comfy-kitchen INT8; `module_attention`),
+which ComfyUI runs in place of the launch's unless an override is set. Functions are told apart by a stable identity (module and qualified
 name): ComfyUI's own 8-bit functions by name, other packages' by the 8-bit packages they come from
 or the 8-bit kernel their name carries (Sage, INT8, FP8). The engine only ever sees the resolved
 value, "bf16" or "8-bit".
@@ -16,7 +19,7 @@ import functools
 import inspect
 import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 ATTENTION_MODULE = "comfy.ldm.modules.attention"
 # ComfyUI's own 8-bit attention functions -> what binds them
@@ -73,6 +76,22 @@ def is_eight_bit(ident: str) -> bool:
     return ident in COMFY_EIGHT_BIT or EIGHT_BIT_NAME.search(ident) is not None
 
 
+def module_attention(attn: Any) -> Callable | None:
+    """The attention function a block's attention module chose, else None.
+
+    Current upstream gives each attention module a ``comfy_attention`` (ComfyAttention) and passes it to
+    ``optimized_attention`` as ``preferred_attention``; its ``function`` is set from the checkpoint's
+    ``blocks.N.attn.comfy_attention.config`` entry where that kernel runs on this device (None otherwise,
+    and on the pinned fork, which has no such module: ComfyUI then runs the launch's attention).
+
+    Args:
+        attn: a block's attention module.
+    Returns:
+        the function ComfyUI runs for this module's calls when no override is set, or None.
+    """
+    return getattr(getattr(attn, "comfy_attention", None), "function", None)
+
+
 def launch_attention(diffusion_model: Any) -> Callable | None:
     """The attention ComfyUI bound for this model's blocks: ``optimized_attention`` of the module that
     defines the model (H3's binds it at import, from the launch flags), else the attention module's."""
@@ -83,8 +102,10 @@ def launch_attention(diffusion_model: Any) -> Callable | None:
     return None
 
 
-def resolve_precision(setting: str, attention: Callable | None, override: Callable | None) -> tuple[str, str]:
-    """The precision a run uses, and why.
+def resolve_precision(setting: str, attention: Callable | None, override: Callable | None,
+                      modules: Sequence[Callable | None] = ()) -> tuple[str, str]:
+    """The precision a run uses, and why, in the order ComfyUI decides what runs: an override, then the
+    attention modules' own choices, then the launch's attention.
 
     Args:
         setting: the node's value: "auto", "bf16" or "8-bit".
@@ -92,6 +113,9 @@ def resolve_precision(setting: str, attention: Callable | None, override: Callab
         override: another node's ``optimized_attention_override`` on the model (not ours), if any; it
             runs the blocks ComfyUI would run on `attention`. ModelAttentionBackend's (`model_choice`)
             counts as the attention it chose.
+        modules: per DiT block, the attention its attention module chose (`module_attention`), or None;
+            ComfyUI runs it in place of `attention` when no override is set. One block choosing an 8-bit
+            function makes the run 8-bit (ComfyUI then runs 8-bit attention there).
     Returns:
         ("bf16" or "8-bit", the reason in words).
     """
@@ -107,6 +131,14 @@ def resolve_precision(setting: str, attention: Callable | None, override: Callab
         ident = identity(override)
         bits = "8-bit" if is_eight_bit(ident) else "bf16"
         return bits, f"auto: another node's attention override {ident} is {'' if bits == '8-bit' else 'not '}8-bit"
+    chosen = [fn for fn in modules if fn is not None]
+    if chosen:
+        eight_bit = [fn for fn in chosen if is_eight_bit(identity(fn))]
+        bits = "8-bit" if eight_bit else "bf16"
+        shown = eight_bit or chosen
+        return bits, (f"auto: the attention modules of {len(shown)} of {len(modules)} blocks choose "
+                      f"{identity(shown[0])} (the checkpoint's comfy_attention config), which is "
+                      f"{'' if eight_bit else 'not '}8-bit")
     if attention is None:
         return "bf16", "auto: ComfyUI's attention function was not found"
     ident = identity(attention)

@@ -12,16 +12,17 @@ import torch
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
 from ..errors import SparseAttentionError
-from ..kernels.dense.choice import DenseChoices, default_cache_path
+from ..kernels.dense.choice import DenseChoices
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
 from . import interop, sparse_call
 from .block_hook import BlockHook, CallContext, log
 from .core_sparse import core_sparse_blocks, core_sparse_message, fasth3_message, gated_blocks, refuse_core_sparse
-from .dense_override import DenseOverride
+from .dense_override import DenseOverride, is_ours
 from .model_patches import install
 from .model_state import comfy_user_dir, model_state
-from .precision import launch_attention, model_choice, resolve_precision
+from .model_state import dense_choices as comfy_dense_choices
+from .precision import launch_attention, model_choice, module_attention, resolve_precision
 from .preparation import prepare_layout
 from .reference_notice import REASON as NO_FAST_KERNEL
 from .reference_notice import dense_notice, no_fast_kernel, strict_refusal
@@ -37,7 +38,7 @@ class SparseAttentionHook(BlockHook):
     def __init__(self, config: SparseConfig, dense_choices: DenseChoices | None = None,
                  sparse_choices: SparseChoices | None = None):
         self.config = config
-        self.dense_choices = dense_choices if dense_choices is not None else DenseChoices(default_cache_path(comfy_user_dir()))
+        self.dense_choices = dense_choices if dense_choices is not None else comfy_dense_choices()
         self.sparse_choices = (sparse_choices if sparse_choices is not None else  # `kernel="auto"`'s measured choice
                                SparseChoices(sparse_cache_path(comfy_user_dir())))
         self.notices: list[str] = []  # what the user should know about this model and config (report node)
@@ -70,10 +71,12 @@ class SparseAttentionHook(BlockHook):
         self.warmup_sigma = None if sampling is None else warmup_sigma(self.config, sampling.percent_to_sigma)
         self.start_sigma = None if sampling is None else start_sigma(sampling)
         override = patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
-        override = None if isinstance(override, DenseOverride) else override
+        override = None if is_ours(override) else override
         self.dense_override.chosen = model_choice(override)  # ModelAttentionBackend's, followed as a launch's
-        self.launched = launch_attention(patcher.get_model_object("diffusion_model"))
-        self.set_precision(*resolve_precision(self.config.precision, self.launched, override))
+        diffusion_model = patcher.get_model_object("diffusion_model")
+        modules = [module_attention(block.attn) for block in getattr(diffusion_model, "blocks", ())]
+        self.launched = launch_attention(diffusion_model)
+        self.set_precision(*resolve_precision(self.config.precision, self.launched, override, modules))
         self.left_to = interop.leave_reason(patcher, self.config, self.title, self.notices, self.announce, self.tracker)
 
     @property
@@ -177,10 +180,11 @@ class SparseAttentionHook(BlockHook):
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 
-    def dense_args(self, args: dict) -> dict:
-        """Args of a dense call: on the fastest exact kernel unless ComfyUI keeps this call (`interop.dense_args`)."""
+    def dense_args(self, args: dict, attn: torch.nn.Module) -> dict:
+        """Args of a dense call of block attention `attn`: on the fastest exact kernel, with the attention
+        `attn` chose among the candidates, unless ComfyUI keeps this call (`interop.dense_args`)."""
         return args if self.left_to is not None else interop.dense_args(args, self.config, self.dense_override,
-                                                                        self.tracker)
+                                                                        self.tracker, module_attention(attn))
 
     def attend(self, layer: int, token: Any, attn: torch.nn.Module, x: Any, rope_freqs: Any,
                transformer_options: dict, fallback: Callable) -> torch.Tensor:

@@ -55,9 +55,10 @@ def test_the_dense_steps_run_the_chosen_attention_in_place_of_comfyuis(monkeypat
     assert hook.dense_override.chosen is chosen
     assert hook.engine_config.precision == hook.dense_override.precision == "8-bit"
     args = {"img": None, "transformer_options": {"optimized_attention_override": mab}}
-    assert hook.dense_args(args)["transformer_options"]["optimized_attention_override"] is hook.dense_override
+    attn = torch.nn.Module()  # the pinned fork's: no comfy_attention
+    assert hook.dense_args(args, attn)["transformer_options"]["optimized_attention_override"] is hook.dense_override
     other = comfy_function("attention_override_sage", "some_node.patches")  # another node's override stays
-    assert hook.dense_args({"transformer_options": {"optimized_attention_override": other}})[
+    assert hook.dense_args({"transformer_options": {"optimized_attention_override": other}}, attn)[
         "transformer_options"]["optimized_attention_override"] is other
     launch = comfy_function("attention_pytorch", result="launch")
     q = torch.zeros(1, 2, 4, 8)

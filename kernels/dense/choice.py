@@ -311,16 +311,20 @@ class DenseChoices(Remembered):
     the machine, and the object locks its first uses); its memory holds at most MAX_CHOICES buckets. A
     choice in memory is read without a lock or host synchronisation, so compiled dense blocks do
     not break their graph there; the first use of a bucket (reading the file, checking, measuring)
-    runs outside torch.compile, under the object's lock.
+    runs outside torch.compile, under the object's lock, inside `paused`.
 
     Args:
         path: the JSON file of saved choices; None: `default_cache_path()`.
         timer: milliseconds of one call of a thunk; None: CUDA events on a GPU, the wall clock on the CPU.
+        paused: a context the first use of a bucket runs in: the host's allocation record paused (ComfyUI's
+            allocation graph), so the measurement's scratch and compiled kernels' buffers are not replayed.
     """
 
-    def __init__(self, path: Path | None = None, timer: Callable[[Callable[[], object]], float] | None = None):
+    def __init__(self, path: Path | None = None, timer: Callable[[Callable[[], object]], float] | None = None,
+                 paused: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.file = ChoiceFile(default_cache_path() if path is None else path)
         self.timer = timer
+        self.paused = paused
         self.lock = threading.Lock()
         self.choices: dict[str, str | None] = {}
         self.devices: dict[int | None, str] = {}  # device index -> device_key (+ the offered dense kernels that run)
@@ -525,7 +529,7 @@ class DenseChoices(Remembered):
             return choice
 
         device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-        with device, torch.no_grad():
+        with device, torch.no_grad(), self.paused():
             try:
                 reference = reference_attention(sample, k, v)
             except Exception as exc:  # out of memory: no candidate can be checked
