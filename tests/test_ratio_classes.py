@@ -102,12 +102,12 @@ def test_a_new_ratio_of_a_known_class_costs_no_measurement_and_no_host_sync(monk
     monkeypatch.setattr(SparseChoices, "first_use", lambda self, key, *a: chosen.append(a[-1]) or real_first_use(
         self, key, *a))
     real_timed = sparse_call.timed_against_dense
-    monkeypatch.setattr(sparse_call, "timed_against_dense", lambda q, k, v, layout, cfg, *a, **kw: (
-        timed.append(cfg.topk_ratio), real_timed(q, k, v, layout, cfg, *a, **kw))[1])
+    monkeypatch.setattr(sparse_call, "timed_against_dense", lambda tracker, key, *a, **kw: (
+        timed.append(key[1]), real_timed(tracker, key, *a, **kw))[1])  # key: (layout signature, ratio class)
     model = model_of(True, seed=3, layers=1)
     args = block_args(model.blocks[0], PACKED, seed=4, new=True)
     hook = SparseAttentionHook(config(kernel="auto"))
     for ratio in (0.15, 0.15, 0.25, 0.25, 0.1):
         token = (5, layout_of(PACKED), hook.engine_config.replace(topk_ratio=ratio), (), (None, None))
         hook.attend(0, token, model.blocks[0].attn, args["img"].clone(), args["rope_freqs"], {}, None)
-    assert synced == [0.15, 0.1] and chosen == [0.15, 0.1] and timed == [0.15]
+    assert synced == [0.15, 0.1] and chosen == [0.15, 0.1] and timed == [ratio_class(0.15)] == [0.2]
