@@ -159,7 +159,7 @@ def parse_targets(text: str) -> list[tuple[str, float | None, float | None]]:
 def op_call(q, k, v, layout, config: SparseConfig, step: int, meter: ErrorMeter) -> tuple[torch.Tensor, object, float]:
     """One sparse call of block TARGET_BLOCK at `step` as the node makes it (its sampled rows added to `meter`,
     rotation step + block): (output, info, op ms: plan, kernel and sampled rows, the device synchronised)."""
-    sink = meter.sink(step, TARGET_BLOCK, 0, q.shape[1])
+    sink = meter.sink(step, TARGET_BLOCK, 0, q.shape[1], config.topk_ratio)
     out, info = sparse_attention(q, k, v, layout, config, return_info=True, timings=True,
                                  error_rotation=step + TARGET_BLOCK, error_sink=sink)
     return out, info, sum(info.timings_ms.values())
