@@ -28,6 +28,7 @@ KERNELS = ("auto", *FAMILIES)  # auto or an implementation family of the one tab
 DENSE_ATTENTIONS = ("fastest", "comfyui")
 ROUTING_SCORES = ("fp32", "int8", "fp8")
 PRECISIONS = ("auto", "bf16", "8-bit")
+TARGET_RATIOS = (0.05, 0.5)  # the ratios an error target moves a block's topk_ratio between (nodes/error_target.py)
 MAX_MIN_TOKENS = 1 << 22  # largest min_tokens a (possibly hostile) workflow or script may ask for
 
 
@@ -137,8 +138,10 @@ class SparseConfig:
     error_target: float = setting(0.0, Number(0.0, 1.0),
         "0: off, topk_ratio decides. Above 0: the error the run should hold (relative L2 of the video rows against "
         "dense attention, as measure_error reports it; about 0.05-0.1 is what topk_ratio 0.2 gives on test scenes): "
-        "each block starts at topk_ratio, then its ratio moves between 0.05 and 0.5 from the error measured at the "
-        "step before. Needs measure_error on.")
+        "each block starts at topk_ratio (which must be within 0.05-0.5), then steps its ratio between 0.05 and 0.5 "
+        "toward the target, learning from the errors it measured at its earlier ratios how fast the error falls, "
+        "and holds it once the estimate is within 15% (a target out of reach holds 0.05 or 0.5). Ramp steps teach "
+        "it nothing. Needs measure_error on.")
     backend: InitVar[str | None] = None  # the old name of `kernel`: refused with a message that says so
 
     def __post_init__(self, backend: str | None) -> None:
@@ -151,6 +154,12 @@ class SparseConfig:
             raise SparseAttentionError(f"SparseConfig.error_target={self.error_target} is not allowed with "
                                        "measure_error=False: the target is held from the measured error; allowed: "
                                        "measure_error=True, or error_target=0")
+        lo, hi = TARGET_RATIOS
+        if self.error_target > 0 and not lo <= self.topk_ratio <= hi:
+            raise SparseAttentionError(f"SparseConfig.topk_ratio={self.topk_ratio} is not allowed with "
+                                       f"error_target={self.error_target}: the target moves each block's ratio "
+                                       f"between {lo} and {hi}, starting at topk_ratio; allowed: topk_ratio in "
+                                       f"[{lo}, {hi}], or error_target=0")
 
     @property
     def exact_precision(self) -> str:

@@ -26,9 +26,12 @@ every step). Every step is one op call on that step's Q/K/V, its output compared
   rows over the trajectory, as the node's report gives it: "default", today's ratio's error) or a multiple of
   it ("0.5x", "2x"), or an absolute error ("0.08"), per `--targets`. Per scene, ratio and rule: the ratio of
   every step, the mean density (`plan.density()`), the true video-row error of every step against dense and
-  its mean, the sampled estimate of every step (what the target reads) and of the run, the final ratio and
-  the op's milliseconds per step (plan, kernel and sampled rows, the device synchronised between them; on a
-  CPU the torch reference's time, not a speed figure).
+  its mean, the sampled estimate of every step (what the target reads) and of the run, the final ratio, the
+  first sparse step (from 1) from which every step's true error is within the target's band (`BAND`), the
+  ratios a run went back to after leaving them, and the op's milliseconds per step (plan, kernel and sampled
+  rows, the device synchronised between them; on a CPU the torch reference's time, not a speed figure). A call
+  at a step and ratio already made by another run of the table is not made again (same inputs, ratio and
+  rotation: the same output and sampled rows): its row, op ms included, is reused.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from ..backend.attention import sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.plan_reuse import DRIFT_LIMIT, PlanStore
 from ..nodes.error_meter import ErrorMeter
-from ..nodes.error_target import ErrorTarget
+from ..nodes.error_target import BAND, ErrorTarget
 from ..nodes.schedule import ramp_ratio, warmup_reason
 from .metrics import output_errors
 from .runner import bench_dtype, environment
@@ -157,42 +160,50 @@ def parse_targets(text: str) -> list[tuple[str, float | None, float | None]]:
 
 
 def op_call(q, k, v, layout, config: SparseConfig, step: int, meter: ErrorMeter) -> tuple[torch.Tensor, object, float]:
-    """One sparse call of block TARGET_BLOCK at `step` as the node makes it (its sampled rows added to `meter`,
-    rotation step + block): (output, info, op ms: plan, kernel and sampled rows, the device synchronised)."""
-    sink = meter.sink(step, TARGET_BLOCK, 0, q.shape[1])
+    """One sparse call of block TARGET_BLOCK at `step` as the node makes it (its sampled rows added to `meter` with
+    its ratio, rotation step + block): (output, info, op ms: plan, kernel and sampled rows, the device
+    synchronised)."""
+    sink = meter.sink(step, TARGET_BLOCK, 0, q.shape[1], config.topk_ratio)
     out, info = sparse_attention(q, k, v, layout, config, return_info=True, timings=True,
                                  error_rotation=step + TARGET_BLOCK, error_sink=sink)
     return out, info, sum(info.timings_ms.values())
 
 
 def target_run(trajectory: list[tuple], config: SparseConfig, target: float | None,
-               warmed: set[float] | None = None) -> dict:
+               warmed: set[float] | None = None, made: dict | None = None) -> dict:
     """One run of block TARGET_BLOCK over the sparse steps `trajectory` ((step, sigma, q, k, v, layout, dense
     output) each): at `config.topk_ratio` throughout (target None), or at the ratio `ErrorTarget` gives from the
     errors `ErrorMeter` measured at the steps before (its first step at topk_ratio). On CUDA a ratio not in
-    `warmed` (which it joins) runs once untimed first, so no timed call prepares kernels.
+    `warmed` (which it joins) runs once untimed first, so no timed call prepares kernels. `made`: the calls
+    already made, (step, ratio) -> their row and sampled sums; such a call is not made again (the same inputs,
+    ratio and rotation give the same output), its row (op ms included) and sums are reused.
 
     Returns:
         {"target", "steps", "ratios", "densities", "errors" (true, all video rows vs dense), "sampled" (each
         step's sampled estimate), "ms", "sampled_mean" (the meter's run mean, the node's report's number)}.
     """
     meter, chooser = ErrorMeter(), ErrorTarget()
+    made = {} if made is None else made
     run = {"target": target, "steps": [], "ratios": [], "densities": [], "errors": [], "sampled": [], "ms": []}
     for step, sigma, q, k, v, layout, ref in trajectory:
         ratio = config.topk_ratio if target is None else chooser.ratio(meter, TARGET_BLOCK, step, target,
                                                                        config.topk_ratio)
-        call_config = config if ratio == config.topk_ratio else config.replace(topk_ratio=ratio)
-        if q.is_cuda and warmed is not None and ratio not in warmed:
-            sparse_attention(q, k, v, layout, call_config)
-            warmed.add(ratio)
-        out, info, ms = op_call(q, k, v, layout, call_config, step, meter)
+        if (step, ratio) not in made:
+            call_config = config if ratio == config.topk_ratio else config.replace(topk_ratio=ratio)
+            if q.is_cuda and warmed is not None and ratio not in warmed:
+                sparse_attention(q, k, v, layout, call_config)
+                warmed.add(ratio)
+            own = ErrorMeter()
+            out, info, ms = op_call(q, k, v, layout, call_config, step, own)
+            made[(step, ratio)] = ({"densities": float(info.density), "errors": video_error(out, ref, layout),
+                                    "sampled": info.sampled_error, "ms": ms}, own.sums[(step, TARGET_BLOCK)])
+            del out, info
+        row, sums = made[(step, ratio)]
+        meter.sink(step, TARGET_BLOCK, 0, sums.shape[1], ratio)(sums[0], sums[1])
         run["steps"].append(step)
         run["ratios"].append(ratio)
-        run["densities"].append(float(info.density))
-        run["errors"].append(video_error(out, ref, layout))
-        run["sampled"].append(info.sampled_error)
-        run["ms"].append(ms)
-        del out, info
+        for key, value in row.items():
+            run[key].append(value)
     summary = meter.summary()
     run["sampled_mean"] = None if summary is None else summary["mean"]
     return run
@@ -201,18 +212,32 @@ def target_run(trajectory: list[tuple], config: SparseConfig, target: float | No
 def target_runs(trajectory: list[tuple], config: SparseConfig, targets: list[tuple[str, float | None, float | None]]
                 ) -> dict:
     """The fixed run at `config.topk_ratio` and one `target_run` per `--targets` item, the targets set from the
-    fixed run's sampled mean error. The layout's caches are built by one untimed call first."""
+    fixed run's sampled mean error (the calls made once per step and ratio). The layout's caches are built by
+    one untimed call first."""
     if not trajectory:
         return {"fixed": None, "targets": {}}
     _, _, q, k, v, layout, _ = trajectory[0]
     sparse_attention(q, k, v, layout, config)  # the layout's caches are built before anything is timed
-    warmed = {config.topk_ratio}
-    fixed = target_run(trajectory, config, None, warmed)
+    warmed, made = {config.topk_ratio}, {}
+    fixed = target_run(trajectory, config, None, warmed, made)
     runs = {}
     for name, multiple, absolute in targets:
         target = absolute if multiple is None else multiple * fixed["sampled_mean"]
-        runs[name] = target_run(trajectory, config, target, warmed)
+        runs[name] = target_run(trajectory, config, target, warmed, made)
     return {"fixed": fixed, "targets": runs}
+
+
+def settled(run: dict) -> tuple[int | None, list[float]]:
+    """(the first sparse step, counted from 1, from which every step's true error is within the band of the
+    run's target, None where the last is not; the ratios the run went back to after leaving them)."""
+    inside = [abs(e / run["target"] - 1.0) <= BAND for e in run["errors"]]
+    first = next((i for i in range(len(inside)) if all(inside[i:])), None)
+    visited, back = [], []
+    for r in run["ratios"]:
+        if visited and r == visited[-1]:
+            continue
+        (back if r in visited else visited).append(r)
+    return None if first is None else first + 1, back
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -384,8 +409,8 @@ def render_target(results: list[dict]) -> list[str]:
     """The error-target table's lines: per scene and ratio the fixed run, then one row per target."""
     lines = ["| scene | ratio | rule | target err | sparse steps | ratio per step | density (mean) | "
              "true err per step | true err (mean) | sampled err per step | sampled err (run) | final ratio | "
-             "op ms per step | op ms (mean) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "in band from step | ratios gone back to | op ms per step | op ms (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def listed(xs: list[float], fmt: str) -> str:
         return ", ".join(format(x, fmt) for x in xs)
@@ -397,10 +422,12 @@ def render_target(results: list[dict]) -> list[str]:
         for rule, x in [(f"fixed {r['ratio']:g}", runs["fixed"]), *((f"target {k}", y) for k, y in
                                                                    runs["targets"].items())]:
             n = len(x["steps"])
+            first, back = settled(x) if x["target"] is not None else (None, [])
+            band = "-" if x["target"] is None else "never" if first is None else str(first)
             lines.append(f"| {r['scene']} | {r['ratio']:g} | {rule} | "
                          f"{'-' if x['target'] is None else format(x['target'], '.4f')} | {n} | "
-                         f"{listed(x['ratios'], '.2f')} | {sum(x['densities']) / n:.3f} | "
+                         f"{listed(x['ratios'], '.3f')} | {sum(x['densities']) / n:.3f} | "
                          f"{listed(x['errors'], '.4f')} | {sum(x['errors']) / n:.4f} | "
-                         f"{listed(x['sampled'], '.4f')} | {x['sampled_mean']:.4f} | {x['ratios'][-1]:.2f} | "
-                         f"{listed(x['ms'], '.0f')} | {sum(x['ms']) / n:.1f} |")
+                         f"{listed(x['sampled'], '.4f')} | {x['sampled_mean']:.4f} | {x['ratios'][-1]:.3f} | "
+                         f"{band} | {listed(back, '.3f') or 'none'} | {listed(x['ms'], '.0f')} | {sum(x['ms']) / n:.1f} |")
     return lines

@@ -1,8 +1,9 @@
 """The measured error of a run's sparse calls: the sums of the sampled exact rows (`backend/fidelity.py`), added up
-on the device per denoising step and block, and read back once when the run's report is made (no host
-synchronisation in the per-block path)."""
+on the device per denoising step and block, each with the ratio its calls ran at, and read back once when the
+run's report is made, or once a step for an error target (no host synchronisation in the per-block path)."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -20,12 +21,15 @@ def relative(sums: torch.Tensor) -> torch.Tensor:
 
 
 class ErrorMeter:
-    """One run's sampled error sums: (step, block) -> [2, heads] (sum diff^2, sum exact^2) on the device."""
+    """One run's sampled error sums: (step, block) -> [2, heads] (sum diff^2, sum exact^2) on the device, and the
+    topk_ratio those calls ran at."""
 
     def __init__(self) -> None:
         self.sums: dict[tuple[int, int], torch.Tensor] = {}
+        self.ratios: dict[tuple[int, int], float] = {}  # NaN where the calls of a (step, block) ran at several
 
-    def sink(self, step: int | None, layer: int, h0: int, heads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def sink(self, step: int | None, layer: int, h0: int, heads: int,
+             ratio: float = math.nan) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """The `error_sink` of one sparse call: adds its per-head sums at heads h0.. of block `layer`, `step`.
 
         Args:
@@ -33,8 +37,11 @@ class ErrorMeter:
             layer: the block index.
             h0: the call's first head (KJNodes' head groups call once per group).
             heads: the block's heads.
+            ratio: the topk_ratio the call ran at (NaN: not known; an error target learns nothing from it).
         """
         key = (-1 if step is None else step, layer)
+        if self.ratios.setdefault(key, ratio) != ratio:  # NaN stays NaN
+            self.ratios[key] = math.nan
 
         def add(sq_diff: torch.Tensor, sq_exact: torch.Tensor) -> None:
             acc = self.sums.get(key)
@@ -66,14 +73,14 @@ class ErrorMeter:
                 "worst_block": (layers[b], float(blocks[b])),
                 "worst_head": (layers[worst // heads.shape[1]], worst % heads.shape[1], float(heads.flatten()[worst]))}
 
-    def last_step(self, before: int, after: int) -> tuple[int, dict[int, float]] | None:
-        """(step, {block: error}) of the latest step measured in (after, before), read from the device once;
-        None when no step in that range ran sparse blocks (a dense or skipped step)."""
+    def last_step(self, before: int, after: int) -> tuple[int, dict[int, tuple[float, float]]] | None:
+        """(step, {block: (ratio, error)}) of the latest step measured in (after, before), read from the device
+        once; None when no step in that range ran sparse blocks (a dense or skipped step)."""
         steps = [s for s, _ in self.sums if after < s < before]
         if not steps:
             return None
         step = max(steps)
         layers = sorted(b for s, b in self.sums if s == step)
         sums = torch.stack([self.sums[(step, b)] for b in layers]).sum(-1, keepdim=True).cpu()  # [L, 2, 1]
-        return step, dict(zip(layers, relative(sums)[:, 0].tolist()))
+        return step, {b: (self.ratios[(step, b)], e) for b, e in zip(layers, relative(sums)[:, 0].tolist())}
 

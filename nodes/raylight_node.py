@@ -10,7 +10,8 @@ from comfy_api.latest import io
 
 from .raylight import worker_patch
 from .schema import io_input
-from .widgets import CATEGORY, RAYLIGHT_NODE_ID, RAYLIGHT_NODE_NAME, SPARSE_WIDGETS, config_from_widgets
+from .widgets import (CATEGORY, RAYLIGHT_NODE_ID, RAYLIGHT_NODE_NAME, SPARSE_WIDGETS, check_queued,
+                      config_from_widgets, validation_answer)
 
 RayActors = io.Custom("RAY_ACTORS")
 
@@ -34,6 +35,14 @@ class AdaptiveSparseAttentionH3Raylight(io.ComfyNode):
             outputs=[RayActors.Output(display_name="ray_actors",
                                       tooltip="The same workers, their models running sparse attention.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, dense_layers: str | None = None, block_size: int | None = None,
+                        topk_ratio: float | None = None, measure_error: bool | None = None,
+                        error_target: float | None = None) -> bool | str:
+        """Refuse, when the prompt is queued, what the sparse node refuses then (`widgets.check_queued`)."""
+        return validation_answer(lambda: check_queued(dense_layers, block_size, topk_ratio, measure_error,
+                                                      error_target))
 
     @classmethod
     def execute(cls, ray_actors, **widgets) -> io.NodeOutput:

@@ -73,7 +73,7 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
         if slot is not None:
             slot.at(*sigmas)
         group += 1
-        kernel["error_sink"] = tracker.stats.errors.sink(step, layer, h0, attn.heads)
+        kernel["error_sink"] = tracker.stats.errors.sink(step, layer, h0, attn.heads, config.topk_ratio)
         if density is None:  # measured once per shape, density and run: it needs a host sync
             o, info = sparse_attention(q, k, v, layout, config, return_info=True, coarse_gate=g, plan_slot=slot,
                                        **kernel)

@@ -7,7 +7,7 @@ from .sparse_policy import apply_sparse_attention
 from .h3_model import h3_diffusion_model
 from .schema import io_input
 from .widgets import (CATEGORY, SPARSE_NODE_ID, SPARSE_NODE_NAME, SPARSE_SEARCH_ALIASES, SPARSE_WIDGETS,
-                      check_block_size, check_dense_layers, config_from_widgets, model_layer_count,
+                      check_dense_layers, check_queued, config_from_widgets, model_layer_count,
                       validation_answer)
 
 
@@ -31,19 +31,17 @@ class AdaptiveSparseAttentionH3(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, dense_layers: str | None = None, block_size: int | None = None) -> bool | str:
+    def validate_inputs(cls, dense_layers: str | None = None, block_size: int | None = None,
+                        topk_ratio: float | None = None, measure_error: bool | None = None,
+                        error_target: float | None = None) -> bool | str:
         """Refuse, when the prompt is queued, a malformed dense_layers or one beyond any model (the
         model's own block count is known only when the node runs: `execute` says it in the same
-        words) and a block_size that is not an allowed value (ComfyUI checks the ranges and choices
-        of the other widgets). A value linked from another node is None here and is checked in
+        words), a block_size that is not an allowed value (ComfyUI checks the ranges and choices
+        of the other widgets) and an error_target with measure_error off or a topk_ratio outside its
+        range (`widgets.check_queued`). A value linked from another node is None here and is checked in
         `execute`."""
-        def check() -> None:
-            if dense_layers is not None:
-                check_dense_layers(dense_layers)
-            if block_size is not None:
-                check_block_size(block_size)
-
-        return validation_answer(check)
+        return validation_answer(lambda: check_queued(dense_layers, block_size, topk_ratio, measure_error,
+                                                      error_target))
 
     @classmethod
     def execute(cls, model, **widgets) -> io.NodeOutput:

@@ -58,8 +58,10 @@ class SparseAttentionHook(BlockHook):
         self.set_precision(*resolve_precision(self.config.precision, self.launched, None))
 
     def set_precision(self, precision: str, reason: str) -> None:
-        """Run at `precision` ("bf16" or "8-bit"): the engine's config, the dense override's bound, the report."""
-        self.engine_config = self.config.replace(precision=precision)
+        """Run at `precision` ("bf16" or "8-bit"): the engine's config, the dense override's bound, the report.
+        The engine's config has no error target: the policy holds it and sets each call's ratio (a ramped step's
+        too, outside the target's range)."""
+        self.engine_config = self.config.replace(precision=precision, error_target=0.0)
         self.dense_override.precision = precision
         self.tracker.precision = (precision, reason)
 

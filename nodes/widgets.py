@@ -179,6 +179,21 @@ def check_block_size(value: Any) -> int:
     return settings()["block_size"].rule.check(f"{SPARSE_NODE_NAME}.block_size", value)
 
 
+def check_queued(dense_layers: str | None = None, block_size: int | None = None, topk_ratio: float | None = None,
+                 measure_error: bool | None = None, error_target: float | None = None) -> None:
+    """The sparse node's checks when a prompt is queued (its `validate_inputs`): a malformed dense_layers or one
+    beyond any model, a block_size that is not allowed, and an error_target the node cannot hold (with
+    measure_error off, or a topk_ratio outside the target's range: `SparseConfig`'s message, naming the fields
+    and values). A value linked from another node is None here (a left-out optional one too) and takes the
+    field's default, which refuses nothing; `execute` checks every value again. Raises ValueError or TypeError."""
+    if dense_layers is not None:
+        check_dense_layers(dense_layers)
+    if block_size is not None:
+        check_block_size(block_size)
+    given = {"topk_ratio": topk_ratio, "measure_error": measure_error, "error_target": error_target}
+    SparseConfig(**{name: value for name, value in given.items() if value is not None})
+
+
 def capture_selection(layers: str, steps: str, num_layers: int | None = None
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Layer and step indices of the capture node's widgets, layers below the model's block count

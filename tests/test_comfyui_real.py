@@ -432,6 +432,8 @@ def test_hostile_widget_values_are_refused_and_the_server_keeps_serving(server):
         (sparse_prompt(dense_layers="0-2," * 2000), "dense_layers", "at most 1024 characters"),
         (sparse_prompt(dense_layers="0;rm -rf /"), "dense_layers", "is not an index or a range"),
         (sparse_prompt(block_size=100), "block_size", "=100 is not allowed: expected one of 64, 128"),
+        (sparse_prompt(error_target=0.1, measure_error=False), "error_target", "not allowed with measure_error=False"),
+        (sparse_prompt(error_target=0.1, topk_ratio=0.8), "topk_ratio", "not allowed with error_target=0.1"),
         (capture_prompt(layers="1-" + "9" * 500), "layers", "out of range"),
         (capture_prompt(steps="1e9"), "steps", "is not an index or a range"),
         (capture_prompt(filename_prefix="a\x00b"), "filename_prefix", "printable characters"),

@@ -182,14 +182,23 @@ def test_the_estimate_traces_under_torch_compile_without_recompiling_per_rotatio
     torch._dynamo.reset()
 
 
-def test_the_error_estimate_command_reports_ratio_and_rank(capsys):
-    """`error-estimate` at a small size: the table names the sampled rows and has a row per scene and ratio."""
+def test_the_error_estimate_command_passes_where_it_samples_every_row_and_fails_past_its_bound(capsys, monkeypatch):
+    """`error-estimate` at demo size with one sampled block of all 2,304 video rows per head: the estimate is the
+    true error (est/true 1.000, the heads ranked alike), so the verdict is PASS and the exit code 0; the same run
+    against a ratio bound below zero is a FAIL with exit code 1."""
+    from adaptive_sparse_attention.bench import error_estimate
     from adaptive_sparse_attention.bench.cli import main
 
-    code = main(["error-estimate", "--size", "demo", "--heads", "2", "--scenes", "pan", "--ratios", "0.2",
-                 "--rotations", "1,3", "--kernel", "torch", "--device", "cpu"])
+    args = ["error-estimate", "--size", "demo", "--heads", "2", "--scenes", "pan", "--ratios", "0.2", "--rotations",
+            "1", "--strata", "1", "--rows", "2304", "--kernel", "torch", "--device", "cpu"]
+    code = main(args)
     out = capsys.readouterr().out
-    assert code in (0, 1)
-    assert out.startswith("demo with 2 heads, tiling reblock: 128 sampled rows per head and call"), out
-    assert "| scene | ratio | true err | est (1) | est/true (1) | rank (1) | est (3) |" in out, out
-    assert "| pan | 0.2 |" in out and ("PASS" in out or "FAIL" in out), out
+    assert out.startswith("demo with 2 heads, tiling reblock: 2304 sampled rows per head and call"), out
+    assert "| scene | ratio | true err | est (1) | est/true (1) | rank (1) |" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("| pan | 0.2 |")).split(" | ")
+    assert row[2] == row[3] and row[4] == "1.000" and row[5].startswith("1.00"), row
+    assert code == 0 and out.rstrip().endswith("PASS"), out
+    monkeypatch.setattr(error_estimate, "RATIO_BOUND", -1.0)
+    code = main(args)
+    out = capsys.readouterr().out
+    assert code == 1 and out.rstrip().endswith("FAIL"), out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import math
 import subprocess
 
 import pytest
@@ -128,12 +129,31 @@ def test_the_packs_errors_share_one_type():
 
 @needs_triton
 def test_the_fixed_set_meets_every_row_bucket_up_to_its_length():
-    """`prepare`'s shapes (`bench.prepare.rungs`) hold every row bucket a 1344x768 clip up to 60 s and the
-    templates' canvases up to 10 s fall in: what a sparse call compiles depends on the bucket alone."""
-    from adaptive_sparse_attention.bench.prepare import CANVASES, bucket, clip_size, latent_frames, rungs
+    """`prepare`'s shapes (`bench.prepare.rungs`) hold every row bucket of the clips a user makes, the clips computed
+    here from H3's token counts (REFERENCE.md), not from the rungs' own helpers: every 17n + 5 frames up to 60 s
+    at 1344x768 (42 x 24 = 1,008 video rows a latent frame, (N - 5) / 17 * 5 + 2 latent frames) and the template
+    canvases (864x480: 27 x 15, 1280x736: 40 x 23 rows a latent frame) up to 10 s; a bucket is the radix select's
+    row split and the power of two of the video key blocks (64 rows each), what a sparse call compiles for."""
+    from adaptive_sparse_attention.bench.prepare import rungs
+    from adaptive_sparse_attention.kernels.triton.radix_select import row_split
 
-    met = {bucket(r.size) for r in rungs(60.0)}
-    clips = [clip_size(*CANVASES["1344x768"], t) for t in range(2, latent_frames(60.0) + 1)]
-    clips += [clip_size(*CANVASES[c], latent_frames(s)) for c in CANVASES for s in (2.0, 3.0, 5.0, 7.0, 10.0)]
-    assert all(bucket(size) in met for size in clips)
+    def bucket_of(video_rows: int) -> tuple:
+        blocks = -(-video_rows // 64)
+        return row_split(blocks), 1 << (blocks - 1).bit_length()
+
+    def latents(frames: int) -> int:
+        return (frames - 5) // 17 * 5 + 2
+
+    def sparse(latent: int, rows: int) -> bool:  # may run sparse at the default min_tokens (audio: < 12 a latent)
+        return 256 + 12 * latent + latent * rows >= SparseConfig().min_tokens
+
+    frames = range(5, 60 * 24 + 17, 17)  # 17n + 5, through the first count at or past 60 s
+    clips = [(latents(n), 1008) for n in frames]
+    clips += [(latents(n), rows) for n in frames if n <= 10 * 24 + 17 for rows in (27 * 15, 40 * 23)]
+    met = {bucket_of(math.prod(r.size.grid)) for r in rungs(60.0)}
+    wanted = {bucket_of(t * rows) for t, rows in clips if sparse(t, rows)}
+    assert len(wanted) > 10 and wanted <= met, sorted(wanted - met)
+    # the rungs' video grids are H3's: 124 frames at 1344x768 are 37 latent frames, 37,296 video rows
+    five = next(r.size for r in rungs(60.0) if r.name == "1344x768 5s")
+    assert (five.grid, math.prod(five.grid), latents(124)) == ((37, 24, 42), 37_296, 37)
     assert len(rungs(60.0)) == len({r.name for r in rungs(60.0)}) < 40  # a small, fixed set

@@ -9,7 +9,7 @@ from adaptive_sparse_attention import SparseConfig
 from adaptive_sparse_attention.bench import steps
 from adaptive_sparse_attention.bench.cli import main
 from adaptive_sparse_attention.bench.scenes import make_scene
-from adaptive_sparse_attention.nodes.error_target import CAP, FLOOR, GRID
+from adaptive_sparse_attention.nodes.error_target import CAP, FLOOR, grid_position
 
 CFG = SparseConfig(topk_ratio=0.2, min_tokens=0, kernel="torch", tiling="reblock")
 TARGETS = steps.parse_targets("default,0.5x,2x")
@@ -69,7 +69,7 @@ def test_a_target_at_the_fixed_runs_own_error_ends_within_a_grid_step_of_its_rat
     that mean ends within one grid step of 0.2; a lower target ends denser and a higher one sparser."""
     for run in runs.values():
         ratios = {name: x["ratios"][-1] for name, x in run["targets"].items()}
-        assert abs(ratios["default"] - 0.2) <= GRID + 1e-9
+        assert abs(grid_position(ratios["default"]) - grid_position(0.2)) <= 1 + 1e-9
         assert ratios["0.5x"] > 0.2 > ratios["2x"]
         half, double = run["targets"]["0.5x"], run["targets"]["2x"]
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -88,8 +88,12 @@ def test_each_call_is_made_as_the_node_makes_it(monkeypatch, paths):
 
     monkeypatch.setattr(steps, "sparse_attention", spy)
     path = paths["cuts"][:2]
-    steps.target_runs(path, CFG, [("2x", 2.0, None)])
-    assert [s for s, _, _ in seen] == [p[0] for p in path] * 2 and all(x for _, _, x in seen)
+    runs = steps.target_runs(path, CFG, [("2x", 2.0, None)])
+    made = [(step, ratio) for step, ratio, _ in seen]
+    wanted = list(zip(runs["fixed"]["steps"], runs["fixed"]["ratios"]))
+    wanted += [x for x in zip(runs["targets"]["2x"]["steps"], runs["targets"]["2x"]["ratios"]) if x not in wanted]
+    assert made == wanted and all(x for _, _, x in seen)  # each step and ratio once, the first target step reused
+    assert runs["targets"]["2x"]["ratios"][1] < 0.2  # the second target step ran a call of its own
 
 
 def test_the_table_runs_alone_and_gaussian_is_a_static_control(capsys):
@@ -99,7 +103,7 @@ def test_the_table_runs_alone_and_gaussian_is_a_static_control(capsys):
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("demo with 1 head, 4 steps"), out
     assert "| scene | ratio | rule | target err |" in out and "fidelity density" not in out, out
-    assert "| pan | 0.2 | fixed 0.2 | - | 2 | 0.20, 0.20 |" in out, out
+    assert "| pan | 0.2 | fixed 0.2 | - | 2 | 0.200, 0.200 |" in out, out
     assert "| gaussian | 0.2 | target default |" in out and "| pan | 0.2 | target 2x |" in out, out
     assert "drift limit" not in out
     assert steps.scene_noise("gaussian", 0.9) == 0.0 and steps.scene_noise("pan", 1.2) == 1.0
