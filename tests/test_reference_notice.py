@@ -32,7 +32,8 @@ def test_on_the_cpu_it_names_the_cpu_and_what_is_needed():
 
 
 def test_on_a_gpu_without_triton_it_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(registry, "current_host", lambda: Host(frozenset()))
+    for module in (registry, reference_notice):  # the registry's resolution and the notice's candidate count
+        monkeypatch.setattr(module, "current_host", lambda: Host(frozenset()))
     why = no_fast_kernel(SparseConfig(), CUDA, torch.bfloat16, 128)
     assert why.startswith(f"{REASON} (Triton is not installed); install triton")
     assert "`python install.py`" in why
