@@ -181,8 +181,8 @@ class SparseAttentionHook(BlockHook):
                 plans = self.tracker.plans
                 if config.plan_reuse == "auto" and not plans.expects(layout.signature()):
                     plans.expect(layout.signature(), plan_estimate.estimate(
-                        ctx.model, self.config, attn.heads, to.get("minimax_head_chunks", 1), self.tracker.seen_branches(),
-                        ctx.step))
+                        ctx.model, self.config, attn.heads, to.get("minimax_head_chunks", 1),
+                        self.tracker.seen_branches(), ctx.step))
                 return (ctx.step, layout, config, branch, (ctx.sigma, ctx.next_sigma))
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
