@@ -122,7 +122,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         ran: receives, per call, the report's name of the attention kernel that ran and the measured
             choice's summary ("" where nothing was measured).
         plan_slot: the plan kept from this block's last evaluated step, reused where its rule
-            allows (`plan_reuse.PlanSlot`; ``plan_reuse="on"`` in the node).
+            allows (`plan_reuse.PlanSlot`; ``plan_reuse`` on or auto in the node).
         error_rotation: which query blocks the error measurement samples (`fidelity.sample_rows`): pass
             the denoising step or a call counter, so a run's calls see every part of the clip.
         error_sink: with ``config.measure_error``, receives the call's per-head sums on the device,

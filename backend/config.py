@@ -17,7 +17,7 @@ from ..kernels.registry import FAMILIES
 from .rules import Choice, Flag, Integer, LayerIndices, Number, Rule
 
 WARMUP_MODES = ("fidelity", "speed", "dense", "ramp")  # append only: saved workflows store the value
-PLAN_REUSES = ("off", "on")
+PLAN_REUSES = ("off", "on", "auto")  # append only: saved workflows store the value
 SPARSE_SCOPES = ("target-video", "joint-video")
 TAIL_GRANULARITIES = ("query", "block")
 TILINGS = ("reblock", "cube")
@@ -126,11 +126,14 @@ class SparseConfig:
         "the 8-bit bound too); the 8-bit loop: INT8 Q.K^T after smoothing K, FP8 "
         "(INT8 before RTX 40xx) P.V, fp32 softmax statistics and accumulation over the selected video key blocks; "
         "context keys, summaries and routing keep their precision.")
-    plan_reuse: str = setting("off", Choice(PLAN_REUSES),
+    plan_reuse: str = setting("auto", Choice(PLAN_REUSES),
         "on: a block keeps its tiling and key-block choice from its last evaluated step (per cond/uncond branch "
         "and shape) while a cheap check on the GPU says its block statistics have not moved enough to change them, "
-        "and rebuilds them when they have (saves planner time; the run report counts the rebuilds). off: planned "
-        "afresh at every step.")
+        "and rebuilds them when they have (saves planner time; the run report counts the rebuilds); the kept plans "
+        "hold at most 5% of the GPU's memory, blocks past that plan afresh. auto: on where the whole run's kept "
+        "plans fit that budget (the first plan's size x sparse blocks x branches x head groups, decided once per "
+        "run and shape, said in the console and report with the numbers), else off, so the memory stays with "
+        "sampling. off: planned afresh at every step.")
     measure_error: bool = setting(True, Flag(),
         "On: every sparse call also runs a few sampled query blocks per head exactly against all keys (about "
         "1-2% of the call) and measures its own error on them, the relative L2 of the video rows "

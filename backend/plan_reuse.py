@@ -38,6 +38,12 @@ of the GPU's memory, fixed so the same inputs give the same bits): a plan that w
 for its step and not kept, the store says so once, and that slot's next step plans afresh (counted
 as "memory budget"). Blocks are called in the same order every step, so the first blocks of a run
 keep their plans and the others plan every step; no slot evicts another's plan on the way.
+
+`plan_reuse="auto"` decides once per run and shape, at its first plan (`PlanStore.decide`): the plan's
+measured bytes times the slots the run will fill (`Estimate`: the blocks that run sparse, the cond/uncond
+branches, the head groups), plus what other shapes keep already, against the same budget. Where that fits,
+the shape's plans are kept as with "on"; where it does not, every block of the shape plans afresh, as with
+"off", so the node's extra memory gives way first. Either verdict is said once, with the numbers.
 """
 from __future__ import annotations
 
@@ -59,6 +65,34 @@ MEMORY_SHARE = 0.05  # of a GPU's memory the kept plans may hold: H3's 50 blocks
 OTHER_DEVICE_BYTES = 2 << 30  # the budget on a device that is not a GPU
 PLAN_FIELDS = ("tiling", "reblock_layout", "topk_ratio", "sparse_scope", "block_size", "routing_scores", "kernel",
                "precision")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The slots the kept plans of one shape fill over a run (`plan_reuse="auto"`): blocks x branches x groups.
+
+    Attributes:
+        blocks: the model's blocks that run sparse at this shape (not in dense_layers).
+        branches: the cond/uncond branches a step runs as separate calls.
+        groups: the head groups of a block call (KJNodes' ``minimax_head_chunks``).
+        note: why `branches` is what it is, where that is not what the run has shown yet ("" otherwise).
+    """
+
+    blocks: int
+    branches: int
+    groups: int
+    note: str = ""
+
+    @property
+    def slots(self) -> int:
+        """Plans kept at once for this shape."""
+        return self.blocks * self.branches * self.groups
+
+    def __str__(self) -> str:
+        def count(n: int, what: str) -> str:
+            return f"{n} {what}" + ("" if n == 1 else "s" if not what.endswith("ch") else "es")
+        return (f"{count(self.blocks, 'sparse block')} x {count(self.branches, 'branch')}{self.note} x "
+                f"{count(self.groups, 'head group')}")
 
 
 def plan_facts(q: torch.Tensor, config: SparseConfig, layout_signature: Hashable) -> tuple:
@@ -87,6 +121,13 @@ def memory_budget(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory * MEMORY_SHARE)
     return OTHER_DEVICE_BYTES
+
+
+def budget_name(device: torch.device, budget_bytes: int | None) -> str:
+    """Where a store's budget on `device` comes from, as its notices say it."""
+    if budget_bytes is not None:
+        return "the store's own budget"
+    return f"{MEMORY_SHARE:.0%} of the GPU's memory" if device.type == "cuda" else "the budget off a GPU"
 
 
 def held_bytes(*tensors: torch.Tensor) -> int:
@@ -123,6 +164,7 @@ class PlanSlot:
         self.bytes = 0  # what `kept` holds, as the store accounts it
         self.device = ""  # where it holds it
         self.refused = False  # the latest fresh plan was not kept: the memory budget was spent
+        self.size = 0  # bytes the latest fresh plan holds, kept or not (what `PlanStore.decide` measures)
         self.verdict: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # rebuild at the next step?
         self.host: torch.Tensor | None = None  # pinned buffer the verdict is copied into (CUDA)
         self.rate: torch.Tensor | None = None  # drift per unit gap between the latest two evaluated steps, on the device
@@ -168,6 +210,7 @@ class PlanSlot:
         ref = torch.bfloat16  # the means kept: bf16 rounding (0.4%) is far below DRIFT_LIMIT
         size = (held_bytes(tiling.q_perm, tiling.k_perm, tiling.block_len, q2k_idx, q2k_num)
                 + (q_mean.numel() + k_mean.numel()) * ref.itemsize)
+        self.size = size
         self.refused = not self.store.admit(self, size, q_mean.device)
         self.verdict = None
         if self.refused:  # nothing is kept: the means are not copied either
@@ -224,6 +267,8 @@ class PlanStore:
         self.slots: OrderedDict[Hashable, PlanSlot] = OrderedDict()
         self.counts: dict[str, int] = {}
         self.notices = Notices()
+        self.estimates: dict[Hashable, Estimate] = {}  # shape -> the slots auto counts for it, this run
+        self.auto: dict[Hashable, bool] = {}  # shape -> auto's verdict this run: keep its plans?
         self.lock = threading.Lock()
 
     def slot(self, key: Hashable) -> PlanSlot:
@@ -242,16 +287,64 @@ class PlanStore:
         refused drops the slot's old one too (it no longer matches the step); said once per run."""
         with self.lock:
             self._forget(slot)
-            budget = memory_budget(device) if self.budget_bytes is None else self.budget_bytes
+            budget = self.budget(device)
             fits = self.used.get(str(device), 0) + size <= budget
             if fits:
                 slot.bytes, slot.device = size, str(device)
                 self.used[slot.device] = self.used.get(slot.device, 0) + size
         if not fits:
-            self.notices.say(f"plan_reuse: the kept plans reached their memory budget ({budget / 2**30:.2f} GiB; on "
-                             f"a GPU {MEMORY_SHARE:.0%} of its memory), a plan here holds {size / 2**20:.0f} MiB: the "
-                             "blocks past it plan afresh at every step (the report counts them)")
+            self.notices.say(f"plan_reuse: the kept plans reached their memory budget ({budget / 2**30:.2f} GiB; "
+                             f"{budget_name(device, self.budget_bytes)}), a plan here holds {size / 2**20:.0f} MiB: "
+                             "the blocks past it plan afresh at every step (the report counts them)")
         return fits
+
+    def budget(self, device: torch.device) -> int:
+        """Bytes the kept plans may hold on `device` (`budget_bytes`, else `memory_budget`)."""
+        return memory_budget(device) if self.budget_bytes is None else self.budget_bytes
+
+    def expect(self, shape: Hashable, estimate: Estimate) -> None:
+        """Say how many slots a run's kept plans of `shape` will fill (the first estimate of a run holds)."""
+        with self.lock:
+            self.estimates.setdefault(shape, estimate)
+
+    def expects(self, shape: Hashable) -> bool:
+        """Whether this run has an estimate for `shape` already."""
+        return shape in self.estimates
+
+    def verdict(self, shape: Hashable) -> bool | None:
+        """auto's verdict for `shape` this run (True: keep its plans), None before its first plan."""
+        return self.auto.get(shape)
+
+    def decide(self, shape: Hashable, key: Hashable, slot: PlanSlot, device: torch.device, label: str) -> str | None:
+        """auto's verdict for `shape`, once per run, on its first fresh plan (`slot`, kept under `key`): keep the
+        shape's plans where that plan's bytes times the estimate's slots, plus what the store keeps for other
+        shapes, fit the budget; else drop the slot and its count (the shape plans afresh, as with "off").
+
+        Args:
+            shape: the shape's key (the layout's signature).
+            key: the slot's key in the store.
+            slot: the slot the shape's first plan was built in (`PlanSlot.size` measured it).
+            device: where the plans live (their budget).
+            label: the shape as the notice names it.
+        Returns:
+            The notice to say once (which verdict and why, in bytes), or None where the verdict was made already
+            (another thread's call of the same shape).
+        """
+        with self.lock:
+            keep, notice = self.auto.get(shape), None
+            if keep is None:
+                estimate, budget = self.estimates.get(shape), self.budget(device)
+                others = self.used.get(str(device), 0) - slot.bytes  # kept already for other shapes
+                need = None if estimate is None else others + slot.size * estimate.slots
+                keep = self.auto[shape] = need is not None and need <= budget
+                notice = auto_notice(keep, label, estimate, slot.size, others, need, budget,
+                                     budget_name(device, self.budget_bytes))
+            if not keep and self.slots.get(key) is slot:
+                self._forget(self.slots.pop(key))
+                self.counts["first"] -= 1  # its one plan is counted as a plan of "off"'s: not at all
+                if not self.counts["first"]:
+                    del self.counts["first"]
+        return notice
 
     def _forget(self, slot: PlanSlot) -> None:
         """Release `slot`'s plan from the store's accounting (a caller may still hold the slot)."""
@@ -286,4 +379,32 @@ class PlanStore:
         self.drop_plans()
         with self.lock:
             self.counts.clear()
+            self.estimates.clear()
+            self.auto.clear()
         self.notices.clear()
+
+
+def auto_notice(keep: bool, label: str, estimate: Estimate | None, size: int, others: int, need: int | None,
+                budget: int, budget_from: str) -> str:
+    """What `PlanStore.decide` says of its verdict: which, and the bytes needed against the budget."""
+    limit = f"the memory budget of {size_text(budget)} ({budget_from})"
+    if estimate is None:
+        return (f"plan_reuse auto: off for the {label} shape: the run's blocks, branches and head groups are not "
+                "known here (a call outside a model call), so every block plans afresh at every step")
+    held = f"{estimate} = {estimate.slots} plans of {size_text(size)}"
+    if others:
+        held += f", plus {size_text(others)} kept for other shapes"
+    if keep:
+        return (f"plan_reuse auto: on for the {label} shape: its kept plans need about {size_text(need)} ({held}), "
+                f"within {limit}")
+    return (f"plan_reuse auto: off for the {label} shape: its kept plans would need about {size_text(need)} "
+            f"({held}), past {limit}: every block plans afresh at every step, the memory stays with sampling "
+            "(plan_reuse on keeps the plans that fit)")
+
+
+def size_text(n: int) -> str:
+    """`n` bytes as the notices say them: GiB, MiB or KiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n / 1024:.1f} KiB"

@@ -72,7 +72,8 @@ class RunTracker:
         self.last_report: dict | None = None  # `report()` of the latest run that ran any block, as of its last sampler call
         self.timed: set[tuple] = set()  # layout signatures already timed against dense this run
         self.precision: tuple[str, str] = ("bf16", "not resolved yet")  # (precision, why), set per sampler call
-        self.plans = PlanStore()  # plans kept between evaluated steps (plan_reuse="on"), bounded, per run
+        self.plans = PlanStore()  # plans kept between evaluated steps (plan_reuse on, auto), bounded, per run
+        self.branches: dict[tuple, int | None] = {}  # cond_or_uncond keys of the run's calls -> step first seen
         self.timers = RunTimers()  # CUDA events of the run not read yet
 
     def step_of(self, transformer_options: dict) -> tuple[int | None, float | None, tuple[int, int] | None]:
@@ -103,6 +104,17 @@ class RunTracker:
             return None
         with self.lock:
             return next((s for s in self.run_sigmas if s < sigma * (1.0 - 1e-6)), 0.0)
+
+    def note_branch(self, branch: tuple, step: int | None) -> None:
+        """A block call of `branch` (its ``cond_or_uncond`` key) at `step`: the branches the run has shown."""
+        if branch not in self.branches:
+            with self.lock:
+                self.branches.setdefault(branch, step)
+
+    def seen_branches(self) -> dict[tuple, int | None]:
+        """A copy of the run's branch keys -> the step each was first seen at (`note_branch`)."""
+        with self.lock:
+            return dict(self.branches)
 
     def log_once(self, message: str, level: int = logging.WARNING) -> None:
         """Log a message (a warning by default) once per run (a reason that holds for every block is
@@ -234,5 +246,6 @@ class RunTracker:
             self.densities.clear()
             self.timed.clear()
             self.plans.clear()
+            self.branches.clear()
             self.stats = RunStats()
             return line

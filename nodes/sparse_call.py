@@ -2,6 +2,7 @@
 (`sparse_attention`), the output projection, and what the run report measures of it."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from ..backend.attention import DTYPES, HEAD_DIMS, sparse_attention
 from ..backend.config import SparseConfig
 from ..backend.layout import SequenceLayout
+from ..backend.plan_reuse import PlanSlot
 from ..backend.planner import layout_kernels
 from ..backend.producer import produce_qkv
 from ..kernels.sparse_choice.choice import SparseChoices, ratio_class
@@ -69,7 +71,8 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: int) -> torch.Tensor:
         nonlocal density, group
-        slot = None if config.plan_reuse != "on" else tracker.plans.slot((branch, layer, layout.signature(), group))
+        where = (branch, layer, layout.signature(), group)
+        slot, undecided = plan_slot(tracker, config, where)
         if slot is not None:
             slot.at(*sigmas)
         group += 1
@@ -83,12 +86,33 @@ def attend(tracker: RunTracker, choices: SparseChoices, setting: SparseConfig, l
                 q, k, v, layout, config, coarse_gate=g, plan_slot=slot, **kernel))
         else:
             o = sparse_attention(q, k, v, layout, config, coarse_gate=g, plan_slot=slot, **kernel)
+        if undecided:  # the shape's first plan is built and measured: auto decides for the run
+            notice = tracker.plans.decide(where[2], where, slot, q.device, f"{layout.total}-row")
+            if notice is not None:
+                tracker.say_in_report(notice, logging.INFO)
         return o
 
     out = output(attn, x, rope_freqs, transformer_options, run, layout, config, setting)
     tracker.stop_timer(timer)
     tracker.note_block(step, sparse=True, density=density, layer=layer, shape=key)
     return out
+
+
+def plan_slot(tracker: RunTracker, config: SparseConfig, where: tuple) -> tuple[PlanSlot | None, bool]:
+    """The slot a head group's plan is kept in (None: planned afresh) and whether `plan_reuse="auto"` decides
+    for the shape after this call (its first this run: `PlanStore.decide`).
+
+    Args:
+        tracker: the run's tracker (its `PlanStore`).
+        config: the call's engine config (``plan_reuse``).
+        where: the slot's key (branch, block, layout signature, head group).
+    """
+    if config.plan_reuse == "off":
+        return None, False
+    verdict = None if config.plan_reuse == "on" else tracker.plans.verdict(where[2])
+    if verdict is False:
+        return None, False
+    return tracker.plans.slot(where), config.plan_reuse == "auto" and verdict is None
 
 
 def output(attn: torch.nn.Module, x: Any, rope_freqs: Any, transformer_options: dict,

@@ -15,7 +15,7 @@ from ..errors import SparseAttentionError
 from ..kernels.dense.choice import DenseChoices
 from ..kernels.sparse_choice.choice import SparseChoices
 from ..kernels.sparse_choice.choice import default_cache_path as sparse_cache_path
-from . import interop, sparse_call
+from . import interop, plan_estimate, sparse_call
 from .block_hook import BlockHook, CallContext, log
 from .core_sparse import core_sparse_blocks, core_sparse_message, fasth3_message, gated_blocks, refuse_core_sparse
 from .dense_override import DenseOverride, is_ours
@@ -165,8 +165,10 @@ class SparseAttentionHook(BlockHook):
         """(step, layout, engine config of the step, cond/uncond branch, (sigma, next sigma)) when this call
         runs sparse, else None (the call is counted dense with its reason)."""
         reason = self.left_to
+        to = args.get("transformer_options", {})
+        branch = tuple(to.get("cond_or_uncond") or ())
+        self.tracker.note_branch(branch, ctx.step)
         if reason is None:
-            to = args.get("transformer_options", {})
             self.tracker.log_once("precision {} ({})".format(*self.tracker.precision), logging.INFO)
             layout = self.layout(args, ctx)
             reason = self.choose(layer, attn, args["img"], layout, self.warmup(ctx), to.get("minimax_head_chunks", 1))
@@ -178,7 +180,12 @@ class SparseAttentionHook(BlockHook):
                     ratio = stats.target.ratio(stats.errors, layer, ctx.step, self.config.error_target, ratio)
                 config = self.engine_config if ratio == self.engine_config.topk_ratio else \
                     self.engine_config.replace(topk_ratio=ratio)
-                return (ctx.step, layout, config, tuple(to.get("cond_or_uncond") or ()), (ctx.sigma, ctx.next_sigma))
+                plans = self.tracker.plans
+                if config.plan_reuse == "auto" and not plans.expects(layout.signature()):
+                    plans.expect(layout.signature(), plan_estimate.estimate(
+                        ctx.model, self.config, attn.heads, to.get("minimax_head_chunks", 1),
+                        self.tracker.seen_branches(), ctx.step))
+                return (ctx.step, layout, config, branch, (ctx.sigma, ctx.next_sigma))
         self.tracker.note_block(ctx.step, sparse=False, layer=layer, reason=reason)
         return None
 

@@ -13,6 +13,7 @@ def test_defaults_match_the_node():
     cfg = SparseConfig()
     assert (cfg.topk_ratio, cfg.warmup_mode, cfg.sparse_scope, cfg.tail_granularity) == (0.2, "fidelity", "target-video", "query")
     assert (cfg.tiling, cfg.reblock_layout, cfg.tail, cfg.block_size, cfg.kernel) == ("reblock", "q_reuse_k", "reweight", 64, "auto")
+    assert cfg.plan_reuse == "auto"
 
 
 @pytest.mark.parametrize("field,value,allowed", [
@@ -31,6 +32,7 @@ def test_defaults_match_the_node():
     ("strict", "yes", "True or False"),
     ("kernel", "cuda", "'auto', 'cudnn', 'sm90', 'triton', 'torch'"),
     ("dense_layers", (0, -2), "non-negative layer indices"),
+    ("plan_reuse", "yes", "'off', 'on', 'auto'"),
 ])
 def test_bad_values_name_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as err:

@@ -253,6 +253,8 @@ def test_widget_order_is_kept_and_widgets_added_later_are_optional():
     assert config_from_widgets(first) == SparseConfig()  # a prompt saved by the first release
     assert config_from_widgets({**first, "precision": "bf16"}).precision == "bf16"
     assert config_from_widgets({**first, "precision": None}) == SparseConfig()
+    assert config_from_widgets(first).plan_reuse == "auto"  # the default now; a saved off or on keeps its meaning
+    assert [config_from_widgets({**first, "plan_reuse": v}).plan_reuse for v in ("off", "on")] == ["off", "on"]
     with pytest.raises(ValueError, match=r"missing widget values \['strict'\]"):
         config_from_widgets({k: v for k, v in first.items() if k != "strict"})
 
