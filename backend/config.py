@@ -113,8 +113,9 @@ class SparseConfig:
     dense_attention: str = setting("fastest", Choice(DENSE_ATTENTIONS),
         "fastest: blocks that run dense (warmup steps, dense layers, short sequences) use the fastest attention "
         "kernel of this GPU that meets the precision setting, measured once per shape: SDPA's kernels, "
-        "FlashAttention-4 where installed, and ComfyUI's own attention as launched, so a dense step is never "
-        "slower than without this node. comfyui: they use ComfyUI's own attention path.")
+        "FlashAttention-4 where installed, and ComfyUI's own attention as launched, so a steady dense step is not "
+        "slower than without this node (a kernel's first use in a process can be). comfyui: they use ComfyUI's "
+        "own attention path.")
     routing_scores: str = setting("fp32", Choice(ROUTING_SCORES),
         "fp32: exact block scores for choosing the key blocks. int8 / fp8: cheaper 8-bit scores (fp8 needs "
         "an RTX 40xx, Hopper or Blackwell GPU); they pick nearly the same blocks.")

@@ -17,7 +17,7 @@ torch.compile.
 
 Cost: `strata` x `rows` query rows per head and sparse region; the default (2 x 64 = 128 rows, one
 128-row query tile per head) at H3 10 s (S 73,642, 56 heads of 128) is 0.27 TFLOP and one read of K
-and V, about 1-2% of a sparse call (measured: BENCHMARKS.md, "The sampled error estimate").
+and V, about 1-2% of a sparse call (measured: BENCHMARKS.md, "The error estimate").
 """
 from __future__ import annotations
 

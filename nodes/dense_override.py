@@ -17,8 +17,8 @@ class DenseOverride:
 
     ComfyUI calls it with its own attention function (`func`: the one its launch flags bound, or
     another node's patch of it) and that function's arguments. `func` is itself a candidate of the
-    measured choice (`DenseChoices`), beside SDPA's kernels and FlashAttention-4, so a dense step is
-    never slower than ComfyUI's own; an 8-bit `func` is a candidate of 8-bit runs only. It is called
+    measured choice (`DenseChoices`), beside SDPA's kernels and FlashAttention-4, so a steady dense step
+    is not slower than ComfyUI's own; an 8-bit `func` is a candidate of 8-bit runs only. It is called
     with the arguments ComfyUI passed (``transformer_options``, ``_inside_attn_wrapper`` kept: a
     function that falls back to another wrapped ComfyUI attention would otherwise reach this override
     again). A call it does not serve (a mask, another attention precision or scale, grouped heads, a

@@ -7,8 +7,8 @@ families offer where they run, `registry.DENSE_KERNELS`: FlashAttention-4 on sm9
 host's own attention function, `HostAttention`: ComfyUI's as launched) are checked against a
 float32 softmax attention and timed once per GPU, dtype, head size, head count, key-length bucket,
 precision and host function on a slice of the real queries; the fastest one that meets the
-precision's bound (`tolerance`) is kept, so a dense step is never slower than the host's own
-attention. `DenseChoices` owns the choices: in memory (bounded) and in a small
+precision's bound (`tolerance`) is kept, so a steady dense step is not slower than the host's own
+attention (a kernel's first use in a process may be). `DenseChoices` owns the choices: in memory (bounded) and in a small
 JSON file (`ChoiceFile`), so later processes on the machine take the same kernel (the same output
 bits) after one check that it still runs here. On the CPU SDPA's own choice runs unless a host
 function is given (then the two are measured); where no candidate runs, SDPA's own choice runs
