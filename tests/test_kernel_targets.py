@@ -10,7 +10,8 @@ strides without an alignment hint compile to). The attention kernel's tiled vari
 packed contiguous) must read their tiles in 16-byte vectors; their two-byte loads are the int16
 pick list's. The producer's epilogue reads its q, k, v rows in 16-byte vectors (its two-byte loads are
 the rotation partners and the table, from lines just read). The 8-bit variants (INT8 Q.K^T, FP8 or INT8 P.V by arch) compile for every target,
-and every arch's 8-bit config also as sm90 code (the H200 runs them).
+and every arch's 8-bit config also as sm90 code (the H200 runs them). The sm90 family's Gluon kernel
+compiles as Hopper code with at most half an SM's shared memory (two CTAs an SM).
 """
 import json
 import os
@@ -49,3 +50,5 @@ def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
         elif name.endswith(" norm rope") and r["loads"].get("16", 0) < 6:
             problems.append(f"{name}: {r['loads']}: q, k and v rows not all read in 16-byte vectors")
     assert not problems, "\n".join(problems)
+    gluon = results["sm90 exact keys gluon"]  # the sm90 family's Hopper kernel: two CTAs must share an SM
+    assert gluon["shared"] <= SHARED_LIMIT["sm90"] // 2, gluon

@@ -152,6 +152,31 @@ def norm_rope_pass(capability: int) -> dict:
                        {"eps"}, {"HEAD_DIM": 128, "BLOCK_ROWS": norm_rope.ROWS, "ROPE": True}, capability, 4, 3)
 
 
+def sm90_exact_keys(capability: int) -> dict:
+    """The sm90 family's Gluon kernel of the exact keys (head dim 128, bf16, its launcher's default rings and
+    register cap): Hopper code only."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from adaptive_sparse_attention.kernels.sm90 import attention as sm90
+
+    desc = f"tensordesc<bf16[{sm90.BLOCK}, 128],{sm90.shared_layout(128, torch.bfloat16)!r}>"
+    fn = sm90._exact_keys_sm90
+    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, PartOut="*bf16", PartLse="*fp32", BlockLen="*i32",
+               DenseHi="*i32", Q2kIdx="*i16", Q2kNum="*i32", qk_scale="fp32", K_STAGES="constexpr",
+               V_STAGES="constexpr")
+    sig = {n: sig.get(n, "i32") for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    k_stages, v_stages = sm90.STAGES
+    try:
+        k = triton.compile(GluonASTSource(fn, signature=sig, constexprs={"K_STAGES": k_stages, "V_STAGES": v_stages},
+                                          attrs=aligned), target=GPUTarget("cuda", capability, 32),
+                           options={"num_warps": 4, "maxnreg": sm90.MAXNREG})
+    except Exception as e:  # reported, so the test names the kernel and target that failed
+        return {"error": repr(e)[-600:]}
+    return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"])}
+
+
 def jobs() -> list[tuple]:
     """Every compile as (row name, function, args, kwargs); `planner` returns several rows, named under its own."""
     out = []
@@ -173,6 +198,7 @@ def jobs() -> list[tuple]:
     for arch8 in EIGHT_BIT_ARCHS:  # every arch's 8-bit config as Hopper code: what the H200 can run
         out.append((f"sm90 attention D128 block 8-bit {arch8} config", attention, (90, 128, False), {"eight_bit": arch8}))
     out.append(("sm90 pack qkv", pack_qkv, (90,), {}))
+    out.append(("sm90 exact keys gluon", sm90_exact_keys, (90,), {}))
     return out
 
 

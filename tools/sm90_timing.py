@@ -47,7 +47,7 @@ def dense_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     return rows
 
 
-def case(shape: str, ratio: float, stages: tuple[int, ...]) -> dict:
+def case(shape: str, ratio: float, stages: tuple[tuple[int, int], ...]) -> dict:
     size = H3_SHAPES[shape]
     layout = size.layout()
     q, k, v = h3_qkv(layout, size.heads, size.head_dim, torch.bfloat16, seed=0)
@@ -71,7 +71,7 @@ def case(shape: str, ratio: float, stages: tuple[int, ...]) -> dict:
         def exact_only(s=s):
             return exact_in_chunks(q, k, v, plan, pack, lambda qp, kp, vp, p, h: sm90.exact_keys_sm90(
                 qp, kp, vp, p, h, stages=s), HEADS_PER_CALL)
-        row[f"sm90_pack_exact_stages{s}_ms"] = bench_ms(exact_only)
+        row[f"sm90_pack_exact_stages{s[0]}x{s[1]}_ms"] = bench_ms(exact_only)
     part = exact_in_chunks(q, k, v, plan, pack, sm90.exact_keys_sm90, HEADS_PER_CALL)
     row["tail_ms"] = bench_ms(lambda: tail(q, plan, part))
     part = None
@@ -83,8 +83,8 @@ def case(shape: str, ratio: float, stages: tuple[int, ...]) -> dict:
     print(f"{shape} r{ratio}: density {row['density']:.3f}, triton {row['triton_ms']:.2f} ms, sm90 "
           f"{row['sm90_ms']:.2f} ms ({row['sm90_exact_tflops']:.0f} TFLOP/s exact pairs, "
           f"{100 * row['sm90_vs_dense_rate']:.0f}% of the best dense rate {best:.0f}); pack "
-          f"{row['pack_ms']:.2f}, " + ", ".join(f"pack+exact s{s} {row[f'sm90_pack_exact_stages{s}_ms']:.2f}"
-                                               for s in stages)
+          f"{row['pack_ms']:.2f}, " + ", ".join(f"pack+exact K{s[0]}V{s[1]} "
+                                               f"{row[f'sm90_pack_exact_stages{s[0]}x{s[1]}_ms']:.2f}" for s in stages)
           + f", tail {row['tail_ms']:.2f}; dense cuDNN {row['dense_cudnn_ms']:.1f} FA4 {row['dense_fa4_ms']}; "
           f"max |sm90 - triton| {row['max_abs_diff_vs_triton']:.2e} (lse {row['max_lse_diff_vs_triton']:.2e})",
           flush=True)
@@ -95,10 +95,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="5s,10s")
     ap.add_argument("--ratios", default="0.2")
-    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--stages", default="2x2,3x2", help="K x V ring slots of the exact-keys variants timed")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    rows = [case(s, float(r), tuple(int(x) for x in a.stages.split(",")))
+    stages = tuple(tuple(int(n) for n in x.split("x")) for x in a.stages.split(","))
+    rows = [case(s, float(r), stages)
             for s in a.shapes.split(",") for r in a.ratios.split(",")]
     if a.out:
         with open(a.out, "w") as f:

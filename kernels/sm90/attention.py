@@ -35,41 +35,41 @@ from ..plan import BlockSparsePlan
 BLOCK = 64  # query and key block rows: one warpgroup's wgmma M, the plan's block size
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 HEAD_DIMS = (64, 128)
+STAGES = (2, 2)  # slots of the K ring and of the V ring
+MAXNREG = 128  # registers a thread at launch: two CTAs (8 warps each, the loaders' warpgroup included) an SM
 
 
 @gluon.jit
-def _key_block(t, dh, sel_row):
-    """Key block at position t of a query block's list: the dense prefix [0, dh), then the picks."""
-    if t < dh:
-        blk = t
-    else:
-        blk = gl.load(sel_row + (t - dh)).to(gl.int32)
-    return blk
+def _key_block(t, dh, n_keys, sel_row):
+    """Key block at position t of a query block's list: the dense prefix [0, dh), then the picks (0, a
+    harmless index, past the end of the list)."""
+    picked = gl.load(sel_row + (t - dh), mask=(t >= dh) & (t < n_keys), other=0).to(gl.int32)
+    return gl.where(t < dh, t, picked)
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, sel_row, dh, n_keys, key_base,
-            STAGES: gl.constexpr):
-    """The loader partition: TMA copies of each listed key block's K then V into the ring."""
+def _loader(desc, bufs, ready, free, sel_row, dh, n_keys, key_base):
+    """A loader partition: TMA copies of each listed key block's rows of `desc` (K, or V) into its ring. K
+    and V have a loader each, so neither ring waits for the other's slots; the next block's index is read
+    one step ahead, so no copy waits on an index load."""
+    SLOTS: gl.constexpr = bufs.type.shape[0]
+    BN: gl.constexpr = bufs.type.shape[1]
+    blk = _key_block(0, dh, n_keys, sel_row)
     for t in range(n_keys):
-        slot = t % STAGES
-        phase = (t // STAGES) & 1
-        row = key_base + _key_block(t, dh, sel_row) * k_desc.block_type.shape[0]
-        mbarrier.wait(k_free.index(slot), phase ^ 1)  # a fresh barrier passes phase 1 at once
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(slot), k_bufs.index(slot))
-        mbarrier.wait(v_free.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(slot), v_bufs.index(slot))
+        blk_next = _key_block(t + 1, dh, n_keys, sel_row)
+        slot = t % SLOTS
+        mbarrier.wait(free.index(slot), ((t // SLOTS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [key_base + blk * BN, 0], ready.index(slot), bufs.index(slot))
+        blk = blk_next
 
 
 @gluon.jit
 def _logits(q_smem, k_bufs, k_ready, t, zero):
     """Issue S = Q.K^T of list position t on the tensor cores (asynchronous: the caller waits on it)."""
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    slot = t % STAGES
-    mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-    return warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    KS: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.wait(k_ready.index(t % KS), (t // KS) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(t % KS).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -81,7 +81,8 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     The MMAs retire in issue order, S_0 | S_1, PV_0 | S_2, PV_1 | ...: at step t it waits for S_t only
     (PV_{t-1} may still run), issues S_{t+1}, runs the softmax of S_t beside both, then waits for
     PV_{t-1} before rescaling the output and issuing PV_t."""
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    KS: gl.constexpr = k_bufs.type.shape[0]
+    VS: gl.constexpr = v_bufs.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_bufs.type.shape[1]
     D: gl.constexpr = q_smem.type.shape[1]
@@ -104,17 +105,18 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     s_tok = warpgroup_mma_init(zero)
     if n_keys > 0:
         s_tok = _logits(q_smem, k_bufs, k_ready, 0, zero)
+    blen = gl.load(BlockLen + _key_block(0, dh, n_keys, sel_row), mask=n_keys > 0, other=0)
     for t in range(n_keys):
-        slot = t % STAGES
+        # the next block's length, read now: its load is in flight during this block's MMAs
+        blen_next = gl.load(BlockLen + _key_block(t + 1, dh, n_keys, sel_row), mask=t + 1 < n_keys, other=0)
         if t == 0:
             s = warpgroup_mma_wait(0, deps=[s_tok])
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t; PV_{t-1} may still run
-        mbarrier.arrive(k_free.index(slot), count=1)
+        mbarrier.arrive(k_free.index(t % KS), count=1)
         last = t + 1 == n_keys
         if not last:
             s_tok = _logits(q_smem, k_bufs, k_ready, t + 1, zero)
-        blen = gl.load(BlockLen + _key_block(t, dh, sel_row))
         s = gl.where(gl.expand_dims(cols < blen, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -127,10 +129,11 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
         else:
             o = warpgroup_mma_wait(1, deps=[acc])  # PV_{t-1}; S_{t+1} may still run
         if t > 0:
-            mbarrier.arrive(v_free.index((t - 1) % STAGES), count=1)
+            mbarrier.arrive(v_free.index((t - 1) % VS), count=1)
         o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(slot), o, is_async=True)
+        mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(t % VS), o, is_async=True)
+        blen = blen_next
     o = warpgroup_mma_wait(0, deps=[acc])
 
     empty = l_i == 0.0
@@ -145,7 +148,7 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
 
 @gluon.jit(do_not_specialize=["J", "R", "HC", "H0", "H"])
 def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi, Q2kIdx, Q2kNum,
-                     H, H0, HC, J, R, qk_scale, STAGES: gl.constexpr):
+                     H, H0, HC, J, R, qk_scale, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     i = gl.program_id(0)  # query block
@@ -159,27 +162,28 @@ def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi
     q_row = base + i * BM
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
+    for s in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_free.index(s), count=1)
+    for s in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(v_free.index(s), count=1)
     fence_async_shared()
 
     gl.warp_specialize([
         (_consumer, (q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row, dh,
                      n_keys, q_row, qk_scale, PartOut, PartLse)),
-        (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, sel_row, dh, n_keys, base,
-                   STAGES)),
-    ], [1], [24])
+        (_loader, (k_desc, k_bufs, k_ready, k_free, sel_row, dh, n_keys, base)),
+        (_loader, (v_desc, v_bufs, v_ready, v_free, sel_row, dh, n_keys, base)),
+    ], [1, 1], [24, 24])
 
 
 def shared_layout(head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
@@ -188,7 +192,7 @@ def shared_layout(head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
 
 
 def exact_keys_sm90(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, plan: BlockSparsePlan,
-                    heads: tuple[int, int], stages: int = 2, maxnreg: int = 128
+                    heads: tuple[int, int], stages: tuple[int, int] = STAGES, maxnreg: int = MAXNREG
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact keys' attention of one packed head chunk on the sm90 kernel, in tiled order.
 
@@ -197,7 +201,7 @@ def exact_keys_sm90(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, plan: 
             bf16 or fp16, D in HEAD_DIMS.
         plan: the plan (block size 64); its tables cover all heads.
         heads: (h0, h1).
-        stages: K/V slots in the ring (2 gives two CTAs an SM at head dim 128).
+        stages: slots of the K ring and of the V ring (2 and 2 give two CTAs an SM at head dim 128).
         maxnreg: the register cap a thread (sets how many CTAs share an SM).
     Returns:
         (out [B, h1 - h0, J * 64, D] normalised over the exact keys, lse [B, h1 - h0, J * 64] fp32 natural
@@ -218,5 +222,5 @@ def exact_keys_sm90(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, plan: 
     _exact_keys_sm90[(J, B * hc)](
         q_desc, k_desc, v_desc, out, lse, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx,
         plan.q2k_num.contiguous(), plan.q2k_idx.shape[1], heads[0], hc, J, q2k_idx.shape[-1],
-        D ** -0.5 * 1.4426950408889634, STAGES=stages, num_warps=4, maxnreg=maxnreg)
+        D ** -0.5 * 1.4426950408889634, K_STAGES=stages[0], V_STAGES=stages[1], num_warps=4, maxnreg=maxnreg)
     return out, lse
