@@ -129,10 +129,11 @@ def free_bytes(device: torch.device) -> int:
     """What this process can still allocate on CUDA `device`: the driver's free memory, within the allocator's
     per-process cap where one is set (`torch.cuda.set_per_process_memory_fraction`, how a smaller card is
     emulated on a larger one), plus what torch's allocator holds unused."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     unused = reserved - torch.cuda.memory_allocated(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)  # needs an index
     return min(free, int(fraction * total) - reserved) + unused
 
 

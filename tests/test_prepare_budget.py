@@ -83,12 +83,13 @@ def test_everything_fits_a_large_budget_and_no_summary_is_said(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the CUDA allocator")
 def test_the_free_memory_honours_the_allocators_cap():
     """With the allocator capped (how `e2e --vram-gib` emulates a smaller card) the free memory is the cap's."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the fraction's functions need an index
     before = torch.cuda.get_per_process_memory_fraction(device)
     total = torch.cuda.mem_get_info(device)[1]
     try:
         torch.cuda.set_per_process_memory_fraction(0.25, device)
         assert bench_prepare.free_bytes(device) <= 0.25 * total
+        assert bench_prepare.free_bytes(torch.device("cuda")) <= 0.25 * total  # as `prepare` passes it
     finally:
         torch.cuda.set_per_process_memory_fraction(before, device)
 
