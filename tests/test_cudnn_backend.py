@@ -119,6 +119,9 @@ def test_the_attention_the_registry_loads_runs_its_ops_eager_and_compiled(monkey
     q, k, v, plan = planned(3, 32, "cube", "target-video", "reweight", "query", False, seed=17)
     attention = registry.load(registry.FAMILIES["cudnn"].of("attention"))
     assert (attention.tiled_pack, attention.add_tail) == (helper("triton", "tiled_pack"), helper("triton", "add_tail"))
+    assert attention.heads_per_call == 8 and attention.check is not None
+    monkeypatch.setattr(attention, "heads_per_call", 2)  # the row's own chunking and check, as the module's above
+    monkeypatch.setattr(attention, "check", None)
     want, want_lse = block_sparse_cudnn(q, k, v, plan, helper("triton", "tiled_pack"), helper("triton", "add_tail"))
     out, lse = attention.attend_blocks(q, k, v, plan)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)

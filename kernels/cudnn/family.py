@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..vocabulary import Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, head_dim_in
 from .cudnn_attention import BLOCK_SIZE, DTYPES, HEAD_DIMS
 from .cudnn_attention import ARCHS  # sm major versions it is enabled for
-from .op import CudnnAttention
+from .op import cudnn_attention
 
 PACKAGE = "nvidia-cudnn-frontend"
 INSTALL = "pip install nvidia-cudnn-frontend"  # brings nvidia-cutlass-dsl, its kernel compiler
@@ -37,7 +37,7 @@ REQUIRES = (
                 f"precision {t.precision!r} is not supported (its 8-bit path returns no log-sum-exp to merge the tail "
                 "with; the Triton kernel has the 8-bit loop)"))
 
-ATTENTION = Implementation("attention", "cudnn", CudnnAttention, REQUIRES,
+ATTENTION = Implementation("attention", "cudnn", cudnn_attention, REQUIRES,
                            borrows=(("triton", "tiled_pack"), ("triton", "add_tail")))  # handed in
 CUDNN_BF16 = SparseKernel("cudnn", "cuDNN-frontend", ATTENTION)  # a candidate of the measured sparse choice
 CUDNN = Family("cudnn", (ATTENTION,), auto="cuda", compiles=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..vocabulary import Family, Host, Implementation, Requirement, SparseKernel, Target, dtype_in, head_dim_in
-from .op import Sm90Attention
+from .op import sm90_attention
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
@@ -42,7 +42,7 @@ REQUIRES = (
     Requirement("precision bf16", lambda t, h: None if t.precision == "bf16" else
                 f"precision {t.precision!r} is not supported (the Triton kernel has the 8-bit loop)"))
 
-ATTENTION = Implementation("attention", "sm90", Sm90Attention, REQUIRES,
+ATTENTION = Implementation("attention", "sm90", sm90_attention, REQUIRES,
                            borrows=(("triton", "tiled_pack"), ("triton", "add_tail")))  # handed in
 SM90_BF16 = SparseKernel("sm90", "Hopper warp-specialised (Gluon)", ATTENTION)  # a candidate of the sparse choice
 SM90 = Family("sm90", (ATTENTION,), auto="cuda", compiles=True)
