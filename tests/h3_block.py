@@ -194,3 +194,22 @@ def h3_blocks(model: MiniMaxH3Model, patches: dict, args: dict, transformer_opti
         else:
             h = block(h, args["t_emb"], args["mod_segments"], args["rope_freqs"], transformer_options=transformer_options)
     return h
+
+
+def malloc_graph_standin(monkeypatch) -> list:
+    """Today's upstream `comfy.model_prefetch.pause_malloc_graph` (the pinned fork has none) as a stand-in:
+    returns the list whose length is the pause depth at any moment (0: inside the recorded allocations)."""
+    import sys
+    import types
+
+    depth: list = []
+
+    class Pause:
+        def __enter__(self):
+            depth.append(1)
+
+        def __exit__(self, *exc):
+            depth.pop()
+
+    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
+    return depth

@@ -6,20 +6,18 @@ must match their oracles to ~1e-12 (only summation order differs).
 from __future__ import annotations
 
 import logging
-import sys
-import types
 
 import pytest
 import torch
 
 from adaptive_sparse_attention.backend import producer
-from adaptive_sparse_attention.nodes import core_sparse, h3_model, preparation, sparse_call, sparse_policy
+from adaptive_sparse_attention.nodes import core_sparse, h3_model, preparation, sparse_call
 from adaptive_sparse_attention.nodes.model_patches import AttentionDispatch, block_hooks
 from adaptive_sparse_attention.nodes.comfy_weights import head_groups
 from adaptive_sparse_attention.nodes.h3_model import LayoutCache, check_h3
 from adaptive_sparse_attention.nodes.block_hook import CallContext, bind, bound_hook
 from adaptive_sparse_attention.nodes.sparse_policy import SparseAttentionHook
-from h3_block import PackedLayout, block_args, layout_of
+from h3_block import PackedLayout, block_args, layout_of, malloc_graph_standin
 from h3_harness import PACKED, TOL, config, model_of, options, reference, run_model, sparse_oracle
 
 
@@ -332,16 +330,7 @@ def test_sparse_path_and_kernel_preparation_run_outside_comfyuis_allocation_grap
     """Current upstream records the allocations of an H3 forward on CUDA and pauses that with
     comfy.model_prefetch.pause_malloc_graph() (the pinned fork has neither): the engine's tensors
     that outlive a call must not come from that record."""
-    depth = []
-
-    class Pause:
-        def __enter__(self):
-            depth.append(1)
-
-        def __exit__(self, *exc):
-            depth.pop()
-
-    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
+    depth = malloc_graph_standin(monkeypatch)
     seen = []
     attention = sparse_call.sparse_attention
     monkeypatch.setattr(sparse_call, "sparse_attention", lambda *a, **k: seen.append(("sparse", len(depth))) or attention(*a, **k))

@@ -6,14 +6,12 @@ h3_upstream.py; the pinned fork's (h3_block.py) has no such module and follows t
 from __future__ import annotations
 
 import functools
-import sys
-import types
 
 import pytest
 import torch
 from attention_standins import ATTENTION, Patcher, comfy_function
 from h3_harness import PACKED, config, model_of, options, reference, run_model
-from h3_block import block_args
+from h3_block import block_args, malloc_graph_standin
 import h3_upstream
 from h3_upstream import sdpa_function, upstream_model
 
@@ -129,16 +127,7 @@ def test_the_modules_choice_stands_in_for_comfyuis_function_below_modelattention
 def test_the_dense_kernel_measurement_runs_outside_comfyuis_allocation_graph(ck, monkeypatch):
     """Today's upstream records an H3 forward's allocations (comfy.model_prefetch, the pinned fork has none):
     the measurement's scratch must not come from that record; the dense call itself runs in it."""
-    depth: list = []
-
-    class Pause:
-        def __enter__(self):
-            depth.append(1)
-
-        def __exit__(self, *exc):
-            depth.pop()
-
-    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.SimpleNamespace(pause_malloc_graph=Pause))
+    depth = malloc_graph_standin(monkeypatch)
     seen = []
     reference_attention = dense.reference_attention
     monkeypatch.setattr(dense, "reference_attention", lambda *a: seen.append(len(depth)) or reference_attention(*a))
