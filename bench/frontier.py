@@ -14,7 +14,6 @@ import json
 import re
 import textwrap
 from pathlib import Path
-from typing import Any
 
 POINT_RUNS = re.compile(r"ours(?:-ratio-(\d+(?:\.\d+)?))?")
 

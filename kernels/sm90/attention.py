@@ -2,17 +2,17 @@
 
 One CTA per (packed head, 64-row query block). Its key list is the dense prefix [0, dense_hi)
 followed by the block's picks q2k_idx[:q2k_num] (the plan's own tables, read in the kernel: no
-list is built). Two partitions share the CTA:
-- the loader (one warp, few registers) walks the list and issues one TMA copy of each listed key
-  block's K and one of its V into a ring of `STAGES` shared-memory slots, each with its own
-  "ready" mbarrier (the copy engine signals it) and "free" mbarrier (the consumer signals it), so
-  K of block t+1 and V of block t are in flight while block t is computed;
+list is built). Three partitions share the CTA:
+- two loaders (one warp each, few registers), one for K and one for V, walk the list and issue one
+  TMA copy of each listed key block's rows into their own ring (`STAGES` slots each), each slot with
+  a "ready" mbarrier (the copy engine signals it) and a "free" one (the consumer signals it), so
+  neither ring waits for the other's slots; the next block's index is read a step ahead;
 - the consumer (one warpgroup) runs S = Q.K^T with `wgmma` from shared memory, the online softmax in
   registers (base 2, the scale folded into one multiply-add, keys beyond an edge block's true
-  length masked), then O += P.V with P from registers; K's slot is freed as soon as S is read,
-  V's when its MMA retires. While the softmax of block t runs, the MMA of block t+1's logits is
-  already issued (`PIPELINE`), so the tensor cores and the softmax overlap within the warpgroup,
-  and two or three CTAs per SM overlap with each other.
+  length masked, the next block's length read a step ahead), then O += P.V with P from registers;
+  K's slot is freed as soon as S is read, V's when its MMA retires. While the softmax of block t
+  runs, the MMA of block t+1's logits is already issued, so the tensor cores and the softmax overlap
+  within the warpgroup, and two CTAs an SM (`MAXNREG`, 82 KB of shared memory) overlap each other.
 The output is the exact keys' part only: rows normalised over their exact keys and their natural
 log-sum-exp, in tiled order (as the cuDNN kernel returns it); the Triton family's `add_tail` joins
 the tail summaries to it in the same softmax and stores rows in model order.
@@ -22,7 +22,6 @@ Importing this module imports Triton and Gluon: the family imports it only on de
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
