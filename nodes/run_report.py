@@ -1,4 +1,4 @@
-"""What one run's report says, from its `RunTracker`'s state: the plain data the report node shows
+"""What one run's report says, from its counters (`run_stats.RunStats`): the plain data the report node shows
 (`report_of`), the run's log line (`summary_line`) and the attention time its sparse blocks saved (`saved_time`).
 
 The saved time compares what ran with what would have run, attention only: per sparse block call, the
@@ -9,10 +9,7 @@ projection run either way and are not in it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .run_tracker import RunStats, RunTracker
+from .run_stats import RunStats
 
 
 def saved_time(stats: RunStats) -> dict | None:
@@ -42,9 +39,15 @@ def mean_density(stats: RunStats) -> float:
     return stats.density_sum / stats.sparse_blocks if stats.sparse_blocks else 1.0
 
 
-def summary_line(tracker: RunTracker) -> str | None:
-    """One log line of the run's counters, or None when no block ran."""
-    s = tracker.stats
+def summary_line(name: str, s: RunStats, precision: str, plans: dict) -> str | None:
+    """One log line of the run's counters, or None when no block ran.
+
+    Args:
+        name: the run's owner, as the line starts.
+        s: the run's counters.
+        precision: the run's arithmetic.
+        plans: the kept plans' counts (`PlanStore.summary`).
+    """
     if not (s.dense_blocks or s.sparse_blocks):
         return None
     # a step is sparse when any block of it ran sparse
@@ -52,9 +55,9 @@ def summary_line(tracker: RunTracker) -> str | None:
     dense_steps = len(s.dense_steps - s.sparse_steps)
     overall = (s.density_sum + s.dense_blocks) / (s.sparse_blocks + s.dense_blocks)
     density = f"{mean_density(s):.3f} in sparse blocks ({overall:.3f} over all blocks)"
-    line = (f"{tracker.name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
+    line = (f"{name}: steps {dense_steps} dense / {sparse_steps} sparse; blocks {s.dense_blocks} dense / "
             f"{s.sparse_blocks} sparse; mean density {density}; sparse attention time "
-            f"{s.attention_ms / 1e3:.2f} s; precision {tracker.precision[0]}")
+            f"{s.attention_ms / 1e3:.2f} s; precision {precision}")
     saved = saved_time(s)
     if saved is not None:
         line += f"; attention saved {saved['saved_s']:.2f} s against {saved['baseline']}"
@@ -66,7 +69,6 @@ def summary_line(tracker: RunTracker) -> str | None:
     if error is not None:
         block, value = error["worst_block"]
         line += f"; measured error {error['mean']:.3f} (worst block {block}: {value:.3f})"
-    plans = tracker.plans.summary()
     if plans["reused"]:
         past = plans.get("built: memory budget", 0)
         line += (f"; plans reused {plans['reused']}, built {plans['built']} ({plans['rebuilds']} rebuilds"
@@ -74,19 +76,19 @@ def summary_line(tracker: RunTracker) -> str | None:
     return line
 
 
-def report_of(tracker: RunTracker) -> dict:
-    """What the run did, as plain data (the report node shows it, `report.format_report`).
+def report_of(s: RunStats, precision: tuple[str, str], plans: dict) -> dict:
+    """What the run did, as plain data (the report node shows it, `report.format_report`), from its counters,
+    its precision (arithmetic, why) and its kept plans' counts (`PlanStore.summary`).
 
     ``saved``: `saved_time` (None where no sparse call was timed). ``attention_s``: the sparse blocks'
     whole attention modules (QKV production, attention, output projection).
     """
-    s = tracker.stats
     return {"steps_sparse": sorted(s.sparse_steps), "steps_dense": sorted(s.dense_steps - s.sparse_steps),
             "blocks_sparse": s.sparse_blocks, "blocks_dense": s.dense_blocks,
             "layers_sparse": sorted(i for i, (_, n) in s.layers.items() if n),
             "layers_dense_only": sorted(i for i, (_, n) in s.layers.items() if not n),
             "mean_density": mean_density(s), "attention_s": s.attention_ms / 1e3, "saved": saved_time(s),
-            "dense_reasons": dict(s.dense_reasons), "precision": tracker.precision[0],
-            "precision_reason": tracker.precision[1], "dense_kernels": dict(s.dense_kernels),
+            "dense_reasons": dict(s.dense_reasons), "precision": precision[0],
+            "precision_reason": precision[1], "dense_kernels": dict(s.dense_kernels),
             "sparse_kernels": dict(s.sparse_kernels), "sparse_choices": list(s.sparse_choices),
-            "notes": list(s.notes), "plans": tracker.plans.summary(), "error": s.errors.summary()}
+            "notes": list(s.notes), "plans": plans, "error": s.errors.summary()}

@@ -1,33 +1,12 @@
 """A run's timers: the sparse blocks' attention modules, and the calls timed against the dense attention that
-would have run (`ShapeTiming`). On CUDA they are events, read once per model call and at the run's end
+would have run (`run_stats.ShapeTiming`). On CUDA they are events, read once per model call and at the run's end
 (`RunTimers.flush`: one host synchronisation), never per block; on the CPU the wall clock, added at once."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .run_tracker import RunStats
-
-
-@dataclass
-class ShapeTiming:
-    """One call of a shape (layout and ratio) timed against the dense attention that would have run there.
-
-    Attributes:
-        sparse_ms: the sparse op's milliseconds on the timed head groups.
-        dense_ms: the dense attention's milliseconds on the same head groups.
-        share: the share of a block call's heads the timed head groups hold (1.0: the whole call).
-        baseline: the dense attention timed, as the report names it.
-    """
-
-    sparse_ms: float = 0.0
-    dense_ms: float = 0.0
-    share: float = 0.0
-    baseline: str = ""
+from .run_stats import RunStats, ShapeTiming
 
 
 def mark(x: torch.Tensor) -> object:

@@ -9,42 +9,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
 from ..backend.plan_reuse import PlanStore
 from ..notices import Notices, logger
-from .error_meter import ErrorMeter
-from .error_target import ErrorTarget
 from .run_report import report_of, summary_line
-from .run_timers import RunTimers, ShapeTiming, mark
+from .run_stats import RunStats
+from .run_timers import RunTimers, mark
 from .schedule import denoising_step
 
 log = logger()
 MAX_SUMMARIES = 8  # measured sparse choices named in one run's report (a run uses one or two shape classes)
-
-
-@dataclass
-class RunStats:
-    """Counters of one sampling run."""
-
-    dense_steps: set[int] = field(default_factory=set)
-    sparse_steps: set[int] = field(default_factory=set)
-    dense_blocks: int = 0
-    sparse_blocks: int = 0
-    density_sum: float = 0.0  # over sparse block calls
-    attention_ms: float = 0.0  # our attention in sparse blocks
-    layers: dict[int, list[int]] = field(default_factory=dict)  # layer -> [dense calls, sparse calls]
-    dense_reasons: dict[str, int] = field(default_factory=dict)  # why block calls ran dense -> count
-    shape_calls: dict[tuple, int] = field(default_factory=dict)  # timing key (layout, ratio) -> sparse block calls
-    timings: dict[tuple, ShapeTiming] = field(default_factory=dict)  # timing key -> its call timed against dense
-    dense_kernels: dict[str, int] = field(default_factory=dict)  # kernel of our dense override -> calls
-    sparse_kernels: dict[str, int] = field(default_factory=dict)  # sparse attention kernel -> calls
-    sparse_choices: list[str] = field(default_factory=list)  # the measured sparse choices' summaries used
-    notes: list[str] = field(default_factory=list)  # what the run's report says besides its counters
-    errors: ErrorMeter = field(default_factory=ErrorMeter)  # the sparse calls' sampled error, on the device
-    target: ErrorTarget = field(default_factory=ErrorTarget)  # the blocks' ratios under error_target
 
 
 class RunTracker:
@@ -203,11 +179,11 @@ class RunTracker:
 
     def summary(self) -> str | None:
         """The run's log line (`run_report.summary_line`), or None when no block ran."""
-        return summary_line(self)
+        return summary_line(self.name, self.stats, self.precision[0], self.plans.summary())
 
     def report(self) -> dict:
         """What the run did, as plain data (`run_report.report_of`)."""
-        return report_of(self)
+        return report_of(self.stats, self.precision, self.plans.summary())
 
     def publish(self) -> None:
         """Keep the run's report (when any block ran) here and in the parents' trackers."""
