@@ -64,11 +64,35 @@ def _loader(desc, bufs, ready, free, sel_row, dh, n_keys, key_base):
 
 
 @gluon.jit
-def _logits(q_smem, k_bufs, k_ready, t, zero):
+def _logits(q, k_bufs, k_ready, t, zero):
     """Issue S = Q.K^T of list position t on the tensor cores (asynchronous: the caller waits on it)."""
     KS: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.wait(k_ready.index(t % KS), (t // KS) & 1)
-    return warpgroup_mma(q_smem, k_bufs.index(t % KS).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q, k_bufs.index(t % KS).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, blen, cols, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """One block's step of the online softmax (base 2, keys past the block's true length masked): the
+    block's probabilities as the P.V operand, the output's rescale factor, the new row max and sum."""
+    s = gl.where(gl.expand_dims(cols < blen, 0), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
+def _accumulate(o, p_op, alpha, v_bufs, v_ready, v_free, t, row_o: gl.constexpr):
+    """Free the V slot of position t - 1 (its P.V has retired), rescale the output and issue P.V of
+    position t."""
+    VS: gl.constexpr = v_bufs.type.shape[0]
+    if t > 0:
+        mbarrier.arrive(v_free.index((t - 1) % VS), count=1)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
+    return warpgroup_mma(p_op, v_bufs.index(t % VS), o, is_async=True)
 
 
 @gluon.jit
@@ -77,11 +101,12 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     """The consumer warpgroup: the online softmax over the listed key blocks; stores the normalised rows
     and their natural log-sum-exp (-inf for a row with no key).
 
-    The MMAs retire in issue order, S_0 | S_1, PV_0 | S_2, PV_1 | ...: at step t it waits for S_t only
-    (PV_{t-1} may still run), issues S_{t+1}, runs the softmax of S_t beside both, then waits for
-    PV_{t-1} before rescaling the output and issuing PV_t."""
+    Q is held in registers (the logits read only K from shared memory, which at N = 64 would otherwise
+    read shared memory at its full rate). The MMAs retire in issue order, S_0 | S_1, PV_0 | S_2, PV_1 | ...:
+    step t issues S_{t+1}, runs the softmax of S_t beside it and beside PV_{t-1}, waits for PV_{t-1},
+    issues PV_t, then waits for S_{t+1} only. Every value carried to the next step has retired and the
+    last step is peeled off, so no register of an MMA in flight is copied (which would make ptxas wait)."""
     KS: gl.constexpr = k_bufs.type.shape[0]
-    VS: gl.constexpr = v_bufs.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_bufs.type.shape[1]
     D: gl.constexpr = q_smem.type.shape[1]
@@ -89,50 +114,36 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
+    q = q_smem.load(q_layout)
 
     m_i = gl.full([BM], -1.0e30, gl.float32, row_s)  # finite: exp2(m_old - m_new) stays defined
     l_i = gl.zeros([BM], gl.float32, row_s)
     zero = gl.zeros([BM, BN], gl.float32, s_layout)
     acc = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, o_layout))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-    s_tok = warpgroup_mma_init(zero)
     if n_keys > 0:
-        s_tok = _logits(q_smem, k_bufs, k_ready, 0, zero)
-    blen = gl.load(BlockLen + _key_block(0, dh, n_keys, sel_row), mask=n_keys > 0, other=0)
-    for t in range(n_keys):
-        # the next block's length, read now: its load is in flight during this block's MMAs
-        blen_next = gl.load(BlockLen + _key_block(t + 1, dh, n_keys, sel_row), mask=t + 1 < n_keys, other=0)
-        if t == 0:
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-        else:
-            s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t; PV_{t-1} may still run
-        mbarrier.arrive(k_free.index(t % KS), count=1)
-        last = t + 1 == n_keys
-        if not last:
-            s_tok = _logits(q_smem, k_bufs, k_ready, t + 1, zero)
-        s = gl.where(gl.expand_dims(cols < blen, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        if last:
-            o = warpgroup_mma_wait(0, deps=[acc])  # PV_{t-1}
-        else:
-            o = warpgroup_mma_wait(1, deps=[acc])  # PV_{t-1}; S_{t+1} may still run
-        if t > 0:
-            mbarrier.arrive(v_free.index((t - 1) % VS), count=1)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(t % VS), o, is_async=True)
-        blen = blen_next
+        s = warpgroup_mma_wait(0, deps=[_logits(q, k_bufs, k_ready, 0, zero)])
+        mbarrier.arrive(k_free.index(0), count=1)
+        blen = gl.load(BlockLen + _key_block(0, dh, n_keys, sel_row))
+        for t in range(n_keys - 1):
+            # the next block's length, read now: its load is in flight during this block's MMAs
+            blen_next = gl.load(BlockLen + _key_block(t + 1, dh, n_keys, sel_row))
+            s_next = _logits(q, k_bufs, k_ready, t + 1, zero)
+            p_op, alpha, m_i, l_i = _softmax(s, blen, cols, m_i, l_i, qk_scale, p_layout, q_smem.dtype)
+            o, s = warpgroup_mma_wait(0, deps=[acc, s_next])  # PV_{t-1} and S_{t+1}
+            mbarrier.arrive(k_free.index((t + 1) % KS), count=1)
+            acc = _accumulate(o, p_op, alpha, v_bufs, v_ready, v_free, t, row_o)
+            blen = blen_next
+        p_op, alpha, m_i, l_i = _softmax(s, blen, cols, m_i, l_i, qk_scale, p_layout, q_smem.dtype)
+        o = warpgroup_mma_wait(0, deps=[acc])
+        acc = _accumulate(o, p_op, alpha, v_bufs, v_ready, v_free, n_keys - 1, row_o)
     o = warpgroup_mma_wait(0, deps=[acc])
 
     empty = l_i == 0.0
