@@ -72,22 +72,25 @@ def _logits(q, k_bufs, k_ready, t, zero):
 
 
 @gluon.jit
-def _softmax(s, blen, cols, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """One block's step of the online softmax (base 2, keys past the block's true length masked): the
-    block's probabilities as the P.V operand, the output's rescale factor, the new row max and sum."""
+def _softmax(s, blen, cols, m_i, l_i, qk_scale):
+    """One block's step of the online softmax (base 2, keys past the block's true length masked): the block's
+    probabilities (fp32), the output's rescale factor, the new row max and sum."""
     s = gl.where(gl.expand_dims(cols < blen, 0), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+    return p, alpha, m_new, l_i
 
 
 @gluon.jit
-def _accumulate(o, p_op, alpha, v_bufs, v_ready, v_free, t, row_o: gl.constexpr):
-    """Free the V slot of position t - 1 (its P.V has retired), rescale the output and issue P.V of
-    position t."""
+def _accumulate(o, p, alpha, v_bufs, v_ready, v_free, t, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """Free the V slot of position t - 1 (its P.V has retired), rescale the output and issue P.V of position t.
+
+    P becomes wgmma's register operand only here, after the previous P.V retired: an MMA in flight reads its
+    A registers until then, and the loop writes the same registers for every block's P."""
     VS: gl.constexpr = v_bufs.type.shape[0]
+    p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
     if t > 0:
         mbarrier.arrive(v_free.index((t - 1) % VS), count=1)
     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -103,9 +106,10 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
 
     Q is held in registers (the logits read only K from shared memory, which at N = 64 would otherwise
     read shared memory at its full rate). The MMAs retire in issue order, S_0 | S_1, PV_0 | S_2, PV_1 | ...:
-    step t issues S_{t+1}, runs the softmax of S_t beside it and beside PV_{t-1}, waits for PV_{t-1},
-    issues PV_t, then waits for S_{t+1} only. Every value carried to the next step has retired and the
-    last step is peeled off, so no register of an MMA in flight is copied (which would make ptxas wait)."""
+    step t issues S_{t+1}, runs the softmax of S_t beside it and beside PV_{t-1}, retires both with one wait
+    (the logits are done by then) and issues PV_t, which runs beside the next step's logits and softmax. The
+    last step is peeled off and the last P.V retired inside its branch, so no register of an MMA in flight
+    is copied at a join (ptxas would wait there, serialising the MMAs, or the copy would read them early)."""
     KS: gl.constexpr = k_bufs.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_bufs.type.shape[1]
@@ -126,9 +130,10 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     m_i = gl.full([BM], -1.0e30, gl.float32, row_s)  # finite: exp2(m_old - m_new) stays defined
     l_i = gl.zeros([BM], gl.float32, row_s)
     zero = gl.zeros([BM, BN], gl.float32, s_layout)
-    acc = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, o_layout))
+    o = gl.zeros([BM, D], gl.float32, o_layout)
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     if n_keys > 0:
+        acc = warpgroup_mma_init(o)
         s = warpgroup_mma_wait(0, deps=[_logits(q, k_bufs, k_ready, 0, zero)])
         mbarrier.arrive(k_free.index(0), count=1)
         blen = gl.load(BlockLen + _key_block(0, dh, n_keys, sel_row))
@@ -136,15 +141,15 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
             # the next block's length, read now: its load is in flight during this block's MMAs
             blen_next = gl.load(BlockLen + _key_block(t + 1, dh, n_keys, sel_row))
             s_next = _logits(q, k_bufs, k_ready, t + 1, zero)
-            p_op, alpha, m_i, l_i = _softmax(s, blen, cols, m_i, l_i, qk_scale, p_layout, q_smem.dtype)
+            p, alpha, m_i, l_i = _softmax(s, blen, cols, m_i, l_i, qk_scale)
             o, s = warpgroup_mma_wait(0, deps=[acc, s_next])  # PV_{t-1} and S_{t+1}
             mbarrier.arrive(k_free.index((t + 1) % KS), count=1)
-            acc = _accumulate(o, p_op, alpha, v_bufs, v_ready, v_free, t, row_o)
+            acc = _accumulate(o, p, alpha, v_bufs, v_ready, v_free, t, p_layout, row_o)
             blen = blen_next
-        p_op, alpha, m_i, l_i = _softmax(s, blen, cols, m_i, l_i, qk_scale, p_layout, q_smem.dtype)
+        p, alpha, m_i, l_i = _softmax(s, blen, cols, m_i, l_i, qk_scale)
         o = warpgroup_mma_wait(0, deps=[acc])
-        acc = _accumulate(o, p_op, alpha, v_bufs, v_ready, v_free, n_keys - 1, row_o)
-    o = warpgroup_mma_wait(0, deps=[acc])
+        acc = _accumulate(o, p, alpha, v_bufs, v_ready, v_free, n_keys - 1, p_layout, row_o)
+        o = warpgroup_mma_wait(0, deps=[acc])  # retired inside the branch: nothing in flight is joined
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
