@@ -7,12 +7,13 @@ list is built). Three partitions share the CTA:
   TMA copy of each listed key block's rows into their own ring (`STAGES` slots each), each slot with
   a "ready" mbarrier (the copy engine signals it) and a "free" one (the consumer signals it), so
   neither ring waits for the other's slots; the next block's index is read a step ahead;
-- the consumer (one warpgroup) runs S = Q.K^T with `wgmma` from shared memory, the online softmax in
-  registers (base 2, the scale folded into one multiply-add, keys beyond an edge block's true
-  length masked, the next block's length read a step ahead), then O += P.V with P from registers;
-  K's slot is freed as soon as S is read, V's when its MMA retires. While the softmax of block t
-  runs, the MMA of block t+1's logits is already issued, so the tensor cores and the softmax overlap
-  within the warpgroup, and two CTAs an SM (`MAXNREG`, 82 KB of shared memory) overlap each other.
+- the consumer (one warpgroup, 232 registers a thread by `setmaxnreg`) runs S = Q.K^T with `wgmma`, Q
+  held in registers and K from shared memory, the online softmax in registers (base 2, the scale
+  folded into one multiply-add, keys beyond an edge block's true length masked, the next block's
+  length read a step ahead), then O += P.V with P from registers; K's slot is freed as soon as S is
+  read, V's when its MMA retires. While the softmax of block t runs, the logits of block t+1 and P.V
+  of block t-1 are in flight, so the tensor cores and the softmax overlap within the warpgroup, and
+  two CTAs an SM (`MAXNREG`, 82 KB of shared memory) overlap each other.
 The output is the exact keys' part only: rows normalised over their exact keys and their natural
 log-sum-exp, in tiled order (as the cuDNN kernel returns it); the Triton family's `add_tail` joins
 the tail summaries to it in the same softmax and stores rows in model order.
