@@ -11,7 +11,8 @@ packed contiguous) must read their tiles in 16-byte vectors; their two-byte load
 pick list's. The producer's epilogue reads its q, k, v rows in 16-byte vectors (its two-byte loads are
 the rotation partners and the table, from lines just read). The 8-bit variants (INT8 Q.K^T, FP8 or INT8 P.V by arch) compile for every target,
 and every arch's 8-bit config also as sm90 code (the H200 runs them). The sm90 family's Gluon kernel
-compiles as Hopper code with at most half an SM's shared memory (two CTAs an SM).
+compiles as Hopper code with at most half an SM's shared memory (two CTAs an SM), and ptxas neither
+serialises its MMAs nor injects a wait into them.
 """
 import json
 import os
@@ -52,3 +53,17 @@ def test_every_kernel_compiles_for_every_target_within_its_shared_memory():
     assert not problems, "\n".join(problems)
     gluon = results["sm90 exact keys gluon"]  # the sm90 family's Hopper kernel: two CTAs must share an SM
     assert gluon["shared"] <= SHARED_LIMIT["sm90"] // 2, gluon
+
+
+def test_the_sm90_kernels_mmas_are_not_serialised():
+    """ptxas keeps the Gluon kernel's wgmma pipeline: no MMA serialised and no wait injected (a register of an
+    MMA in flight copied or read before its wait makes ptxas do either, and the overlap of the softmax with
+    the MMAs is lost: the kernel's second version ran so). Compiled for sm90 without a GPU, that kernel only."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "tools" / "kernel_targets.py"
+    proc = subprocess.run([sys.executable, str(script), "sm90 exact keys gluon"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gluon = json.loads(proc.stdout.strip().splitlines()[-1])["sm90 exact keys gluon"]
+    assert "error" not in gluon and gluon["cubin"], gluon
+    assert gluon["ptxas_notes"] == [], gluon["ptxas_notes"]

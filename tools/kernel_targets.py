@@ -12,6 +12,7 @@ dim and feature rank, except the arguments a kernel leaves unspecialised (`do_no
 import json
 import os
 import re
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import triton
@@ -174,7 +175,27 @@ def sm90_exact_keys(capability: int) -> dict:
                            options={"num_warps": 4, "maxnreg": sm90.MAXNREG})
     except Exception as e:  # reported, so the test names the kernel and target that failed
         return {"error": repr(e)[-600:]}
-    return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"])}
+    return {"shared": k.metadata.shared, "cubin": "cubin" in k.asm, "loads": global_load_widths(k.asm["ptx"]),
+            "ptxas_notes": ptxas_notes(k.asm["ptx"], capability)}
+
+
+def ptxas_notes(ptx: str, capability: int) -> list[str]:
+    """What Triton's ptxas says of `ptx` about its wgmma pipeline: the "Potential Performance Loss" notes
+    (wgmma serialised) and waits it injected (a register of an MMA in flight used too early), which its own
+    compile does not report."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name=sm_{capability}a", path, "-o",
+                               os.path.join(tmp, "kernel.o")], capture_output=True, text=True, timeout=300)
+    return [line.strip() for line in (proc.stderr + proc.stdout).splitlines()
+            if "Performance Loss" in line or "is injected" in line or "error" in line.lower()]
 
 
 def jobs() -> list[tuple]:
@@ -210,7 +231,8 @@ def run(job: tuple) -> dict:
 
 
 if __name__ == "__main__":
-    # the compiles are independent and CPU-bound: one process per core (the rows keep the jobs' order)
-    todo = jobs()
+    # the compiles are independent and CPU-bound: one process per core (the rows keep the jobs' order);
+    # arguments, if any, keep only the jobs whose names start with one of them
+    todo = [j for j in jobs() if len(sys.argv) < 2 or any(j[0].startswith(a) for a in sys.argv[1:])]
     with ProcessPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
         print(json.dumps({name: r for rows in pool.map(run, todo) for name, r in rows.items()}))
