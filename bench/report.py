@@ -14,9 +14,9 @@ from .methods import DEFAULT_METHOD
 
 RECALL_BOUND = 0.85  # acceptance: the node's defaults at topk_ratio 0.1 keep at least this share of the mass
 COLUMNS = ("case", "method", "ratio", "density", "recall", "rel_l2", "cosine", "ctx_rel_l2", "logmass_err", "ms",
-           "plan_ms", "speedup")
+           "plan_ms", "tflops", "speedup")
 HEADERS = ("scene", "method", "ratio", "density", "recall", "rel L2", "cosine", "ctx rel L2", "log-mass err",
-           "ms", "plan ms", "vs dense")
+           "ms", "plan ms", "TFLOP/s", "vs dense")
 
 COLUMN_NOTES = (
     ("scene", "the input: a synthetic scene (pan: one shot with a camera pan; cuts: three shots; gaussian: "
@@ -35,6 +35,8 @@ COLUMN_NOTES = (
                      "about 10% off); - where there is no tail (dense, tail none)"),
     ("ms", "one attention call, planning included (median of the timed repetitions)"),
     ("plan ms", "the planning alone (tiling, block choice, tail summaries), timed in separate runs"),
+    ("TFLOP/s", "the rate on the pairs computed exactly: 4 x pairs x head dim over ms minus plan ms (a dense row "
+                "counts every pair, so the dense kernels' rates of the same run sit beside ours)"),
     ("vs dense", "dense attention's ms divided by this row's ms: above 1x is faster than dense"),
 )
 
@@ -52,6 +54,8 @@ def _cell(key: str, value) -> str:
         return str(value)
     if key == "speedup":
         return f"{value:.2f}x"
+    if key == "tflops":
+        return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
     if key in ("ms", "plan_ms"):
         return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
     if key in ("rel_l2", "ctx_rel_l2", "logmass_err"):

@@ -159,7 +159,8 @@ def run_cases(cases: Iterable[Case], n_cases: int, methods: list[str], ratios: l
                     if spec == "dense":
                         dense_ms = ms
                     row.update(density=prep.density, ms=ms, plan_ms=prep.plan_ms,
-                               speedup=(dense_ms / ms) if dense_ms else None)
+                               speedup=(dense_ms / ms) if dense_ms else None,
+                               tflops=kernel_tflops(case.q.shape, prep.density, ms, prep.plan_ms))
                     if prep.note:
                         row["note"] = prep.note
                     if report is not None:  # dense is the reference itself
@@ -173,6 +174,26 @@ def run_cases(cases: Iterable[Case], n_cases: int, methods: list[str], ratios: l
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def kernel_tflops(shape: torch.Size, density: float | None, ms: float, plan_ms: float | None) -> float | None:
+    """The call's rate on the pairs it computes exactly: 4 x B x H x S^2 x density x D FLOP over its time
+    without its planning (a dense row counts every pair), so a sparse kernel's rate sits beside the dense
+    kernels' of the same run (a summary tail's pairs are not counted).
+
+    Args:
+        shape: q's [B, H, S, D].
+        density: the share of query-key pairs computed exactly (None: not known, no rate).
+        ms: the whole call.
+        plan_ms: its planning, timed apart (None: none).
+    Returns:
+        TFLOP/s, or None where the density is unknown or the planning takes the call's whole time.
+    """
+    B, H, S, D = shape
+    kernel_ms = ms - (plan_ms or 0.0)
+    if density is None or kernel_ms <= 0:
+        return None
+    return 4.0 * B * H * S * S * D * density / kernel_ms / 1e9
 
 
 def _quality_text(row: dict) -> str:
