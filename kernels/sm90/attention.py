@@ -101,9 +101,9 @@ def _accumulate(o, p, alpha, v_bufs, v_ready, v_free, t, p_layout: gl.constexpr,
 
 @gluon.jit
 def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row, dh, n_keys,
-              q_row, qk_scale, PartOut, PartLse):
-    """The consumer warpgroup: the online softmax over the listed key blocks; stores the normalised rows
-    and their natural log-sum-exp (-inf for a row with no key).
+              q_row, out_row, qk_scale, PartOut, PartLse):
+    """The consumer warpgroup: the online softmax over the listed key blocks of the Q rows from `q_row`; stores
+    the normalised rows and their natural log-sum-exp (-inf for a row with no key) from `out_row`.
 
     Q is held in registers (the logits read only K from shared memory, which at N = 64 would otherwise
     read shared memory at its full rate). The MMAs retire in issue order, S_0 | S_1, PV_0 | S_2, PV_1 | ...:
@@ -116,8 +116,9 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     BN: gl.constexpr = k_bufs.type.shape[1]
     D: gl.constexpr = q_smem.type.shape[1]
     LN2: gl.constexpr = 0.6931471805599453
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    W: gl.constexpr = gl.num_warps()  # 4 a warpgroup, 64 rows each
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -156,10 +157,10 @@ def _consumer(q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     out = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    rows = q_row + gl.arange(0, BM, layout=row_o)
+    rows = out_row + gl.arange(0, BM, layout=row_o)
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     gl.store(PartOut + gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(dims, 0), out.to(q_smem.dtype))
-    gl.store(PartLse + q_row + gl.arange(0, BM, layout=row_s), lse)
+    gl.store(PartLse + out_row + gl.arange(0, BM, layout=row_s), lse)
 
 
 @gluon.jit(do_not_specialize=["J", "R", "HC", "H0", "H"])
@@ -196,7 +197,7 @@ def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi
 
     gl.warp_specialize([
         (_consumer, (q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row, dh,
-                     n_keys, q_row, qk_scale, PartOut, PartLse)),
+                     n_keys, q_row, q_row, qk_scale, PartOut, PartLse)),
         (_loader, (k_desc, k_bufs, k_ready, k_free, sel_row, dh, n_keys, base)),
         (_loader, (v_desc, v_bufs, v_ready, v_free, sel_row, dh, n_keys, base)),
     ], [1, 1], [24, 24])
