@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 # entries kept per job of a `ShapeCache` (the oldest goes first); graphs hold GPU memory
 JOB_BOUNDS = {"kernels": 8, "cube_tiling": 4, "route_plan": 8, "tube_statics": 4, "reblock_static": 4,
-              "partition_graph": 4, "prepared": 4, "sparse_choices": 1, "no_fast_kernel": 8}
+              "partition_graph": 4, "metric_graph": 4, "prepared": 4, "sparse_choices": 1, "no_fast_kernel": 8}
 
 
 class BoundedCache(Generic[T]):
@@ -54,7 +54,7 @@ class ShapeCache:
         self.lock = threading.RLock()  # re-entrant: a build may get other entries of the same layout
         self.jobs: dict[str, BoundedCache] = {}
         self.notices = Notices()
-        self.graphs = graphs  # whether partitions built for this layout are captured and replayed as CUDA graphs
+        self.graphs = graphs  # whether the tiling's small-op stages for this layout are captured and replayed as CUDA graphs
 
     def get(self, job: str, key: Hashable, build: Callable[[], T]) -> T:
         """The entry of `job` for `key` (what it depends on: device, dtype, block size, ...), built on a miss."""

@@ -2,9 +2,9 @@
 
 Every video region gets a tree: its rows' features under the attention metric
 (`reblock_metric.py`) are split by capacity, level by level along the node's principal direction,
-into blocks of similar tokens (`reblock_partition.py`, on the shape-only `reblock_schedule.py`,
-replayed from a CUDA graph on the GPU: `reblock_graphs.py`). Context regions keep the 1D chunks
-of the cube tiling.
+into blocks of similar tokens (`reblock_partition.py`, on the shape-only `reblock_schedule.py`; on
+the GPU the metric's factor and basis and the partition replay from CUDA graphs: `reblock_graphs.py`).
+Context regions keep the 1D chunks of the cube tiling.
 
 Layout modes: `q_reuse_k` builds the key layout and queries reuse it; `independent` builds both
 (queries by X_Q, keys by X_K) in one batched run. V always follows K. Then every head keeps its
@@ -81,9 +81,9 @@ def reblock_tiling(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout, blo
             continue
         qs = q[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
         ks = k[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)
-        z = metric_features(ks, qs, kernels)  # keys under the queries' metric
+        z = metric_features(ks, qs, kernels, layout.cache)  # keys under the queries' metric
         if sides == 2:
-            z = torch.cat([metric_features(qs, ks, kernels), z])  # queries under the keys' metric
+            z = torch.cat([metric_features(qs, ks, kernels, layout.cache), z])  # queries under the keys' metric
         members = run_partition(z, part, block_size, kernels, layout.cache, seg.start).view(sides, B, H, -1)
         pieces.append(torch.where(members >= 0, members + seg.start, members))
     perm = torch.cat(pieces, dim=-1).to(torch.int32)

@@ -20,6 +20,8 @@ import torch
 
 from ..kernels.reference.reblock_reference import TINY
 from ..kernels.registry import Kernels, or_reference
+from .cache import ShapeCache
+from .reblock_graphs import replayed
 
 MOMENT_SAMPLES = 8192  # rows per (batch, head) used to estimate moments and the feature basis
 RIDGE = 1e-3  # ridge added to the second moment, relative to trace / d
@@ -64,7 +66,8 @@ def principal_basis(c: torch.Tensor, rank: int) -> torch.Tensor:
     return orthonormalize(y)
 
 
-def metric_features(x: torch.Tensor, other: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
+def metric_features(x: torch.Tensor, other: torch.Tensor, kernels: Kernels | None = None,
+                    cache: ShapeCache | None = None) -> torch.Tensor:
     """Tree features of rows x [G, N, D] under the metric of `other` [G, N, D]: [G, N, r] in
     `feature_dtype(x)`, on every device alike.
 
@@ -74,12 +77,16 @@ def metric_features(x: torch.Tensor, other: torch.Tensor, kernels: Kernels | Non
     cannot fail by rounding (the ridge is far above the products' rounding). The products are
     the kernels' (`kernels.metric_gram`, `kernels.metric_project`): on Triton in x's dtype on
     tensor cores with fp32 accumulation, reading the strided sample in place; in torch in x's
-    accumulation dtype.
+    accumulation dtype. On the GPU, with the layout's `cache`, the factor and the basis (about 150 small
+    float64 ops, bound by their launches) replay from CUDA graphs (`reblock_graphs.replayed`).
     """
     kernels = or_reference(kernels)
     N, D = x.shape[1], x.shape[2]
+    rank = min(FEATURE_DIMS, D)
     step = -(-N // MOMENT_SAMPLES)  # an evenly strided sample of the rows, read in place
     sample, rows = other[:, ::step], x[:, ::step]
-    factor = cholesky_factor(ridge(kernels.metric_gram(sample), RIDGE))
-    basis = principal_basis(kernels.metric_gram(rows, factor), min(FEATURE_DIMS, D))  # moment of the normalised rows
+    factor = replayed(lambda g: cholesky_factor(ridge(g, RIDGE)), kernels.metric_gram(sample), cache, "metric_graph",
+                      "factor")
+    basis = replayed(lambda g: principal_basis(g, rank), kernels.metric_gram(rows, factor), cache, "metric_graph",
+                     ("basis", rank))  # of the normalised rows' moment
     return kernels.metric_project(x, factor, factor @ basis)

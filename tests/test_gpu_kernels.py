@@ -338,3 +338,27 @@ def test_the_measured_sparse_choice_runs_the_fastest_candidate_within_the_bound(
         assert precision == "8-bit" or all(named(n).precision == "bf16" for n in ranking)
         assert torch.equal(out, run(named(info.kernel), q, k, v, info.plan)[0])
     assert len(json.loads((tmp_path / "sparse.json").read_text())) == measured
+
+
+@pytest.mark.parametrize("layout_mode", ["q_reuse_k", "independent"])
+def test_the_reblock_tilings_cuda_graphs_give_the_eager_bits(layout_mode):
+    """The tiling's small-op stages replayed from the layout's CUDA graphs (the metric's factor and basis, the
+    partition; captured at the first call, replayed at the second and on new inputs) give the bits of the same
+    stages run eagerly (a layout whose cache captures nothing), features and permutations alike."""
+    from adaptive_sparse_attention.backend.cache import ShapeCache
+    from adaptive_sparse_attention.backend.reblock import reblock_tiling
+    from adaptive_sparse_attention.backend.reblock_metric import metric_features
+
+    graphed, eager = awkward_layout(large=True), awkward_layout(large=True)
+    eager.cache = ShapeCache(graphs=False)
+    triton_kernels = resolve("triton", DEVICE, torch.bfloat16, strict=True)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    for _ in range(3):  # capture, replay, replay on other inputs
+        q, k = (torch.randn(1, 3, graphed.total, 64, generator=g, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+        seg = graphed.regions()[-1]
+        ks, qs = (x[:, :, seg.start:seg.stop].reshape(3, seg.length, 64) for x in (k, q))
+        assert torch.equal(metric_features(ks, qs, triton_kernels, graphed.cache), metric_features(ks, qs, triton_kernels))
+        a = reblock_tiling(q, k, graphed, 64, layout_mode, kernels=triton_kernels)
+        b = reblock_tiling(q, k, eager, 64, layout_mode, kernels=triton_kernels)
+        assert torch.equal(a.q_perm, b.q_perm) and torch.equal(a.k_perm, b.k_perm)
+    assert graphed.cache.has("metric_graph", ("factor", (3, 64, 64), torch.float64, str(q.device)))

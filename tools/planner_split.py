@@ -42,7 +42,7 @@ def stages(q, k, v, layout, cfg: SparseConfig) -> dict:
     video = [(seg, part) for seg, part in zip(layout.regions(), static.parts) if isinstance(part, Schedule)]
     sliced = [(seg, part, q[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D),
                k[:, :, seg.start:seg.stop].reshape(B * H, seg.length, D)) for seg, part in video]
-    feats = [metric_features(ks, qs, kernels) for _, _, qs, ks in sliced]
+    feats = [metric_features(ks, qs, kernels, layout.cache) for _, _, qs, ks in sliced]
     tiling = reblock_tiling(q, k, layout, cfg.block_size, cfg.reblock_layout, cfg.topk_ratio, tubes=False,
                             kernels=kernels)
     perm = tiling.q_perm.unsqueeze(0)
@@ -53,7 +53,7 @@ def stages(q, k, v, layout, cfg: SparseConfig) -> dict:
     fmt = routing_scores(cfg, q.device, layout.cache.notices)
     anchor = target_anchor(q_mean, tiled)
     return {
-        "metric features": lambda: [metric_features(ks, qs, kernels) for _, _, qs, ks in sliced],
+        "metric features": lambda: [metric_features(ks, qs, kernels, layout.cache) for _, _, qs, ks in sliced],
         "tree partition": lambda: [run_partition(z, part, cfg.block_size, kernels, layout.cache, seg.start)
                                    for z, (seg, part, _, _) in zip(feats, sliced)],
         "tube choice": lambda: choose_tubes(q, k, perm, layout, cfg.block_size, static.region_blocks[-1],
