@@ -7,7 +7,7 @@ from adaptive_sparse_attention.backend.config import SparseConfig
 from adaptive_sparse_attention.backend.layout import SequenceLayout
 from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import SIZES
-from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries
+from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, BlockSummaries, QuerySummaries, perm_heads
 
 H3_SHAPES = {name: SIZES[f"h3-{name}"] for name in ("5s", "10s", "14s")}  # the bench presets' shapes
 HEADS, DIM = H3_SHAPES["10s"].heads, H3_SHAPES["10s"].head_dim
@@ -45,3 +45,12 @@ def computed_pairs(plan: BlockSparsePlan) -> tuple[float, float]:
     elif isinstance(plan.tail, BlockSummaries):
         summary = float(blen.sum()) * plan.q2k_num.shape[0] * plan.q2k_num.shape[1]
     return float(exact), summary
+
+
+def pack_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, pack, heads_per_call: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Q/K/V packed into tiled order `heads_per_call` heads at a time by `pack` (the Triton family's `tiled_pack`),
+    as `packed.exact_in_chunks` packs them before its kernel: the pack alone, to time it apart."""
+    H = q.shape[1]
+    return [pack(q[:, a:b], k[:, a:b], v[:, a:b], perm_heads(plan.q_perm, a, b), perm_heads(plan.k_perm, a, b))
+            for a, b in ((h0, min(H, h0 + heads_per_call)) for h0 in range(0, H, heads_per_call))]

@@ -17,9 +17,7 @@ import dataclasses
 import json
 
 import torch
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from adaptive_sparse_attention.backend.config import SparseConfig
@@ -29,57 +27,16 @@ from adaptive_sparse_attention.backend.routing import route_blocks
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
 from adaptive_sparse_attention.kernels.packed import exact_in_chunks
-from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, group_span, perm_heads
+from adaptive_sparse_attention.kernels.plan import BlockSparsePlan, group_span
 from adaptive_sparse_attention.kernels.registry import helper
 from adaptive_sparse_attention.kernels.sm90 import attention as sm90
 from adaptive_sparse_attention.kernels.sm90.op import HEADS_PER_CALL
-from kernel_cases import DIM, H3_SHAPES, computed_pairs
-
-
-@gluon.jit(do_not_specialize=["J", "R", "HC", "H0", "H"])
-def _pair_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi, Q2kIdx, Q2kNum,
-               H, H0, HC, J, R, qk_scale, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[0]  # 128: two query blocks, one warpgroup each
-    BN: gl.constexpr = k_desc.block_type.shape[0]
-    p = gl.program_id(0)
-    i = p * 2  # the pair's first query block; its list serves both
-    bh = gl.program_id(1)
-    b = bh // HC
-    row = (b * H + H0 + bh % HC).to(gl.int64) * J + i
-    sel_row = Q2kIdx + row * R
-    dh = gl.load(DenseHi + i)
-    n_keys = dh + gl.load(Q2kNum + row)
-    base = bh * J * BN
-    out_base = bh * ((J + 1) // 2) * BM  # the output has an even number of blocks a head
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(K_STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(k_free.index(s), count=1)
-    for s in gl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(v_free.index(s), count=1)
-    fence_async_shared()
-
-    gl.warp_specialize([
-        (sm90._consumer, (q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row,
-                          dh, n_keys, base + i * BN, out_base + p * BM, qk_scale, PartOut, PartLse)),
-        (sm90._loader, (k_desc, k_bufs, k_ready, k_free, sel_row, dh, n_keys, base)),
-        (sm90._loader, (v_desc, v_bufs, v_ready, v_free, sel_row, dh, n_keys, base)),
-    ], [1, 1], [24, 24])
+from kernel_cases import DIM, H3_SHAPES, computed_pairs, pack_chunks
 
 
 def exact_keys_pair(qp, kp, vp, plan: BlockSparsePlan, heads: tuple[int, int], stages=(2, 2), maxnreg: int = 168):
-    """`exact_keys_sm90` with two query blocks a CTA (128 rows, two consumer warpgroups) on the first block's
-    list (a plan routed in pairs)."""
+    """`exact_keys_sm90` with two query blocks a CTA (a 128-row Q descriptor, 8 warps: two consumer warpgroups) on
+    the first block's list (a plan routed in pairs)."""
     B, hc, L, D = qp.shape
     J = plan.num_blocks
     Lp = (J + 1) // 2 * 2 * sm90.BLOCK
@@ -90,7 +47,7 @@ def exact_keys_pair(qp, kp, vp, plan: BlockSparsePlan, heads: tuple[int, int], s
     out = torch.empty(B, hc, Lp, D, dtype=qp.dtype, device=qp.device)
     lse = torch.empty(B, hc, Lp, dtype=torch.float32, device=qp.device)
     q2k_idx = plan.q2k_idx.contiguous()
-    _pair_sm90[((J + 1) // 2, B * hc)](
+    sm90._exact_keys_sm90[((J + 1) // 2, B * hc)](
         q_desc, k_desc, v_desc, out, lse, plan.block_len.contiguous(), plan.dense_hi.contiguous(), q2k_idx,
         plan.q2k_num.contiguous(), plan.q2k_idx.shape[1], heads[0], hc, J, q2k_idx.shape[-1],
         D ** -0.5 * 1.4426950408889634, K_STAGES=stages[0], V_STAGES=stages[1], num_warps=8, maxnreg=maxnreg)
@@ -140,9 +97,7 @@ def case(shape: str, ratio: float) -> dict:
     row["max_abs_diff"] = float((o1.float() - o2.float()).abs().amax(-1)[valid].max())
     row["max_lse_diff"] = float((l1 - l2)[valid].abs().max())
     row["nan"] = int(torch.isnan(o2).sum())
-    chunks = [(h0, min(q.shape[1], h0 + HEADS_PER_CALL)) for h0 in range(0, q.shape[1], HEADS_PER_CALL)]
-    row["pack_ms"] = bench_ms(lambda: [pack(q[:, a:b], k[:, a:b], v[:, a:b], perm_heads(plan.q_perm, a, b),
-                                            perm_heads(plan.k_perm, a, b)) for a, b in chunks])
+    row["pack_ms"] = bench_ms(lambda: pack_chunks(q, k, v, plan, pack, HEADS_PER_CALL))
     row["today_ms"] = bench_ms(today)
     row["pair_ms"] = bench_ms(pair)
     row["pair_3x3_ms"] = bench_ms(lambda: exact_in_chunks(q, k, v, plan, pack, lambda *a: exact_keys_pair(

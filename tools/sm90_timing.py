@@ -19,11 +19,10 @@ from adaptive_sparse_attention.backend.planner import build_plan
 from adaptive_sparse_attention.bench.scenes import h3_qkv
 from adaptive_sparse_attention.bench.timing import bench_ms
 from adaptive_sparse_attention.kernels.packed import exact_in_chunks
-from adaptive_sparse_attention.kernels.plan import perm_heads
 from adaptive_sparse_attention.kernels.registry import helper, resolve
 from adaptive_sparse_attention.kernels.sm90 import attention as sm90
 from adaptive_sparse_attention.kernels.sm90.op import HEADS_PER_CALL
-from kernel_cases import DIM, H3_SHAPES, computed_pairs
+from kernel_cases import DIM, H3_SHAPES, computed_pairs, pack_chunks
 
 
 def dense_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
@@ -64,9 +63,7 @@ def case(shape: str, ratio: float, stages: tuple[tuple[int, int], ...]) -> dict:
     row["max_lse_diff_vs_triton"] = float((lse - ref_lse).abs().max())
     row["triton_ms"] = bench_ms(lambda: triton_attn.attend_blocks(q, k, v, plan))
     row["sm90_ms"] = bench_ms(lambda: sm90_attn.attend_blocks(q, k, v, plan))
-    chunks = [(h0, min(q.shape[1], h0 + HEADS_PER_CALL)) for h0 in range(0, q.shape[1], HEADS_PER_CALL)]
-    row["pack_ms"] = bench_ms(lambda: [pack(q[:, a:b], k[:, a:b], v[:, a:b], perm_heads(plan.q_perm, a, b),
-                                            perm_heads(plan.k_perm, a, b)) for a, b in chunks])
+    row["pack_ms"] = bench_ms(lambda: pack_chunks(q, k, v, plan, pack, HEADS_PER_CALL))
     for s in stages:
         def exact_only(s=s):
             return exact_in_chunks(q, k, v, plan, pack, lambda qp, kp, vp, p, h: sm90.exact_keys_sm90(

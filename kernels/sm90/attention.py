@@ -2,7 +2,8 @@
 
 One CTA per (packed head, 64-row query block). Its key list is the dense prefix [0, dense_hi)
 followed by the block's picks q2k_idx[:q2k_num] (the plan's own tables, read in the kernel: no
-list is built). Three partitions share the CTA:
+list is built). (Given a 128-row Q descriptor and 8 warps, a CTA takes two adjacent query blocks on the
+first one's list, for plans routed in pairs: `tools/sm90_pair_probe.py`.) Three partitions share the CTA:
 - two loaders (one warp each, few registers), one for K and one for V, walk the list and issue one
   TMA copy of each listed key block's rows into their own ring (`STAGES` slots each), each slot with
   a "ready" mbarrier (the copy engine signals it) and a "free" one (the consumer signals it), so
@@ -168,7 +169,9 @@ def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi
                      H, H0, HC, J, R, qk_scale, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
-    i = gl.program_id(0)  # query block
+    PER: gl.constexpr = BM // BN  # query blocks a CTA (one warpgroup each), all on the first one's list
+    p = gl.program_id(0)
+    i = p * PER  # the CTA's first query block
     bh = gl.program_id(1)  # (batch, head of this chunk)
     b = bh // HC
     row = (b * H + H0 + bh % HC).to(gl.int64) * J + i  # (b, h, i) row of the plan's tables (all H heads)
@@ -176,7 +179,8 @@ def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi
     dh = gl.load(DenseHi + i)
     n_keys = dh + gl.load(Q2kNum + row)
     base = bh * J * BN  # this (batch, head)'s first packed row
-    q_row = base + i * BM
+    q_row = base + i * BN
+    out_row = (bh * ((J + PER - 1) // PER) + p) * BM  # the output holds a multiple of PER blocks a head
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -197,7 +201,7 @@ def _exact_keys_sm90(q_desc, k_desc, v_desc, PartOut, PartLse, BlockLen, DenseHi
 
     gl.warp_specialize([
         (_consumer, (q_desc, q_smem, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, BlockLen, sel_row, dh,
-                     n_keys, q_row, q_row, qk_scale, PartOut, PartLse)),
+                     n_keys, q_row, out_row, qk_scale, PartOut, PartLse)),
         (_loader, (k_desc, k_bufs, k_ready, k_free, sel_row, dh, n_keys, base)),
         (_loader, (v_desc, v_bufs, v_ready, v_free, sel_row, dh, n_keys, base)),
     ], [1, 1], [24, 24])
